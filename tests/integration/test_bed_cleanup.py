@@ -1,0 +1,89 @@
+"""The bed's teardown kills whole process trees: on exit, on error and on Ctrl-C.
+
+Uses the bed's own process management with a stand-in server (a Python process that forks a
+grandchild, as vLLM's API server forks its engine core) so it runs in seconds; the vllm tier's
+session fixture additionally asserts that no real replica process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from loadtest.vllmbed import BED_ENV, ManagedProcess, processes_with_marker
+
+TREE = textwrap.dedent("""
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a stubborn server: only SIGKILL works
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(600)                              # the "engine core" grandchild
+    time.sleep(600)
+""")
+
+
+def _wait_gone(bed_id: str, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := processes_with_marker(bed_id)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _start_tree(tmp_path: Path) -> tuple[str, ManagedProcess]:
+    bed_id = uuid.uuid4().hex
+    env = {**os.environ, BED_ENV: bed_id}
+    p = ManagedProcess([sys.executable, "-c", TREE], env, tmp_path / "log", tmp_path)
+    p.start()
+    deadline = time.monotonic() + 10
+    while len(processes_with_marker(bed_id)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(processes_with_marker(bed_id)) == 3  # reaper, server, grandchild
+    return bed_id, p
+
+
+def test_stop_kills_stubborn_process_tree(tmp_path):
+    bed_id, p = _start_tree(tmp_path)
+    p.stop(grace_s=0.5)
+    assert _wait_gone(bed_id) == []
+
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from loadtest.vllmbed import ManagedProcess, BED_ENV
+    import os
+    tree = sys.argv[1]; d = Path(sys.argv[2])
+    p = ManagedProcess([sys.executable, "-c", tree], dict(os.environ), d / "log", d)
+    p.start()
+    try:
+        print("started", flush=True)
+        time.sleep(600)
+    finally:
+        p.stop(grace_s=0.5)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_owner_interrupted_or_killed_leaves_nothing(tmp_path, sig):
+    # Ctrl-C runs the owner's teardown; SIGKILL skips it, and the reaper must still take
+    # the whole group down, grandchild included.
+    bed_id = uuid.uuid4().hex
+    env = {**os.environ, BED_ENV: bed_id, "PYTHONPATH": str(Path(__file__).parents[2])}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, TREE, str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None and owner.stdout.readline().strip() == "started"
+    deadline = time.monotonic() + 10
+    while len(processes_with_marker(bed_id)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(processes_with_marker(bed_id)) == 4  # owner, reaper, server, grandchild
+    owner.send_signal(sig)
+    owner.wait(timeout=10)
+    assert _wait_gone(bed_id) == []
