@@ -1,0 +1,1 @@
+"""Triton kernels with torch references (DCP LSE merge, fused decode pieces) — not built yet."""

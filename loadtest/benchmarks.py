@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import platform
 import sys
@@ -21,9 +22,8 @@ from pathlib import Path
 
 
 def machine() -> str:
-    import os
-
-    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cpus, Python {platform.python_version()}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import loadtest.bench as pkg
 
-    names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("bench_"))
+    names = sorted(
+        m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("bench_")
+    )
     if args.only:
         names = [n for n in names if n.removeprefix("bench_") in args.only]
     out = Path(args.out)
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## {name} ({dt:.1f} s)")
         for r in rows:
             print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
-        (out / f"{name}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+        (out / f"{name}.json").write_text(
+            json.dumps({"machine": machine(), "rows": rows}, indent=1)
+        )
     return 1 if failed else 0
 
 

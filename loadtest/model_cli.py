@@ -22,8 +22,10 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "path":
         print(args.out or tinymodel.default_dir())
         return 0
-    path = tinymodel.build(args.out or tinymodel.default_dir()) if args.force else (
-        tinymodel.ensure(args.out)
+    path = (
+        tinymodel.build(args.out or tinymodel.default_dir())
+        if args.force
+        else (tinymodel.ensure(args.out))
     )
     print(path)
     return 0

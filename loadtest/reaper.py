@@ -23,8 +23,9 @@ def main(argv: list[str]) -> int:
         return 2
     owner = int(argv[0])
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the server
-    child = subprocess.Popen(argv[2:], preexec_fn=lambda: signal.signal(signal.SIGTERM,
-                                                                        signal.SIG_DFL))
+    child = subprocess.Popen(
+        argv[2:], preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    )
     code = 0
     while True:
         rc = child.poll()

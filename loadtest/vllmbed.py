@@ -137,7 +137,7 @@ class ManagedProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        log = open(self.log_path, "ab")
         reaper = [sys.executable, "-m", "loadtest.reaper", str(os.getpid()), "--"]
         try:
             self.proc = subprocess.Popen(
@@ -173,9 +173,7 @@ class VllmReplica(ManagedProcess):
             cfg.port = free_port()
         tmp = workdir / cfg.name
         tmp.mkdir(parents=True, exist_ok=True)
-        env = {
-            k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "VIRTUAL_ENV")
-        }
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "VIRTUAL_ENV")}
         env.update(
             {
                 BED_ENV: bed_id,

@@ -1,0 +1,1 @@
+"""The kvroute proxy service. Must never import torch or vllm (keep the proxy light)."""

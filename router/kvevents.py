@@ -170,8 +170,12 @@ def encode_block_stored(
 
 
 def encode_block_removed(block_hashes: Sequence[int | bytes], medium: str = "GPU") -> dict:
-    return {"type": "BlockRemoved", "block_hashes": list(block_hashes), "medium": medium,
-            "group_idx": 0}
+    return {
+        "type": "BlockRemoved",
+        "block_hashes": list(block_hashes),
+        "medium": medium,
+        "group_idx": 0,
+    }
 
 
 def encode_all_cleared() -> dict[str, Any]:

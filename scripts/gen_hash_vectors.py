@@ -19,8 +19,9 @@ for algo in ("sha256_cbor", "sha256"):
     for seed in (None, "0", "kvroute"):
         for extra in (None, "salt", "lora"):
             tokens = [rng.randrange(0, 4096) for _ in range(rng.choice([31, 32, 100, 257]))]
-            CASES.append({"algo": algo, "seed": seed, "extra": extra, "block_size": 32,
-                          "tokens": tokens})
+            CASES.append(
+                {"algo": algo, "seed": seed, "extra": extra, "block_size": 32, "tokens": tokens}
+            )
 
 out = []
 for c in CASES:
@@ -39,7 +40,7 @@ for c in CASES:
             extra = (("lora", "adapter-a", "/loras/a"),)
         else:
             extra = None
-        parent = kcu.hash_block_tokens(fn, parent, toks[i * bs:(i + 1) * bs], extra)
+        parent = kcu.hash_block_tokens(fn, parent, toks[i * bs : (i + 1) * bs], extra)
         digests.append(bytes(parent).hex())
     out.append({**c, "digests": digests})
 print(json.dumps(out, indent=1))

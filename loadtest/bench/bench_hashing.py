@@ -34,8 +34,14 @@ def run(quick: bool = False) -> list[dict]:
         lambda: h.hash_blocks(toks[n : n + 2048], parent=head[-1], start_block=len(head)), reps
     )
     return [
-        {"name": "hash_142k_tokens", "median_ms": round(full * 1e3, 2),
-         "mtokens_per_s": round(n / full / 1e6, 2)},
-        {"name": "hash_next_turn_2k_tokens", "median_ms": round(inc * 1e3, 3),
-         "speedup_vs_full": round(full / inc, 1)},
+        {
+            "name": "hash_142k_tokens",
+            "median_ms": round(full * 1e3, 2),
+            "mtokens_per_s": round(n / full / 1e6, 2),
+        },
+        {
+            "name": "hash_next_turn_2k_tokens",
+            "median_ms": round(inc * 1e3, 3),
+            "speedup_vs_full": round(full / inc, 1),
+        },
     ]

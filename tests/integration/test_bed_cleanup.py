@@ -77,8 +77,12 @@ def test_owner_interrupted_or_killed_leaves_nothing(tmp_path, sig):
     # the whole group down, grandchild included.
     bed_id = uuid.uuid4().hex
     env = {**os.environ, BED_ENV: bed_id, "PYTHONPATH": str(Path(__file__).parents[2])}
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, TREE, str(tmp_path)], env=env,
-                             stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, TREE, str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert owner.stdout is not None and owner.stdout.readline().strip() == "started"
     deadline = time.monotonic() + 10
     while len(processes_with_marker(bed_id)) < 4 and time.monotonic() < deadline:

@@ -10,8 +10,9 @@ from router.hashing import MASK64, BlockHasher, external, sha256_cbor, to_key
 VECTORS = json.loads((Path(__file__).parent / "data" / "vllm_hash_vectors.json").read_text())
 
 
-@pytest.mark.parametrize("case", VECTORS, ids=lambda c: f"{c['algo']}-{c['seed']}-{c['extra']}-"
-                         f"{len(c['tokens'])}")
+@pytest.mark.parametrize(
+    "case", VECTORS, ids=lambda c: f"{c['algo']}-{c['seed']}-{c['extra']}-{len(c['tokens'])}"
+)
 def test_matches_vllm_golden_vectors(case):
     h = BlockHasher(case["block_size"], case["algo"], seed=case["seed"])
     kw = {}
@@ -77,8 +78,11 @@ def test_external_forms():
 
 @pytest.mark.parametrize(
     "kwargs, msg",
-    [({"block_size": 0}, "block_size"), ({"block_size": 16, "algo": "md5"}, "unknown"),
-     ({"block_size": 16, "algo": "xxhash_cbor"}, "PYTHONHASHSEED")],
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": 16, "algo": "md5"}, "unknown"),
+        ({"block_size": 16, "algo": "xxhash_cbor"}, "PYTHONHASHSEED"),
+    ],
 )
 def test_bad_configuration_is_rejected(kwargs, msg):
     with pytest.raises(ValueError, match=msg):

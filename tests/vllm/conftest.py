@@ -34,12 +34,24 @@ def kv_events():
 @pytest.fixture(scope="session")
 def vllm_bed(tiny_model, kv_events):
     configs = [
-        ReplicaConfig(name="a", model_dir=tiny_model, block_size=BLOCK_SIZE,
-                      kv_cache_bytes=KV_BYTES, events_endpoint=kv_events.endpoint,
-                      int_hashes=True, cpu=0),
-        ReplicaConfig(name="b", model_dir=tiny_model, block_size=BLOCK_SIZE,
-                      kv_cache_bytes=KV_BYTES, events_endpoint=kv_events.endpoint,
-                      int_hashes=False, cpu=1),
+        ReplicaConfig(
+            name="a",
+            model_dir=tiny_model,
+            block_size=BLOCK_SIZE,
+            kv_cache_bytes=KV_BYTES,
+            events_endpoint=kv_events.endpoint,
+            int_hashes=True,
+            cpu=0,
+        ),
+        ReplicaConfig(
+            name="b",
+            model_dir=tiny_model,
+            block_size=BLOCK_SIZE,
+            kv_cache_bytes=KV_BYTES,
+            events_endpoint=kv_events.endpoint,
+            int_hashes=False,
+            cpu=1,
+        ),
     ]
     bed = VllmBed(configs)
     with bed:

@@ -15,8 +15,14 @@ from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
 
 def stream_completion(client, url: str, prompt: str, max_tokens: int = 4) -> tuple[float, dict]:
     """TTFT (s) and the final usage of a streaming /v1/completions call."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, usage = None, None
     with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -45,7 +51,7 @@ def n_tokens(client, url: str, prompt: str) -> int:
 
 def test_repeated_prefix_is_cached_and_cuts_ttft(replica, client):
     cold, warm = [], []
-    for seed in range(3):
+    for _ in range(3):
         prefix = unique_text(2200)
         assert n_tokens(client, replica.url, prefix) >= 2048
         t_cold, u_cold = stream_completion(client, replica.url, prefix + " first")
@@ -75,7 +81,8 @@ def test_events_decode_and_hasher_reproduces_every_published_hash(replica, clien
     batches = kv_events.wait_for(
         replica.topic,
         lambda bs: prompt_keys <= {k for e in _stored(bs) for k in e.block_hashes},
-        timeout=30)
+        timeout=30,
+    )
 
     # seq numbers are consecutive per publisher: nothing was lost or reordered.
     seqs = [b.seq for b in batches]
@@ -108,8 +115,14 @@ def test_cache_pressure_publishes_block_removed(vllm_bed, client, kv_events):
     batches = kv_events.wait_for(
         replica.topic,
         lambda bs: any(isinstance(e, BlockRemoved) for b in bs[before:] for e in b.events),
-        timeout=30)
+        timeout=30,
+    )
     stored_keys = {k for e in _stored(batches) for k in e.block_hashes}
-    removed = [k for b in batches[before:] for e in b.events if isinstance(e, BlockRemoved)
-               for k in e.block_hashes]
+    removed = [
+        k
+        for b in batches[before:]
+        for e in b.events
+        if isinstance(e, BlockRemoved)
+        for k in e.block_hashes
+    ]
     assert removed and set(removed) <= stored_keys
