@@ -1,0 +1,405 @@
+"""Block index: which replica holds which prompt block, in which tier (GPU / CPU / STORAGE).
+
+Owns: the presence of 64-bit block keys (:func:`router.hashing.to_key`) per replica and tier,
+fed by decoded vLLM KV events (:mod:`router.kvevents`), and one question about them —
+``match(prompt_keys) -> {replica: TierDepth}``: for each replica, how deep the longest
+consecutive prefix of the prompt goes, and in which tier each of those blocks sits. Also a
+per-replica freshness flag (set by the event ingestion when a ``seq`` gap makes the index
+unreliable) and read-only views for scorers. Nothing else: load, sessions and cost live
+elsewhere. Pure Python + numpy; must not import sockets, aiohttp, torch or vllm.
+
+Representation (one dict per tier, shared by all replicas): ``key -> bitmask`` where bit ``s``
+is the replica's slot (``0 <= s < MAX_REPLICAS``). With ≤8 replicas every mask is a cached
+small int, so a key costs one dict entry plus its int object (~80 B; 10M keys ~0.8 GB).
+
+Operations and their cost (n = blocks in the event or prompt, N = keys in the index):
+
+===========================  ===========================================================
+``store(r, keys, medium)``   O(n) dict updates
+``remove(r, keys, medium)``  O(n)
+``clear(r)``                 O(N) — one pass over every tier dict (AllBlocksCleared,
+                             replica removal, restart; rare)
+``match(keys)``              O(n) dict lookups (C-level ``map``) + O(n) numpy over uint64
+                             masks: cumulative AND gives each replica's depth; blocks a
+                             replica holds in several tiers count in the fastest one
+===========================  ===========================================================
+
+:class:`NaiveBlockIndex` is the reference (sets per replica and tier, a Python loop); the
+property tests check the fast one against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+
+import numpy as np
+
+from router.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+TIERS: tuple[str, ...] = ("GPU", "CPU", "STORAGE")  # fastest first
+MAX_REPLICAS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TierDepth:
+    """How much of a prompt's prefix one replica holds.
+
+    ``depth`` counts consecutive leading blocks present in any tier; ``gpu + cpu + storage ==
+    depth``, each block counted in the fastest tier that holds it on that replica.
+    """
+
+    depth: int
+    gpu: int = 0
+    cpu: int = 0
+    storage: int = 0
+
+    def in_tier(self, tier: str) -> int:
+        return {"GPU": self.gpu, "CPU": self.cpu, "STORAGE": self.storage}[tier]
+
+
+@dataclass(slots=True)
+class ReplicaIndexState:
+    """What the index knows about one replica besides its blocks."""
+
+    name: str
+    slot: int
+    blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    stale: bool = False  # events were lost: the index may miss or keep blocks wrongly
+    stale_reason: str | None = None
+    events: int = 0
+
+
+class BlockIndexError(ValueError):
+    pass
+
+
+def _tier_of(medium: str) -> int:
+    try:
+        return TIERS.index(medium.upper())
+    except ValueError:
+        raise BlockIndexError(f"unknown medium {medium!r}; known: {TIERS}") from None
+
+
+def _slot_counts(x: np.ndarray, nbytes: int) -> np.ndarray:
+    """Per-slot popcount over a uint64 column: how many entries have bit ``s`` set."""
+    if not x.any():
+        return np.zeros(nbytes * 8, dtype=np.int64)
+    rows = x[x != 0]
+    b = rows.view(np.uint8).reshape(len(rows), 8)[:, :nbytes]
+    return np.unpackbits(b, axis=1, bitorder="little").sum(axis=0, dtype=np.int64)
+
+
+def _depths_from_masks(
+    masks: list[np.ndarray], slots: dict[int, str]
+) -> dict[str, TierDepth]:
+    """Per-replica :class:`TierDepth` from per-tier uint64 masks of the prompt's blocks."""
+    if not slots:
+        return {}
+    g, c, s = masks
+    wanted = 0
+    for slot in slots:
+        wanted |= 1 << slot
+    anym = (g | c | s) & np.uint64(wanted)
+    cum = np.bitwise_and.accumulate(anym)
+    # cum is monotone (bits only drop): a slot's depth is where its bit drops.
+    n = len(cum)
+    depth: dict[int, int] = {}
+    prev = int(cum[0]) if n else 0
+    for i in np.flatnonzero(cum[1:] != cum[:-1]).tolist():
+        cur = int(cum[i + 1])
+        dropped = prev & ~cur
+        while dropped:
+            low = dropped & -dropped
+            depth[low.bit_length() - 1] = i + 1
+            dropped ^= low
+        prev = cur
+    while prev:
+        low = prev & -prev
+        depth[low.bit_length() - 1] = n
+        prev ^= low
+    if not depth:
+        return {}
+    nmax = max(depth.values())
+    nbytes = max(depth) // 8 + 1
+    cum = cum[:nmax]
+    cpu = storage = None
+    if c.any():
+        cpu = _slot_counts((c[:nmax] & ~g[:nmax]) & cum, nbytes)
+    if s.any():
+        storage = _slot_counts((s[:nmax] & ~g[:nmax] & ~c[:nmax]) & cum, nbytes)
+    out: dict[str, TierDepth] = {}
+    for slot, d in depth.items():
+        nc = int(cpu[slot]) if cpu is not None else 0
+        ns = int(storage[slot]) if storage is not None else 0
+        out[slots[slot]] = TierDepth(depth=d, gpu=d - nc - ns, cpu=nc, storage=ns)
+    return out
+
+
+class BlockIndex:
+    """The production index (see the module docstring for layout and complexity)."""
+
+    def __init__(self) -> None:
+        self._tiers: list[dict[int, int]] = [{} for _ in TIERS]
+        self._replicas: dict[str, ReplicaIndexState] = {}
+        self._slots: dict[int, str] = {}
+        self.version = 0  # bumps on every change; views and caches can compare it
+
+    # ---- replicas ------------------------------------------------------------------------
+
+    def add_replica(self, name: str) -> ReplicaIndexState:
+        st = self._replicas.get(name)
+        if st is not None:
+            return st
+        free = next((s for s in range(MAX_REPLICAS) if s not in self._slots), None)
+        if free is None:
+            raise BlockIndexError(f"at most {MAX_REPLICAS} replicas per index")
+        st = ReplicaIndexState(name=name, slot=free)
+        self._replicas[name] = st
+        self._slots[free] = name
+        return st
+
+    def remove_replica(self, name: str) -> None:
+        st = self._replicas.get(name)
+        if st is None:
+            return
+        self.clear(name)
+        del self._replicas[name]
+        del self._slots[st.slot]
+
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    def state(self, name: str) -> ReplicaIndexState | None:
+        return self._replicas.get(name)
+
+    def mark_stale(self, name: str, reason: str) -> None:
+        st = self.add_replica(name)
+        st.stale, st.stale_reason = True, reason
+        self.version += 1
+
+    def mark_fresh(self, name: str) -> None:
+        st = self.add_replica(name)
+        st.stale, st.stale_reason = False, None
+        self.version += 1
+
+    # ---- mutation ------------------------------------------------------------------------
+
+    def store(self, replica: str, keys: Iterable[int], medium: str = "GPU") -> int:
+        """Mark ``keys`` present on ``replica`` in ``medium``; returns how many were new."""
+        t = _tier_of(medium)
+        st = self.add_replica(replica)
+        d = self._tiers[t]
+        bit = 1 << st.slot
+        get = d.get
+        new = 0
+        for k in keys:
+            v = get(k, 0)
+            if not v & bit:
+                d[k] = v | bit
+                new += 1
+        st.blocks[TIERS[t]] += new
+        self.version += 1
+        return new
+
+    def remove(self, replica: str, keys: Iterable[int], medium: str = "GPU") -> int:
+        """Drop ``keys`` from ``replica``'s ``medium``; returns how many were present."""
+        st = self._replicas.get(replica)
+        if st is None:
+            return 0
+        t = _tier_of(medium)
+        d = self._tiers[t]
+        bit = 1 << st.slot
+        gone = 0
+        for k in keys:
+            v = d.get(k, 0)
+            if v & bit:
+                nv = v & ~bit
+                if nv:
+                    d[k] = nv
+                else:
+                    del d[k]
+                gone += 1
+        st.blocks[TIERS[t]] -= gone
+        self.version += 1
+        return gone
+
+    def clear(self, replica: str, medium: str | None = None) -> None:
+        """Forget every block of ``replica`` (in one tier, or all): O(keys in the index)."""
+        st = self._replicas.get(replica)
+        if st is None:
+            return
+        bit = 1 << st.slot
+        tiers = range(len(TIERS)) if medium is None else [_tier_of(medium)]
+        for t in tiers:
+            d = self._tiers[t]
+            if st.blocks[TIERS[t]] == 0:
+                continue
+            hit = [k for k, v in d.items() if v & bit]
+            for k in hit:
+                nv = d[k] & ~bit
+                if nv:
+                    d[k] = nv
+                else:
+                    del d[k]
+            st.blocks[TIERS[t]] = 0
+        self.version += 1
+
+    def apply(self, replica: str, events: Iterable[KVEvent]) -> None:
+        """Apply decoded KV events of one replica, in order."""
+        st = self.add_replica(replica)
+        for ev in events:
+            st.events += 1
+            if isinstance(ev, BlockStored):
+                self.store(replica, ev.block_hashes, ev.medium)
+            elif isinstance(ev, BlockRemoved):
+                self.remove(replica, ev.block_hashes, ev.medium)
+            elif isinstance(ev, AllBlocksCleared):
+                # No medium on the event: forget all tiers (an underestimate at worst).
+                self.clear(replica)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def _masks(self, keys: Sequence[int]) -> list[np.ndarray]:
+        n = len(keys)
+        out = []
+        for d in self._tiers:
+            if d:
+                out.append(np.array(list(map(d.get, keys, repeat(0))), dtype=np.uint64))
+            else:
+                out.append(np.zeros(n, dtype=np.uint64))
+        return out
+
+    def match(self, keys: Sequence[int], replicas: Iterable[str] | None = None
+              ) -> dict[str, TierDepth]:
+        """For each replica with a non-empty match: depth of the longest consecutive prefix of
+        ``keys`` it holds (any tier) and the split of those blocks by fastest tier.
+
+        Replicas holding not even the first block are absent from the result. ``replicas``
+        restricts the answer (unknown names are ignored).
+        """
+        if not keys:
+            return {}
+        slots = self._slots
+        if replicas is not None:
+            wanted = set(replicas)
+            slots = {s: n for s, n in slots.items() if n in wanted}
+        return _depths_from_masks(self._masks(keys), slots)
+
+    def holds(self, replica: str, key: int) -> tuple[str, ...]:
+        """Tiers in which ``replica`` holds ``key``."""
+        st = self._replicas.get(replica)
+        if st is None:
+            return ()
+        bit = 1 << st.slot
+        return tuple(TIERS[t] for t, d in enumerate(self._tiers) if d.get(key, 0) & bit)
+
+    def __len__(self) -> int:
+        """Distinct keys over all tiers."""
+        if not self._tiers[1] and not self._tiers[2]:
+            return len(self._tiers[0])
+        return len(set(self._tiers[0]).union(self._tiers[1], self._tiers[2]))
+
+    def view(self) -> BlockIndexView:
+        return BlockIndexView(self)
+
+    def snapshot(self) -> dict[str, dict[str, frozenset[int]]]:
+        """A deep, immutable copy ``{replica: {tier: keys}}`` (tests, debugging; O(N))."""
+        out: dict[str, dict[str, frozenset[int]]] = {}
+        for name, st in self._replicas.items():
+            bit = 1 << st.slot
+            out[name] = {
+                TIERS[t]: frozenset(k for k, v in d.items() if v & bit)
+                for t, d in enumerate(self._tiers)
+            }
+        return out
+
+
+class BlockIndexView:
+    """Read-only face of a :class:`BlockIndex` for scorers: queries only, no mutation.
+
+    Cheap (no copy): consistent for the duration of one synchronous scoring pass, since the
+    index only changes when the event loop runs the ingestion task.
+    """
+
+    __slots__ = ("_ix", "version")
+
+    def __init__(self, ix: BlockIndex):
+        self._ix = ix
+        self.version = ix.version
+
+    def match(self, keys: Sequence[int], replicas: Iterable[str] | None = None
+              ) -> dict[str, TierDepth]:
+        return self._ix.match(keys, replicas)
+
+    def holds(self, replica: str, key: int) -> tuple[str, ...]:
+        return self._ix.holds(replica, key)
+
+    def replicas(self) -> list[str]:
+        return self._ix.replicas()
+
+    def is_stale(self, replica: str) -> bool:
+        st = self._ix.state(replica)
+        return st is None or st.stale
+
+    def blocks(self, replica: str) -> dict[str, int]:
+        st = self._ix.state(replica)
+        return dict(st.blocks) if st else dict.fromkeys(TIERS, 0)
+
+
+class NaiveBlockIndex:
+    """Reference implementation: a set per (replica, tier), a plain loop in ``match``."""
+
+    def __init__(self) -> None:
+        self.sets: dict[str, dict[str, set[int]]] = {}
+
+    def _r(self, replica: str) -> dict[str, set[int]]:
+        return self.sets.setdefault(replica, {t: set() for t in TIERS})
+
+    def store(self, replica: str, keys: Iterable[int], medium: str = "GPU") -> None:
+        self._r(replica)[medium.upper()].update(keys)
+
+    def remove(self, replica: str, keys: Iterable[int], medium: str = "GPU") -> None:
+        if replica in self.sets:
+            self.sets[replica][medium.upper()].difference_update(keys)
+
+    def clear(self, replica: str, medium: str | None = None) -> None:
+        if replica in self.sets:
+            for t in TIERS if medium is None else [medium.upper()]:
+                self.sets[replica][t].clear()
+
+    def remove_replica(self, replica: str) -> None:
+        self.sets.pop(replica, None)
+
+    def apply(self, replica: str, events: Iterable[KVEvent]) -> None:
+        self._r(replica)
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self.store(replica, ev.block_hashes, ev.medium)
+            elif isinstance(ev, BlockRemoved):
+                self.remove(replica, ev.block_hashes, ev.medium)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear(replica)
+
+    def match(self, keys: Sequence[int], replicas: Iterable[str] | None = None
+              ) -> dict[str, TierDepth]:
+        out = {}
+        for name, tiers in self.sets.items():
+            if replicas is not None and name not in set(replicas):
+                continue
+            counts = dict.fromkeys(TIERS, 0)
+            depth = 0
+            for k in keys:
+                tier = next((t for t in TIERS if k in tiers[t]), None)
+                if tier is None:
+                    break
+                counts[tier] += 1
+                depth += 1
+            if depth:
+                out[name] = TierDepth(depth, counts["GPU"], counts["CPU"], counts["STORAGE"])
+        return out
+
+    def snapshot(self) -> dict[str, dict[str, frozenset[int]]]:
+        return {n: {t: frozenset(s) for t, s in ts.items()} for n, ts in self.sets.items()}
+

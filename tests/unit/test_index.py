@@ -1,0 +1,115 @@
+"""Block index: the fast index agrees with the naive reference; tiers, removal, clearing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.index import BlockIndex, BlockIndexError, NaiveBlockIndex, TierDepth
+from router.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
+
+REPLICAS = ["a", "b", "c"]
+KEYS = st.integers(min_value=0, max_value=(1 << 64) - 1)
+SMALL_KEYS = st.sampled_from([1, 2, 3, 4, 5, 6, 7, (1 << 64) - 1, 1 << 63])
+MEDIA = st.sampled_from(["GPU", "CPU", "STORAGE"])
+
+R = st.sampled_from(REPLICAS)
+op = st.one_of(
+    st.tuples(st.just("store"), R, st.lists(SMALL_KEYS, max_size=6), MEDIA),
+    st.tuples(st.just("remove"), R, st.lists(SMALL_KEYS, max_size=4), MEDIA),
+    st.tuples(st.just("clear"), st.sampled_from(REPLICAS), st.just([]), st.just("GPU")),
+    st.tuples(st.just("drop"), st.sampled_from(REPLICAS), st.just([]), st.just("GPU")),
+)
+
+
+def _run(ops, ix, ref):
+    for kind, r, keys, medium in ops:
+        if kind == "store":
+            ix.apply(r, [BlockStored(keys, None, [], 32, medium=medium)])
+            ref.apply(r, [BlockStored(keys, None, [], 32, medium=medium)])
+        elif kind == "remove":
+            ix.apply(r, [BlockRemoved(keys, medium=medium)])
+            ref.apply(r, [BlockRemoved(keys, medium=medium)])
+        elif kind == "clear":
+            ix.apply(r, [AllBlocksCleared()])
+            ref.apply(r, [AllBlocksCleared()])
+        else:
+            ix.remove_replica(r)
+            ref.remove_replica(r)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op, max_size=30),
+       st.lists(st.lists(SMALL_KEYS, max_size=8), min_size=1, max_size=4))
+def test_index_matches_naive_reference(ops, prompts):
+    ix, ref = BlockIndex(), NaiveBlockIndex()
+    _run(ops, ix, ref)
+    for p in prompts:
+        assert ix.match(p) == ref.match(p)
+        assert ix.match(p, ["a", "c"]) == ref.match(p, ["a", "c"])
+    snap, rsnap = ix.snapshot(), ref.snapshot()
+    for r in snap:
+        assert snap[r] == rsnap[r]
+        assert ix.state(r).blocks == {t: len(k) for t, k in snap[r].items()}
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(KEYS, min_size=1, max_size=200, unique=True), st.integers(0, 199))
+def test_depth_is_longest_consecutive_prefix(keys, hole):
+    ix = BlockIndex()
+    ix.store("a", keys)
+    assert ix.match(keys) == {"a": TierDepth(len(keys), gpu=len(keys))}
+    hole = hole % len(keys)
+    ix.remove("a", [keys[hole]])
+    expect = {"a": TierDepth(hole, gpu=hole)} if hole else {}
+    assert ix.match(keys) == expect
+
+
+def test_tiers_count_fastest_copy_once():
+    ix = BlockIndex()
+    keys = list(range(10, 20))
+    ix.store("a", keys[:4], "GPU")
+    ix.store("a", keys[2:7], "CPU")  # 2 overlap GPU
+    ix.store("a", keys[6:9], "STORAGE")  # 1 overlaps CPU
+    ix.store("b", keys, "STORAGE")
+    m = ix.match(keys)
+    assert m["a"] == TierDepth(9, gpu=4, cpu=3, storage=2)
+    assert m["b"] == TierDepth(10, storage=10)
+    assert ix.holds("a", keys[3]) == ("GPU", "CPU")
+
+
+def test_all_blocks_cleared_and_replica_removal_only_touch_that_replica():
+    ix = BlockIndex()
+    ix.store("a", [1, 2, 3])
+    ix.store("b", [1, 2, 3], "CPU")
+    ix.apply("a", [AllBlocksCleared()])
+    assert ix.match([1, 2, 3]) == {"b": TierDepth(3, cpu=3)}
+    ix.remove_replica("b")
+    assert ix.match([1, 2, 3]) == {}
+    assert len(ix) == 0 and ix.replicas() == ["a"]
+    ix.store("c", [1])  # slot of b is reused, with no ghost blocks
+    assert ix.match([1, 2]) == {"c": TierDepth(1, gpu=1)}
+
+
+def test_view_is_read_only_and_sees_staleness():
+    ix = BlockIndex()
+    ix.store("a", [5, 6])
+    v = ix.view()
+    assert not hasattr(v, "store") and not hasattr(v, "clear")
+    assert v.match([5, 6, 7]) == {"a": TierDepth(2, gpu=2)}
+    assert not v.is_stale("a") and v.is_stale("nobody")
+    ix.mark_stale("a", "seq gap")
+    assert v.is_stale("a") and v.blocks("a")["GPU"] == 2
+
+
+def test_bad_medium_and_too_many_replicas_are_clear_errors():
+    ix = BlockIndex()
+    with pytest.raises(BlockIndexError, match="medium"):
+        ix.store("a", [1], "HBM")
+    for i in range(64):
+        ix.add_replica(f"r{i}")
+    with pytest.raises(BlockIndexError, match="at most 64"):
+        ix.add_replica("one-more")
+    ix.store("r63", [9])
+    assert ix.match([9]) == {"r63": TierDepth(1, gpu=1)}  # the top bit (slot 63) works
