@@ -87,9 +87,7 @@ def prefill_time(profile: ReplicaProfile, new_tokens: int, context_tokens: int =
     return flops * c.s_per_flop
 
 
-def decode_step_time(
-    profile: ReplicaProfile, batch_size: int, total_context_tokens: int
-) -> float:
+def decode_step_time(profile: ReplicaProfile, batch_size: int, total_context_tokens: int) -> float:
     """One decode-only step of ``batch_size`` requests holding ``total_context_tokens``:
     overhead + max(weight reads + KV reads over HBM bandwidth, compute)."""
     _check(batch_size, "batch_size")
@@ -151,9 +149,7 @@ def load_time(profile: ReplicaProfile, n_blocks: int, tier: str) -> float:
     return hw.storage_latency_s + nbytes / hw.storage_bw
 
 
-def request_prefill_time(
-    profile: ReplicaProfile, new_tokens: int, cached_tokens: int = 0
-) -> float:
+def request_prefill_time(profile: ReplicaProfile, new_tokens: int, cached_tokens: int = 0) -> float:
     """Wall time of prefilling one request alone on an idle replica: chunks of
     ``max_num_batched_tokens`` (or ``long_prefill_token_threshold`` when set), each a full
     engine step with its overhead and weight reads."""

@@ -19,9 +19,18 @@ def _raw(**over):
     d = {
         "name": "t",
         "hardware": "gpu",
-        "model": {"params": 1e9, "layers": 10, "hidden": 1024, "heads": 8, "kv_heads": 2,
-                  "head_dim": 128, "kv_dtype_bytes": 2, "weight_bytes": 2e9,
-                  "max_model_len": 8192, "compute_dtype": "bf16"},
+        "model": {
+            "params": 1e9,
+            "layers": 10,
+            "hidden": 1024,
+            "heads": 8,
+            "kv_heads": 2,
+            "head_dim": 128,
+            "kv_dtype_bytes": 2,
+            "weight_bytes": 2e9,
+            "max_model_len": 8192,
+            "compute_dtype": "bf16",
+        },
         "block_size": 16,
         "gpu_memory_utilization": 0.5,
         "activation_reserve_bytes": 1e9,
@@ -68,8 +77,11 @@ def test_cpu_tiny_matches_the_vllm_bed_configuration():
     assert p.block_size == 32 and p.gpu_kv_blocks == 256
     assert p.gpu_kv_blocks * p.kv_bytes_per_block == 16 << 20  # --kv-cache-memory-bytes 16M
     assert (m.layers, m.kv_heads, m.head_dim, m.hidden) == (
-        SPEC.num_hidden_layers, SPEC.num_key_value_heads,
-        SPEC.hidden_size // SPEC.num_attention_heads, SPEC.hidden_size)
+        SPEC.num_hidden_layers,
+        SPEC.num_key_value_heads,
+        SPEC.hidden_size // SPEC.num_attention_heads,
+        SPEC.hidden_size,
+    )
     assert m.max_model_len == 4096
 
 

@@ -1,0 +1,716 @@
+"""The twin's engine model: vLLM v1 scheduling and KV block management, without a model.
+
+Owns: the state machine one replica runs — requests, the FCFS waiting queue, the running
+batch, the GPU block pool with prefix caching, the optional host-DRAM and storage tiers, KV
+event generation — and the duration of each step (from :mod:`costmodel.steptime`). It does
+not own time: a driver (the HTTP replica's asyncio loop, or the discrete-event simulator)
+calls ``schedule(now)`` to get a :class:`Step`, waits ``step.duration`` and calls
+``complete(step, end)``. No sockets, no HTTP, no asyncio; must not import aiohttp or zmq.
+
+vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py``,
+``kv_cache_manager.py`` in 0.32.0):
+
+* One token budget per step (``max_num_batched_tokens``), at most ``max_num_seqs`` running.
+  Running requests are scheduled first, in order; then waiting requests FCFS while budget,
+  seats and blocks last. Chunked prefill: a prefill takes what budget is left, capped by
+  ``long_prefill_token_threshold`` when set. A decode takes one token.
+* Blocks: a pool of ``gpu_kv_blocks`` of which one is vLLM's reserved null block. Only full
+  blocks are hashed and cached (chained hash of the request's tokens); blocks are cached when
+  they are *allocated for* computation (so a request scheduled later in the same step already
+  hits them). A prefix hit takes the longest run of cached blocks, capped so that at least
+  one prompt token is computed (``(num_tokens - 1) // block_size`` blocks).
+  Ref-counted; a freed block goes to the tail of the free queue (a request's blocks in
+  reverse order, so its last blocks are evicted first) and stays cached until it is
+  reallocated from the head (LRU eviction, one ``BlockRemoved`` per evicted block).
+* No room for a running request: preempt the last running request (recompute: free its
+  blocks, back to the front of the waiting queue). No room for a waiting request: stop
+  admitting this step.
+* Tiers (optional): a block evicted from GPU is offloaded to host DRAM (LRU, capacity
+  ``cpu_kv_blocks``), one evicted from DRAM goes to storage; a prefix hit continues into the
+  lower tiers and the request waits (like ``WAITING_FOR_REMOTE_KVS``) for
+  ``load_time(cpu) + load_time(storage)`` while other requests run, then holds those blocks in
+  GPU. Lower-tier events carry ``medium`` CPU/STORAGE, empty token ids and block size 0, as
+  vLLM's CPU tier publishes them.
+* Prefill cadence (optional, ``prefill_interval_steps`` N > 1): waiting requests are admitted
+  only every N-th step, except when nothing is running (the capacity guard: an idle engine
+  never waits for its cadence).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from costmodel.profiles import ReplicaProfile
+from costmodel.steptime import StepCoefficients, attended_pairs, coefficients, load_time
+from router.hashing import MASK64, BlockHasher
+from router.kvevents import encode_all_cleared, encode_block_removed, encode_block_stored
+
+WAITING, LOADING, RUNNING, FINISHED, ABORTED = (
+    "waiting",
+    "loading",
+    "running",
+    "finished",
+    "aborted",
+)
+
+
+class Request:
+    """One generation request as the engine sees it.
+
+    Either ``token_ids`` (the HTTP twin: hashes are real vLLM hashes from ``hasher``) or
+    ``block_keys`` (the simulator: precomputed 64-bit keys of the prompt's full blocks).
+    """
+
+    __slots__ = (
+        "arrival",
+        "block_keys",
+        "blocks",
+        "cached_tokens",
+        "digests",
+        "finish_time",
+        "first_token_time",
+        "id",
+        "load_blocks",
+        "max_tokens",
+        "n_cached",
+        "num_computed",
+        "num_output",
+        "num_preemptions",
+        "output_ids",
+        "prompt_len",
+        "queued_time",
+        "ready_at",
+        "session_id",
+        "status",
+        "tag",
+        "token_ids",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        *,
+        token_ids: list[int] | None = None,
+        block_keys: list[int] | None = None,
+        arrival: float = 0.0,
+        session_id: str | None = None,
+        tag: Any = None,
+    ):
+        if prompt_len <= 0:
+            raise ValueError("a request needs at least one prompt token")
+        if max_tokens <= 0:
+            raise ValueError("max_tokens must be at least 1")
+        self.id = req_id
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.token_ids = token_ids
+        self.block_keys: list[int] = list(block_keys) if block_keys is not None else []
+        self.digests: list[bytes] = []
+        self.arrival = arrival
+        self.session_id = session_id
+        self.tag = tag
+        self.blocks: list[int] = []
+        self.n_cached = 0  # leading blocks already through caching
+        self.num_computed = 0
+        self.num_output = 0
+        self.output_ids: list[int] = []
+        self.status = WAITING
+        self.cached_tokens: int | None = None  # prompt tokens hit at first scheduling
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.queued_time: float | None = None  # first scheduled
+        self.ready_at = 0.0
+        self.load_blocks: list[int] = []  # keys being loaded from lower tiers
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.num_output
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (FINISHED, ABORTED)
+
+
+@dataclass(slots=True)
+class Step:
+    """What one engine step computes: ``(request, new_tokens)`` pairs and its duration."""
+
+    scheduled: list[tuple[Request, int]]
+    duration: float
+    start: float
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """After a step: requests that got a token (with how many), and those that finished."""
+
+    tokens: list[Request]
+    finished: list[Request]
+    first_tokens: list[Request]
+
+
+class TierLRU:
+    """A lower KV tier: an LRU set of block keys with a capacity in blocks."""
+
+    __slots__ = ("capacity", "keys")
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def put(self, key: int) -> int | None:
+        """Insert (or refresh) ``key``; returns the key evicted to make room, if any."""
+        if key in self.keys:
+            self.keys.move_to_end(key)
+            return None
+        self.keys[key] = None
+        if len(self.keys) > self.capacity:
+            return self.keys.popitem(last=False)[0]
+        return None
+
+    def touch(self, key: int) -> None:
+        self.keys.move_to_end(key)
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+
+class BlockPool:
+    """vLLM's GPU block pool: ref counts, an LRU free queue, and the prefix-cache map.
+
+    Block 0 is the reserved null block (never allocated), as in vLLM. Events go to ``sink``
+    (already in wire form); evicted cached keys go to ``on_evict`` (the lower tiers).
+    """
+
+    __slots__ = ("cached", "free", "key_of", "num_blocks", "on_evict", "ref", "sink")
+
+    def __init__(
+        self,
+        num_blocks: int,
+        sink: list[dict[str, Any]] | None,
+        on_evict: Callable[[int], None] | None = None,
+    ):
+        if num_blocks < 2:
+            raise ValueError("a block pool needs at least 2 blocks (one is reserved)")
+        self.num_blocks = num_blocks
+        self.key_of: list[int | None] = [None] * num_blocks
+        self.ref = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached: dict[int, int] = {}
+        self.sink = sink
+        self.on_evict = on_evict
+
+    @property
+    def usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        """``vllm:kv_cache_usage_perc``: share of usable blocks referenced by requests."""
+        return 1.0 - len(self.free) / self.usable
+
+    def match(self, keys: Sequence[int], limit: int) -> list[int]:
+        """Block ids of the longest cached prefix of ``keys`` (at most ``limit`` blocks)."""
+        out: list[int] = []
+        get = self.cached.get
+        for k in itertools.islice(keys, limit):
+            b = get(k)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def touch(self, ids: Sequence[int]) -> None:
+        free, ref = self.free, self.ref
+        for b in ids:
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        out = []
+        free, ref, key_of = self.free, self.ref, self.key_of
+        for _ in range(n):
+            b = free.popitem(last=False)[0]
+            k = key_of[b]
+            if k is not None:
+                key_of[b] = None
+                if self.cached.get(k) == b:
+                    del self.cached[k]
+                    if self.sink is not None:
+                        self.sink.append(encode_block_removed([k]))
+                    if self.on_evict is not None:
+                        self.on_evict(k)
+            ref[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, ids: Sequence[int]) -> None:
+        """Drop one reference from each block; freed ones join the free queue's tail in
+        reverse order (the request's last blocks are evicted first)."""
+        free, ref = self.free, self.ref
+        for b in reversed(ids):
+            ref[b] -= 1
+            if ref[b] == 0:
+                free[b] = None
+
+    def cache(self, b: int, key: int) -> bool:
+        """Mark block ``b`` as holding ``key``; False when the key is cached already."""
+        if key in self.cached:
+            return False
+        self.key_of[b] = key
+        self.cached[key] = b
+        return True
+
+    def reset(self) -> bool:
+        """Drop every cached key (``/reset_prefix_cache``); refused while blocks are in use."""
+        if len(self.free) != self.usable:
+            return False
+        self.cached.clear()
+        self.key_of = [None] * self.num_blocks
+        self.free = OrderedDict.fromkeys(range(1, self.num_blocks))
+        return True
+
+
+class Engine:
+    """One replica's engine model. See the module docstring for the semantics."""
+
+    def __init__(
+        self,
+        profile: ReplicaProfile,
+        *,
+        hasher: BlockHasher | None = None,
+        emit_events: bool = True,
+        output_token: Callable[[Request, int], int] | None = None,
+    ):
+        self.profile = profile
+        self.coeffs: StepCoefficients = coefficients(profile)
+        self.block_size = profile.block_size
+        self.hasher = hasher
+        if hasher is not None and hasher.block_size != profile.block_size:
+            raise ValueError("hasher block size differs from the profile's")
+        self.events: list[dict[str, Any]] | None = [] if emit_events else None
+        self.cpu = TierLRU(profile.cpu_kv_blocks) if profile.cpu_kv_blocks else None
+        self.storage = TierLRU(profile.storage_kv_blocks) if profile.storage_kv_blocks else None
+        self.pool = BlockPool(profile.gpu_kv_blocks, self.events, self._offload)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.output_token = output_token or _default_output_token
+        self.step_count = 0
+        # counters (vLLM metric names in the HTTP layer)
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens hit (any tier)
+        self.tier_hit_blocks = {"gpu": 0, "cpu": 0, "storage": 0}
+        self.preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.busy_time = 0.0
+
+    # ---- lower tiers -------------------------------------------------------------------
+
+    def _emit(self, ev: dict[str, Any]) -> None:
+        if self.events is not None:
+            self.events.append(ev)
+
+    def _offload(self, key: int) -> None:
+        if self.cpu is not None:
+            self._emit(encode_block_stored([key], None, [], 0, medium="CPU"))
+            gone = self.cpu.put(key)
+            if gone is not None:
+                self._emit(encode_block_removed([gone], medium="CPU"))
+                self._to_storage(gone)
+        else:
+            self._to_storage(key)
+
+    def _to_storage(self, key: int) -> None:
+        if self.storage is None:
+            return
+        self._emit(encode_block_stored([key], None, [], 0, medium="STORAGE"))
+        gone = self.storage.put(key)
+        if gone is not None:
+            self._emit(encode_block_removed([gone], medium="STORAGE"))
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        if req.id in self.requests:
+            raise ValueError(f"duplicate request id {req.id!r}")
+        if req.prompt_len + req.max_tokens > self.profile.max_model_len:
+            raise ValueError(
+                f"prompt ({req.prompt_len}) + max_tokens ({req.max_tokens}) exceeds "
+                f"max_model_len {self.profile.max_model_len}"
+            )
+        self.requests[req.id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str) -> bool:
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return False
+        if req.status == RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.release(req.blocks)
+        req.blocks = []
+        req.status = ABORTED
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``/reset_prefix_cache``: fails while any request holds blocks."""
+        if not self.pool.reset():
+            return False
+        if self.cpu is not None:
+            self.cpu.clear()
+        if self.storage is not None:
+            self.storage.clear()
+        self._emit(encode_all_cleared())
+        return True
+
+    def take_events(self) -> list[dict[str, Any]]:
+        if not self.events:
+            return []
+        out = list(self.events)
+        self.events.clear()
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def next_ready(self) -> float | None:
+        """When the earliest loading request becomes schedulable (None: none loading)."""
+        t = [r.ready_at for r in self.waiting if r.status == LOADING]
+        return min(t) if t else None
+
+    # ---- hashing -----------------------------------------------------------------------
+
+    def _keys_upto(self, req: Request, n_blocks: int) -> list[int]:
+        """The request's block keys, extended to ``n_blocks`` full blocks."""
+        keys = req.block_keys
+        if len(keys) >= n_blocks:
+            return keys
+        bs = self.block_size
+        if req.token_ids is not None and self.hasher is not None:
+            start = len(req.digests)
+            toks = req.token_ids
+            if len(toks) < n_blocks * bs:
+                toks = toks + req.output_ids
+            parent = req.digests[-1] if req.digests else None
+            new = self.hasher.hash_blocks(
+                toks[start * bs : n_blocks * bs], parent=parent, start_block=start
+            )
+            req.digests.extend(new)
+            keys.extend(int.from_bytes(d, "big") & MASK64 for d in new)
+            return keys
+        # synthetic keys for blocks filled by generated tokens (simulator)
+        prev = keys[-1] if keys else 0x9E3779B97F4A7C15
+        salt = hash(req.id) & MASK64
+        while len(keys) < n_blocks:
+            prev = (prev * 0x100000001B3 ^ salt ^ len(keys)) & MASK64
+            keys.append(prev)
+        return keys
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Cache the request's blocks that ``num_tokens`` computed tokens fill; one
+        ``BlockStored`` for the newly cached run, as vLLM's ``cache_full_blocks``."""
+        bs = self.block_size
+        n_full = min(num_tokens // bs, len(req.blocks))
+        start = req.n_cached
+        if n_full <= start:
+            return
+        req.n_cached = n_full
+        keys = self._keys_upto(req, n_full)
+        new_keys, new_tokens = [], []
+        for i in range(start, n_full):
+            b = req.blocks[i]
+            if self.pool.key_of[b] is not None:
+                continue
+            if self.pool.cache(b, keys[i]):
+                new_keys.append(keys[i])
+                if self.events is not None and req.token_ids is not None:
+                    new_tokens.extend(self._tokens(req, i * bs, (i + 1) * bs))
+        if new_keys and self.events is not None:
+            parent = keys[start - 1] if start > 0 else None
+            self.events.append(
+                encode_block_stored(new_keys, parent, new_tokens, bs, session_id=req.session_id)
+            )
+
+    @staticmethod
+    def _tokens(req: Request, lo: int, hi: int) -> list[int]:
+        assert req.token_ids is not None
+        p = req.prompt_len
+        if hi <= p:
+            return req.token_ids[lo:hi]
+        return (req.token_ids + req.output_ids)[lo:hi]
+
+    # ---- scheduling --------------------------------------------------------------------
+
+    def _admit(self, req: Request, now: float, budget: int) -> int | None:
+        """First scheduling (or rescheduling after preemption) of a waiting request: take
+        its cached prefix (GPU, then lower tiers) and blocks for its first chunk. Returns the
+        tokens scheduled (0: it now loads from a lower tier), or None when blocks are short
+        (nothing changed)."""
+        bs = self.block_size
+        limit = (req.num_tokens - 1) // bs
+        keys = self._keys_upto(req, limit)
+        gpu = self.pool.match(keys, limit)
+        n_gpu = len(gpu)
+        lower: list[int] = []
+        n_cpu = n_sto = 0
+        cpu, sto = self.cpu, self.storage
+        if cpu is not None or sto is not None:
+            for k in itertools.islice(keys, n_gpu, limit):
+                if cpu is not None and k in cpu:
+                    n_cpu += 1
+                elif sto is not None and k in sto:
+                    n_sto += 1
+                else:
+                    break
+                lower.append(k)
+        hit = (n_gpu + len(lower)) * bs
+        if lower:
+            n = 0
+            need = len(lower)
+        else:
+            n = req.num_tokens - hit
+            thresh = self.profile.long_prefill_token_threshold
+            if 0 < thresh < n:
+                n = thresh
+            n = min(n, budget)
+            need = -(-(hit + n) // bs) - n_gpu
+        # blocks referenced only from the free queue cannot also be allocated
+        reusable = sum(1 for b in gpu if self.pool.ref[b] == 0)
+        if need > self.pool.num_free - reusable:
+            return None
+        self.pool.touch(gpu)
+        new = self.pool.allocate(need) if need > 0 else []
+        assert new is not None
+        req.blocks = gpu + new
+        req.n_cached = n_gpu
+        req.num_computed = n_gpu * bs
+        self.tier_hit_blocks["gpu"] += n_gpu
+        if req.cached_tokens is None:
+            req.cached_tokens = hit
+            self.prefix_queries += req.prompt_len
+            self.prefix_hits += hit
+        if lower:
+            req.load_blocks = lower
+            req.status = LOADING
+            req.ready_at = (
+                now
+                + load_time(self.profile, n_cpu, "cpu")
+                + load_time(self.profile, n_sto, "storage")
+            )
+            if cpu is not None:
+                for k in lower:
+                    if k in cpu:
+                        cpu.touch(k)
+            self.tier_hit_blocks["cpu"] += n_cpu
+            self.tier_hit_blocks["storage"] += n_sto
+            return 0
+        self._cache_full_blocks(req, req.num_computed + n)
+        return n
+
+    def _finish_load(self, req: Request) -> None:
+        """Loaded blocks now hold their keys in GPU (``BlockStored`` medium GPU)."""
+        n_gpu = len(req.blocks) - len(req.load_blocks)
+        keys = req.load_blocks
+        stored = []
+        for b, k in zip(req.blocks[n_gpu:], keys, strict=True):
+            if self.pool.cache(b, k):
+                stored.append(k)
+        if stored and self.events is not None:
+            parent = req.block_keys[n_gpu - 1] if n_gpu > 0 else None
+            toks = (
+                self._tokens(req, n_gpu * self.block_size, len(req.blocks) * self.block_size)
+                if req.token_ids
+                else []
+            )
+            self.events.append(
+                encode_block_stored(
+                    stored, parent, toks, self.block_size, session_id=req.session_id
+                )
+            )
+        req.n_cached = len(req.blocks)
+        req.num_computed = len(req.blocks) * self.block_size
+        req.load_blocks = []
+        req.status = WAITING
+
+    def _allocate(self, req: Request, num_new: int) -> bool:
+        need = -(-(req.num_computed + num_new) // self.block_size) - len(req.blocks)
+        if need > 0:
+            got = self.pool.allocate(need)
+            if got is None:
+                return False
+            req.blocks.extend(got)
+        self._cache_full_blocks(req, req.num_computed + num_new)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.release(req.blocks)
+        req.blocks = []
+        req.n_cached = 0
+        req.num_computed = 0
+        req.status = WAITING
+        req.num_preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self, now: float) -> Step | None:
+        """Plan one step at time ``now``; None when nothing can run now."""
+        p = self.profile
+        budget = p.max_num_batched_tokens
+        thresh = p.long_prefill_token_threshold
+        max_len = p.max_model_len
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = req.num_tokens - req.num_computed
+            if 0 < thresh < n:
+                n = thresh
+            n = min(n, budget, max_len - 1 - req.num_computed)
+            if n <= 0:
+                i += 1
+                continue
+            while not self._allocate(req, n):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req preempted itself
+        cadence = p.prefill_interval_steps
+        admit = not preempted and (cadence <= 1 or not running or self.step_count % cadence == 0)
+        if admit:
+            skipped: list[Request] = []
+            while self.waiting and budget > 0 and len(running) < p.max_num_seqs:
+                req = self.waiting[0]
+                if req.status == LOADING:
+                    if req.ready_at > now:
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    self._finish_load(req)
+                if not req.blocks:
+                    got = self._admit(req, now, budget)
+                    if got is None:
+                        break
+                    if got == 0:  # loading from a lower tier
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    n = got
+                else:  # loaded from a lower tier: blocks and computed tokens in place
+                    n = req.num_tokens - req.num_computed
+                    if 0 < thresh < n:
+                        n = thresh
+                    n = min(n, budget)
+                    if not self._allocate(req, n):
+                        break
+                self.waiting.popleft()
+                req.status = RUNNING
+                if req.queued_time is None:
+                    req.queued_time = now
+                running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+            self.waiting.extendleft(reversed(skipped))
+        if not scheduled:
+            return None
+        c = self.coeffs
+        tokens = attended = kv_read = 0.0
+        pf = dc = 0
+        for req, n in scheduled:
+            ctx = req.num_computed
+            tokens += n
+            kv_read += ctx
+            if n == 1:
+                attended += ctx
+                dc += 1
+            else:
+                attended += attended_pairs(n, ctx)
+                pf += n
+        dur = c.step(tokens, attended, kv_read)
+        self.step_count += 1
+        return Step(scheduled, dur, now, pf, dc, preempted)
+
+    def complete(self, step: Step, end: float) -> StepResult:
+        """Apply a step's computation at time ``end``: tokens, first tokens, finishes."""
+        self.busy_time += step.duration
+        got: list[Request] = []
+        first: list[Request] = []
+        done: list[Request] = []
+        for req, n in step.scheduled:
+            if req.status != RUNNING:
+                continue  # aborted during the step
+            req.num_computed += n
+            if req.num_computed < req.num_tokens:
+                continue  # a partial prefill chunk
+            if req.num_output == 0:
+                self.prompt_tokens_total += req.prompt_len
+            tok = self.output_token(req, req.num_output)
+            req.num_output += 1
+            if req.token_ids is not None:
+                req.output_ids.append(tok)
+            self.generation_tokens_total += 1
+            got.append(req)
+            if req.first_token_time is None:
+                req.first_token_time = end
+                first.append(req)
+            if req.num_output >= req.max_tokens or req.num_tokens >= self.profile.max_model_len:
+                req.status = FINISHED
+                req.finish_time = end
+                done.append(req)
+        if done:
+            ids = {id(r) for r in done}
+            self.running = [r for r in self.running if id(r) not in ids]
+            for req in done:
+                self.pool.release(req.blocks)
+                req.blocks = []
+                self.requests.pop(req.id, None)
+        return StepResult(got, done, first)
+
+    # ---- views -------------------------------------------------------------------------
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_usage(self) -> float:
+        return self.pool.usage()
+
+
+def _default_output_token(req: Request, i: int) -> int:
+    """A deterministic stand-in for sampling (the twin has no model)."""
+    return (hash((req.id, i)) & 0x7FFFFFFF) % 1000 + 100

@@ -1,0 +1,289 @@
+"""The twin's engine model: vLLM v1 scheduling and prefix-cache semantics, step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodel.profiles import load_profile
+from costmodel.steptime import load_time
+from loadtest.twin.engine import LOADING, Engine, Request
+from router.hashing import BlockHasher
+from router.kvevents import decode_event
+
+TINY = load_profile("cpu-tiny")
+BS = TINY.block_size
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 3000 + 100 for i in range(n)]
+
+
+def drive(e: Engine, reqs=(), t: float = 0.0, until_idle: bool = True) -> float:
+    for r in reqs:
+        e.add(r)
+    while e.has_work:
+        s = e.schedule(t)
+        if s is None:
+            nxt = e.next_ready()
+            assert nxt is not None, "engine stuck with work but nothing schedulable"
+            t = max(t, nxt)
+            continue
+        t += s.duration
+        e.complete(s, t)
+        if not until_idle:
+            break
+    return t
+
+
+def events(e: Engine):
+    return [decode_event(x) for x in e.take_events()]
+
+
+def stored(evs, medium="GPU"):
+    return [
+        k
+        for ev in evs
+        if type(ev).__name__ == "BlockStored" and ev.medium == medium
+        for k in ev.block_hashes
+    ]
+
+
+def removed(evs, medium="GPU"):
+    return [
+        k
+        for ev in evs
+        if type(ev).__name__ == "BlockRemoved" and ev.medium == medium
+        for k in ev.block_hashes
+    ]
+
+
+def req(rid, tokens, max_tokens=1, **kw):
+    return Request(rid, len(tokens), max_tokens, token_ids=list(tokens), **kw)
+
+
+def test_repeat_hits_all_full_blocks_but_one_token_is_always_computed():
+    e = Engine(TINY, hasher=BlockHasher(BS))
+    p = toks(2001, 1)
+    a, b = req("a", p), req("b", p)
+    t = drive(e, [a])
+    drive(e, [b], t)
+    assert a.cached_tokens == 0
+    assert b.cached_tokens == (2001 - 1) // BS * BS == 1984
+    exact = req("c", toks(64, 2))
+    drive(e, [exact])
+    again = req("d", toks(64, 2))
+    drive(e, [again])
+    assert again.cached_tokens == 32  # 64 tokens = 2 full blocks; the last one is recomputed
+
+
+def test_cached_prefix_cuts_time_to_first_token():
+    e = Engine(TINY, hasher=BlockHasher(BS))
+    p = toks(3000, 3)
+    a, b = req("a", p), req("b", p + toks(10, 4))
+    t = drive(e, [a])
+    drive(e, [b], t)
+    assert b.first_token_time - t < 0.2 * a.first_token_time
+
+
+def test_stored_events_carry_vllm_hashes_tokens_and_parents():
+    h = BlockHasher(BS)
+    e = Engine(TINY, hasher=h)
+    p = toks(300, 5)
+    drive(e, [req("a", p), req("b", p + toks(100, 6))])
+    evs = events(e)
+    keys = stored(evs)
+    assert keys == h.hash_keys(p + toks(100, 6))[: len(keys)]
+    assert set(h.hash_keys(p)) <= set(keys)
+    first = next(ev for ev in evs if type(ev).__name__ == "BlockStored")
+    assert first.parent_block_hash is None and first.token_ids == p[: BS * len(first.block_hashes)]
+    for ev in evs:
+        if ev.parent_block_hash is not None:
+            assert keys.index(ev.parent_block_hash) == keys.index(ev.block_hashes[0]) - 1
+
+
+def test_generated_tokens_fill_blocks_that_are_cached_too():
+    h = BlockHasher(BS)
+    e = Engine(TINY, hasher=h)
+    a = req("a", toks(40, 7), max_tokens=40)
+    drive(e, [a])
+    keys = stored(events(e))
+    # 40 prompt + 39 computed outputs = 79 tokens -> 2 full blocks, the second from outputs
+    assert keys == h.hash_keys(a.token_ids + a.output_ids)[:2]
+
+
+def test_lru_evicts_least_recently_freed_and_a_requests_tail_first():
+    prof = TINY.replace(gpu_kv_blocks=9)  # 8 usable
+    e = Engine(prof, hasher=BlockHasher(BS))
+    h = BlockHasher(BS)
+    a, b = toks(4 * BS + 1, 10), toks(4 * BS + 1, 11)
+    drive(e, [req("a", a)])  # blocks 1-5; freed tail first: queue 6 7 8 5 4 3 2 1
+    drive(e, [req("b", b)])  # takes 6 7 8 5 4: evicts a's 4th full block
+    drive(e, [req("c", toks(BS + 1, 12))])  # takes 3 2: a's 3rd and 2nd
+    ka = h.hash_keys(a)
+    assert removed(events(e)) == [ka[3], ka[2], ka[1]]
+    hit = req("a2", a)
+    drive(e, [hit])
+    assert hit.cached_tokens == BS  # a's first block survived
+
+
+def test_blocks_in_use_are_never_evicted_and_waiting_requests_wait_for_room():
+    prof = TINY.replace(gpu_kv_blocks=9)
+    e = Engine(prof, hasher=BlockHasher(BS))
+    long_a = req("a", toks(5 * BS, 20), max_tokens=20)
+    b = req("b", toks(5 * BS, 21), max_tokens=1)
+    e.add(long_a)
+    e.add(b)
+    s = e.schedule(0.0)
+    assert [r.id for r, _ in s.scheduled] == ["a"]  # b does not fit beside a
+    e.complete(s, s.duration)
+    assert not removed(events(e))
+    t = drive(e, [], s.duration)
+    assert long_a.finished and b.finished and b.first_token_time >= long_a.finish_time - 1e-9
+    assert t > 0
+
+
+def test_running_request_short_of_blocks_preempts_the_newest():
+    prof = TINY.replace(gpu_kv_blocks=5, max_num_batched_tokens=4096)  # 4 usable
+    e = Engine(prof, hasher=BlockHasher(BS))
+    a = req("a", toks(BS + 30, 30), max_tokens=40)  # grows into a 3rd block
+    b = req("b", toks(BS + 20, 31), max_tokens=40)
+    drive(e, [a, b])
+    assert a.finished and b.finished
+    assert e.preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
+
+
+def test_token_budget_chunks_prefill_and_threshold_caps_chunks():
+    prof = TINY.replace(max_num_batched_tokens=1000)
+    e = Engine(prof, hasher=BlockHasher(BS))
+    e.add(req("a", toks(2500, 40)))
+    chunks = []
+    t = 0.0
+    while e.has_work:
+        s = e.schedule(t)
+        chunks.append([n for _, n in s.scheduled])
+        t += s.duration
+        e.complete(s, t)
+    assert chunks == [[1000], [1000], [500]]
+    e2 = Engine(prof.replace(long_prefill_token_threshold=256), hasher=BlockHasher(BS))
+    e2.add(req("long", toks(600, 41)))
+    e2.add(req("short", toks(100, 42)))
+    s = e2.schedule(0.0)
+    assert [(r.id, n) for r, n in s.scheduled] == [("long", 256), ("short", 100)]
+
+
+def test_max_num_seqs_limits_the_running_batch():
+    e = Engine(TINY.replace(max_num_seqs=2), hasher=BlockHasher(BS))
+    for i in range(4):
+        e.add(req(f"r{i}", toks(50, 50 + i), max_tokens=5))
+    s = e.schedule(0.0)
+    assert len(s.scheduled) == 2 and e.num_waiting() == 2
+
+
+def test_decode_steps_are_cheaper_than_prefill_steps_and_grow_with_context():
+    e = Engine(TINY, hasher=BlockHasher(BS))
+    e.add(req("a", toks(2000, 60), max_tokens=3))
+    pre = e.schedule(0.0)
+    e.complete(pre, pre.duration)
+    dec = e.schedule(pre.duration)
+    assert dec.decode_tokens == 1 and dec.prefill_tokens == 0
+    assert dec.duration < pre.duration
+
+
+def test_cpu_tier_offloads_on_eviction_and_reloads_on_hit():
+    prof = TINY.replace(gpu_kv_blocks=9, cpu_kv_blocks=16)
+    h = BlockHasher(BS)
+    e = Engine(prof, hasher=h)
+    a = toks(4 * BS + 1, 70)
+    t = drive(e, [req("a", a)])
+    t = drive(e, [req("b", toks(7 * BS + 1, 71))], t)  # evicts all of a from GPU
+    evs = events(e)
+    ka = h.hash_keys(a)
+    assert set(ka) <= set(removed(evs)) and set(ka) <= set(stored(evs, "CPU"))
+    cpu_ev = next(ev for ev in evs if type(ev).__name__ == "BlockStored" and ev.medium == "CPU")
+    assert cpu_ev.token_ids == [] and cpu_ev.block_size == 0
+    again = req("a2", a)
+    e.add(again)
+    s = e.schedule(t)
+    assert again.status == LOADING and s is None
+    assert again.ready_at == pytest.approx(t + load_time(prof, 4, "cpu"))
+    drive(e, [], again.ready_at)
+    assert again.cached_tokens == 4 * BS and again.finished
+    assert set(ka) <= set(stored(events(e), "GPU"))
+
+
+def test_cpu_tier_overflow_goes_to_storage():
+    prof = TINY.replace(gpu_kv_blocks=5, cpu_kv_blocks=2, storage_kv_blocks=100)
+    e = Engine(prof, hasher=BlockHasher(BS))
+    t = 0.0
+    for i in range(4):
+        t = drive(e, [req(f"r{i}", toks(3 * BS + 1, 80 + i))], t)
+    evs = events(e)
+    assert removed(evs, "CPU") and set(removed(evs, "CPU")) <= set(stored(evs, "STORAGE"))
+    assert len(e.cpu) == 2
+
+
+def test_prefill_cadence_admits_only_every_nth_step_unless_idle():
+    e = Engine(TINY.replace(prefill_interval_steps=4), hasher=BlockHasher(BS))
+    e.add(req("a", toks(40, 90), max_tokens=30))
+    s = e.schedule(0.0)  # idle engine: admitted at once (the capacity guard)
+    assert [r.id for r, _ in s.scheduled] == ["a"]
+    t = s.duration
+    e.complete(s, t)
+    e.add(req("b", toks(40, 91), max_tokens=2))
+    admitted_at = None
+    while admitted_at is None:
+        step_no = e.step_count
+        s = e.schedule(t)
+        if any(r.id == "b" for r, _ in s.scheduled):
+            admitted_at = step_no
+        t += s.duration
+        e.complete(s, t)
+    assert admitted_at % 4 == 0 and admitted_at > 1
+
+
+def test_reset_prefix_cache_clears_and_is_refused_while_busy():
+    e = Engine(TINY, hasher=BlockHasher(BS))
+    p = toks(200, 100)
+    drive(e, [req("a", p)])
+    e.add(req("busy", p, max_tokens=5))
+    s = e.schedule(0.0)
+    assert not e.reset_prefix_cache()
+    e.complete(s, s.duration)
+    drive(e, [], s.duration)
+    events(e)
+    assert e.reset_prefix_cache()
+    assert [type(x).__name__ for x in events(e)] == ["AllBlocksCleared"]
+    again = req("b", p)
+    drive(e, [again])
+    assert again.cached_tokens == 0
+
+
+def test_abort_releases_blocks():
+    e = Engine(TINY, hasher=BlockHasher(BS))
+    e.add(req("a", toks(500, 110), max_tokens=50))
+    s = e.schedule(0.0)
+    e.complete(s, s.duration)
+    assert e.kv_usage() > 0
+    assert e.abort("a") and not e.abort("a")
+    assert e.kv_usage() == 0 and not e.has_work
+
+
+def test_bad_requests_are_refused():
+    e = Engine(TINY, hasher=BlockHasher(BS))
+    with pytest.raises(ValueError, match="max_model_len"):
+        e.add(req("a", toks(4000, 1), max_tokens=100))
+    with pytest.raises(ValueError):
+        Request("x", 0, 1)
+    e.add(req("b", toks(10, 1)))
+    with pytest.raises(ValueError, match="duplicate"):
+        e.add(req("b", toks(10, 1)))
+
+
+def test_simulator_keys_without_tokens():
+    e = Engine(TINY, emit_events=False)
+    keys = list(range(1, 11))
+    a = Request("a", 10 * BS + 5, 2, block_keys=keys)
+    b = Request("b", 10 * BS + 5, 2, block_keys=keys)
+    t = drive(e, [a])
+    drive(e, [b], t)
+    assert b.cached_tokens == 10 * BS and e.take_events() == []
