@@ -18,6 +18,7 @@ from kvroute import __version__
 # name -> (module, one-line help). Add a line here when a subcommand lands.
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("loadtest.model_cli", "build or locate the deterministic tiny test model"),
+    "serve": ("router.serve", "run the router in front of vLLM replicas"),
 }
 
 

@@ -1,0 +1,243 @@
+"""HTTP routes: inference APIs, model list, health, metrics and the admin surface.
+
+Owns: request validation (size, time to send the body, JSON, model), authentication
+(client API key -> tenant; admin key for ``/admin/*``), session bookkeeping around a call,
+and the admin views (replicas, sessions, ``/admin/route?explain=1``). Proxying itself is in
+:mod:`router.proxy`. Must not import torch, vllm or loadtest.
+
+Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
+``/v1/messages`` and any other ``POST /v1/*`` (passthrough to a chosen replica);
+``GET /v1/models`` (union over healthy replicas), ``/health`` (liveness), ``/ready``
+(a healthy replica and not draining), ``/metrics``; ``GET /admin/replicas``,
+``GET /admin/sessions``, ``GET /admin/config``, ``POST /admin/route?explain=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from router.app import CONFIG, METRICS, PIPELINE, REPLICAS, RUNTIME, STORE
+from router.proxy import error_response, forward, request_id, run_analyzer, snapshot
+from router.scheduling import RequestContext
+from router.scheduling.pipeline import NoCandidates
+from router.sessions import identify
+
+INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+
+
+class _Reject(Exception):
+    def __init__(self, response: web.Response):
+        self.response = response
+
+
+def _tenant(request: web.Request, route: str) -> str:
+    cfg = request.app[CONFIG]
+    if not cfg.auth_enabled:
+        return "-"
+    key = request.headers.get("x-api-key", "")
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        key = auth[7:].strip()
+    tenant = cfg.api_keys.get(key) if key else None
+    if tenant is None:
+        raise _Reject(error_response(route, 401, "missing or invalid API key",
+                                     "authentication_error"))  # fmt: skip
+    return tenant
+
+
+async def _read_json(request: web.Request, route: str) -> tuple[bytes, dict[str, Any]]:
+    cfg = request.app[CONFIG]
+    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+        raise _Reject(error_response(route, 413, f"body over {cfg.max_body_bytes} bytes",
+                                     "request_too_large"))  # fmt: skip
+    try:
+        async with asyncio.timeout(cfg.client_body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise _Reject(error_response(route, 408, "client sent the body too slowly",
+                                     "timeout")) from None  # fmt: skip
+    except web.HTTPRequestEntityTooLarge:
+        raise _Reject(error_response(route, 413, f"body over {cfg.max_body_bytes} bytes",
+                                     "request_too_large")) from None  # fmt: skip
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise _Reject(error_response(route, 400, f"invalid JSON body: {e}")) from None
+    if not isinstance(body, dict):
+        raise _Reject(error_response(route, 400, "the JSON body must be an object"))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _Reject(error_response(route, 400, "'model' must be a string"))
+    return raw, body
+
+
+def known_models(app: web.Application) -> set[str]:
+    return {m for r in app[REPLICAS] if r.healthy for m in r.models}
+
+
+def _check_model(app: web.Application, route: str, model: str | None) -> None:
+    models = known_models(app)
+    if model and models and model not in models:
+        raise _Reject(error_response(route, 404, f"model {model!r} does not exist",
+                                     "model_not_found"))  # fmt: skip
+
+
+async def _context(request: web.Request, route: str) -> tuple[bytes, RequestContext]:
+    tenant = _tenant(request, route)
+    raw, body = await _read_json(request, route)
+    _check_model(request.app, route, body.get("model"))
+    cfg = request.app[CONFIG]
+    ident = identify(request.headers, body, tenant, cfg.prefix_chars)
+    ctx = RequestContext(request_id(request.headers), route, body.get("model"), ident, body)
+    await run_analyzer(request.app, ctx)
+    return raw, ctx
+
+
+async def handle_inference(request: web.Request) -> web.StreamResponse:
+    t0 = time.perf_counter()
+    app = request.app
+    path = request.path
+    route = path if path in INFERENCE_ROUTES else "/v1/*"
+    rt = app[RUNTIME]
+    if rt.draining:
+        return error_response(path, 503, "router is shutting down", "service_unavailable",
+                              headers={"Retry-After": "1", "Connection": "close"})  # fmt: skip
+    rt.enter()
+    try:
+        try:
+            raw, ctx = await _context(request, path)
+        except _Reject as r:
+            app[METRICS].requests.labels(route, "-", str(r.response.status)).inc()
+            return r.response
+        store = app[STORE]
+        record = await store.begin_call(ctx.identity, time.time())
+        try:
+            return await forward(request, ctx, raw, record, t0, route)
+        finally:
+            await store.end_call(ctx.identity.key, time.time())
+    finally:
+        rt.leave()
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    seen: dict[str, dict[str, Any]] = {}
+    for r in request.app[REPLICAS]:
+        if r.healthy:
+            for card in r.model_cards:
+                seen.setdefault(str(card["id"]), card)
+    data = [seen[k] for k in sorted(seen)]
+    return web.Response(body=orjson.dumps({"object": "list", "data": data}),
+                        content_type="application/json")  # fmt: skip
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def handle_ready(request: web.Request) -> web.Response:
+    app = request.app
+    healthy = sum(1 for r in app[REPLICAS] if r.healthy)
+    ok = healthy > 0 and not app[RUNTIME].draining
+    body = {"ready": ok, "healthy_replicas": healthy, "draining": app[RUNTIME].draining,
+            "state_backend": app[STORE].backend, "state_backend_up": app[STORE].up}
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# --- admin ----------------------------------------------------------------------------
+
+
+def _admin(request: web.Request) -> None:
+    key = request.app[CONFIG].admin_key
+    if not key:
+        raise _Reject(error_response("/admin", 404, "admin API disabled (no admin key set)",
+                                     "not_found"))  # fmt: skip
+    given = request.headers.get("x-admin-key", "")
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        given = auth[7:].strip()
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise _Reject(error_response("/admin", 401, "invalid admin key", "authentication_error"))
+
+
+def admin(handler: Any) -> Any:
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            _admin(request)
+            return await handler(request)
+        except _Reject as r:
+            return r.response
+
+    return wrapped
+
+
+@admin
+async def admin_replicas(request: web.Request) -> web.Response:
+    return web.json_response([r.to_json() for r in request.app[REPLICAS]])
+
+
+@admin
+async def admin_sessions(request: web.Request) -> web.Response:
+    try:
+        limit = max(1, min(10_000, int(request.query.get("limit", "100"))))
+    except ValueError:
+        return error_response("/admin", 400, "limit must be an integer")
+    store = request.app[STORE]
+    return web.json_response({
+        "backend": store.backend, "backend_up": store.up, "active": store.active_count(),
+        "sessions": [s.to_json() for s in store.list(limit)],
+    })  # fmt: skip
+
+
+@admin
+async def admin_config(request: web.Request) -> web.Response:
+    return web.json_response({"config": repr(request.app[CONFIG])})
+
+
+@admin
+async def admin_route(request: web.Request) -> web.Response:
+    """Schedule the request in the body as if it were sent; route nothing, record nothing."""
+    route = request.query.get("route", "/v1/chat/completions")
+    try:
+        _raw, ctx = await _context(request, route)
+    except _Reject as r:
+        return r.response
+    app = request.app
+    record = await app[STORE].get(ctx.identity.key)
+    try:
+        d = app[PIPELINE].schedule(ctx, snapshot(app, record),
+                                   explain=request.query.get("explain") in ("1", "true"))
+    except NoCandidates as e:
+        return web.json_response({"winner": None, "filtered_out": e.removed_by}, status=503)
+    ident = ctx.identity
+    out = {"winner": d.endpoint.name, "identity": {
+        "tenant": ident.tenant, "session": ident.session, "parent": ident.parent,
+        "agent": ident.agent, "final": ident.final, "source": ident.source, "key": ident.key}}
+    if d.explain:
+        out["explain"] = d.explain
+    return web.json_response(out)
+
+
+def add_routes(app: web.Application) -> None:
+    for path in INFERENCE_ROUTES:
+        app.router.add_post(path, handle_inference)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_post("/v1/{tail:.+}", handle_inference)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/ready", handle_ready)
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/admin/replicas", admin_replicas)
+    app.router.add_get("/admin/sessions", admin_sessions)
+    app.router.add_get("/admin/config", admin_config)
+    app.router.add_post("/admin/route", admin_route)

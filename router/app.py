@@ -1,0 +1,181 @@
+"""The router's aiohttp application: typed state on the app, paired start-up/clean-up.
+
+Owns: the ``web.AppKey``s (no module singletons), :func:`build_app` (routes + cleanup
+contexts: HTTP client session, replica set and its monitors, session store) and
+:func:`start_site` which the CLI and the tests share. Handlers live in :mod:`router.api`,
+the streaming proxy in :mod:`router.proxy`. Must not import torch, vllm or loadtest.
+
+Extension points set on the app before it starts (see :mod:`router.scheduling`):
+``app[PROMPT_ANALYZER]`` (fill token ids / block keys), ``app[STATE_PROVIDERS]`` (named
+read-only snapshots for scorers) and ``app[OBSERVERS]`` (called after each proxied call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
+from router.scheduling import RequestContext
+from router.scheduling.pipeline import Pipeline
+from router.scheduling.registry import build_pipeline
+from router.state import MemoryStore, RedisStore, make_store
+
+log = logging.getLogger("kvroute")
+
+PromptAnalyzer = Callable[[RequestContext], Awaitable[None] | None]
+Observer = Callable[[RequestContext, dict[str, Any]], None]
+
+
+@dataclass
+class Runtime:
+    """Mutable service-level state: drain flag and the in-flight count it waits on."""
+
+    draining: bool = False
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def enter(self) -> None:
+        self.inflight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.idle.set()
+
+
+CONFIG = web.AppKey("config", RouterConfig)
+METRICS = web.AppKey("metrics", RouterMetrics)
+REPLICAS = web.AppKey("replicas", ReplicaSet)
+MONITOR = web.AppKey("monitor", ReplicaMonitor)
+STORE = web.AppKey("store", MemoryStore | RedisStore)
+PIPELINE = web.AppKey("pipeline", Pipeline)
+CLIENT = web.AppKey("client", aiohttp.ClientSession)
+RUNTIME = web.AppKey("runtime", Runtime)
+PROMPT_ANALYZER = web.AppKey("prompt_analyzer", object)  # PromptAnalyzer | None
+STATE_PROVIDERS = web.AppKey("state_providers", dict)  # name -> () -> snapshot
+OBSERVERS = web.AppKey("observers", list)  # [Observer]
+
+
+async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    conn = aiohttp.TCPConnector(
+        limit=cfg.max_connections,
+        limit_per_host=cfg.max_connections_per_replica,
+        ttl_dns_cache=int(cfg.dns_interval_s),
+        keepalive_timeout=30,
+    )
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
+    )
+    app[CLIENT] = aiohttp.ClientSession(
+        connector=conn, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+    )
+    yield
+    await app[CLIENT].close()
+
+
+async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    replicas = app[REPLICAS]
+    replicas.set_source("static", cfg.replicas)
+    mon = ReplicaMonitor(replicas, app[CLIENT], cfg)
+    app[MONITOR] = mon
+    await mon.check_all()  # know health and models before taking traffic
+    metrics = app[METRICS]
+
+    def refresh() -> None:
+        for r in replicas:
+            metrics.breaker.labels(r.name).set(BREAKER_CODE[r.breaker.state])
+
+    metrics.on_scrape(refresh)
+    tasks = mon.tasks()
+    yield
+    await cancel_all(tasks)
+
+
+async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    store = make_store(cfg.redis_url, cfg.session_ttl_s, cfg.redis_timeout_s,
+                       cfg.redis_reconcile_interval_s)  # fmt: skip
+    app[STORE] = store
+    if isinstance(store, RedisStore) and not await store.reconcile():
+        log.warning("redis at start-up unreachable: serving from the local view until it is up")
+        store._up = False
+    metrics = app[METRICS]
+
+    def refresh() -> None:
+        metrics.active_sessions.set(store.active_count())
+        metrics.backend_up.labels(store.backend).set(1 if store.up else 0)
+
+    metrics.on_scrape(refresh)
+    task = asyncio.create_task(store.run(), name="kvroute-store")
+    yield
+    await cancel_all([task])
+    await store.close()
+
+
+def build_app(
+    cfg: RouterConfig,
+    *,
+    analyzer: PromptAnalyzer | None = None,
+    state_providers: dict[str, Callable[[], Any]] | None = None,
+    observers: list[Observer] | None = None,
+) -> web.Application:
+    from router import api
+
+    app = web.Application(client_max_size=cfg.max_body_bytes)
+    app[CONFIG] = cfg
+    app[METRICS] = RouterMetrics()
+    app[REPLICAS] = ReplicaSet(cfg.breaker_failures, cfg.breaker_cooldown_s)
+    app[PIPELINE] = build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)
+    app[RUNTIME] = Runtime()
+    app[RUNTIME].idle.set()
+    app[PROMPT_ANALYZER] = analyzer
+    app[STATE_PROVIDERS] = dict(state_providers or {})
+    app[OBSERVERS] = list(observers or [])
+    app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, _store_ctx])
+    api.add_routes(app)
+    return app
+
+
+async def start_site(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, str]:
+    """Start ``app`` on ``host:port`` (0 = a free port); returns the runner and base URL."""
+    cfg = app[CONFIG]
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client disconnect cancels the handler: abort upstream
+        max_line_size=cfg.max_header_bytes,
+        max_field_size=cfg.max_header_bytes,
+        access_log=None,
+        shutdown_timeout=cfg.drain_timeout_s,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server
+    sock = server.sockets[0] if server and server.sockets else None  # type: ignore[union-attr]
+    actual = sock.getsockname()[1] if sock else port
+    return runner, f"http://{host}:{actual}"
+
+
+async def drain(app: web.Application, timeout_s: float) -> bool:
+    """Stop taking new calls (503) and wait up to ``timeout_s`` for in-flight ones."""
+    rt = app[RUNTIME]
+    rt.draining = True
+    with contextlib.suppress(asyncio.TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await rt.idle.wait()
+    return rt.inflight == 0

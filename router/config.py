@@ -1,0 +1,171 @@
+"""Router configuration: one typed object, filled from defaults < YAML < env < flags.
+
+Owns: :class:`RouterConfig` and :func:`load_config`. Every field is settable three ways:
+a YAML key of the same name (``config.yaml``), an env var ``KVROUTE_<FIELD>`` (upper case)
+and a ``--field-name`` flag of ``kvroute serve``. Secrets (``upstream_api_key``,
+``admin_key``, ``api_keys``) never appear in ``repr``/logs. Pure: no sockets, no aiohttp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SECRET_FIELDS = frozenset({"upstream_api_key", "admin_key", "api_keys"})
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or contradictory."""
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: list[str] = field(default_factory=list)  # static URLs
+    replica_dns: list[str] = field(default_factory=list)  # http://name:port, re-resolved
+    dns_interval_s: float = 10.0
+    k8s_service: str | None = None  # EndpointSlice discovery: service name
+    k8s_namespace: str = "default"
+    k8s_port_name: str | None = None
+    k8s_interval_s: float = 5.0
+    policy: str = "session_affinity"
+    scheduling: dict[str, Any] | None = None  # explicit pipeline (overrides policy)
+    redis_url: str | None = None
+    session_ttl_s: float = 3600.0
+    redis_timeout_s: float = 0.25
+    redis_reconcile_interval_s: float = 1.0
+    health_interval_s: float = 2.0
+    metrics_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 600.0  # waiting for upstream headers (long prefills)
+    read_timeout_s: float = 300.0  # longest silence between upstream chunks
+    client_body_timeout_s: float = 30.0  # a client must finish sending its body by then
+    max_body_bytes: int = 32 << 20
+    max_header_bytes: int = 8190
+    max_connections: int = 1024
+    max_connections_per_replica: int = 256
+    retries: int = 2  # extra replicas tried before the first byte
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+    drain_timeout_s: float = 30.0
+    upstream_api_key: str | None = None
+    admin_key: str | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)  # client key -> tenant
+    affinity_load_factor: float = 1.25  # bounded-load consistent hashing: c
+    prefix_chars: int = 4096  # fallback session identity: leading prompt characters
+    log_level: str = "info"
+
+    def __repr__(self) -> str:
+        parts = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in SECRET_FIELDS and v:
+                v = "***"
+            parts.append(f"{f.name}={v!r}")
+        return f"RouterConfig({', '.join(parts)})"
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    def validate(self) -> None:
+        if not (self.replicas or self.replica_dns or self.k8s_service):
+            raise ConfigError("no replicas: give --replica URL, --replica-dns URL or --k8s-service")
+        for u in [*self.replicas, *self.replica_dns]:
+            if not u.startswith(("http://", "https://")):
+                raise ConfigError(f"replica URL must start with http:// or https://: {u!r}")
+        if self.max_body_bytes <= 0 or self.retries < 0 or self.breaker_failures < 1:
+            raise ConfigError("max_body_bytes > 0, retries >= 0 and breaker_failures >= 1")
+        if self.affinity_load_factor < 1.0:
+            raise ConfigError("affinity_load_factor must be >= 1.0")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a YAML/env/flag value into the field's type; clear error otherwise."""
+    f = _FIELDS[name]
+    t = str(f.type)
+    try:
+        if t.startswith("list"):
+            if isinstance(value, str):
+                return [v for v in (s.strip() for s in value.split(",")) if v]
+            return [str(v) for v in value]
+        if t.startswith("dict"):
+            if name == "api_keys":
+                return _parse_api_keys(value)
+            if isinstance(value, str):
+                value = yaml.safe_load(value)
+            if value is not None and not isinstance(value, dict):
+                raise TypeError("expected a mapping")
+            return value
+        if value is None:
+            return None
+        if t.startswith("int"):
+            return int(value)
+        if t.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config {name}: cannot use {value!r}: {e}") from None
+
+
+def _parse_api_keys(value: Any) -> dict[str, str]:
+    """``{key: tenant}``, or ``"key[:tenant],..."`` / a list of such strings."""
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out: dict[str, str] = {}
+    for item in items:
+        item = str(item).strip()
+        if not item:
+            continue
+        key, _, tenant = item.partition(":")
+        out[key] = tenant or _tenant_of_key(key)
+    return out
+
+
+def _tenant_of_key(key: str) -> str:
+    import hashlib
+
+    return "k-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def load_config(
+    file: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> RouterConfig:
+    """Defaults < YAML ``file`` < ``KVROUTE_*`` env < ``overrides`` (flags; None = unset)."""
+    values: dict[str, Any] = {}
+    if file:
+        try:
+            data = yaml.safe_load(Path(file).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config file {file}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {file} must hold a mapping")
+        unknown = set(data) - set(_FIELDS)
+        if unknown:
+            raise ConfigError(f"unknown config keys in {file}: {sorted(unknown)}")
+        values.update({k: _coerce(k, v) for k, v in data.items()})
+    env = os.environ if env is None else env
+    for name in _FIELDS:
+        raw = env.get("KVROUTE_" + name.upper())
+        if raw is not None:
+            values[name] = _coerce(name, raw)
+    for name, v in (overrides or {}).items():
+        if v is None or (isinstance(v, list) and not v):
+            continue
+        values[name] = _coerce(name, v)
+    cfg = RouterConfig(**values)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,376 @@
+"""Replicas: discovery (static, DNS, Kubernetes EndpointSlices), health, load, breakers.
+
+Owns: the live replica set and everything the router knows about each replica — health from
+``GET /health``, served models from ``GET /v1/models``, queue and KV usage scraped from vLLM's
+``GET /metrics`` (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``), the router's own in-flight count and a per-replica circuit
+breaker. Policies see only :class:`EndpointView` copies. Background loops are plain
+coroutines started by the app's cleanup context; one slow replica never blocks another
+(every probe has its own timeout). Must not import scheduling, handlers, torch or vllm.
+
+Circuit breaker: ``closed`` → after ``failures`` consecutive failures → ``open`` (no traffic)
+→ after ``cooldown_s`` → ``half_open``: exactly one request (the probe) may go; its success
+closes the breaker, its failure re-opens it for another cooldown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import orjson
+
+log = logging.getLogger("kvroute.replicas")
+
+CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
+BREAKER_CODE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+VLLM_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+class CircuitBreaker:
+    def __init__(self, failures: int = 3, cooldown_s: float = 5.0):
+        self.threshold = failures
+        self.cooldown_s = cooldown_s
+        self.state = CLOSED
+        self.failures = 0
+        self.opened_at = 0.0
+        self.probe_inflight = False
+
+    def allows(self, now: float | None = None) -> bool:
+        """Whether a new request may be sent now (does not change state)."""
+        if self.state == CLOSED:
+            return True
+        now = time.monotonic() if now is None else now
+        if self.state == OPEN:
+            return now - self.opened_at >= self.cooldown_s
+        return not self.probe_inflight
+
+    def on_send(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self.state == OPEN and now - self.opened_at >= self.cooldown_s:
+            self.state = HALF_OPEN
+        if self.state == HALF_OPEN:
+            self.probe_inflight = True
+
+    def on_success(self) -> None:
+        self.state, self.failures, self.probe_inflight = CLOSED, 0, False
+
+    def on_failure(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.failures += 1
+        if self.state == HALF_OPEN or self.failures >= self.threshold:
+            self.state, self.opened_at = OPEN, now
+        self.probe_inflight = False
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointView:
+    """What a policy may know about one replica (a copy; changing it changes nothing)."""
+
+    name: str
+    url: str
+    healthy: bool
+    models: frozenset[str]
+    inflight: int
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    breaker: str
+    accepting: bool = True  # breaker closed, or a half-open probe slot is free
+
+    @property
+    def load(self) -> float:
+        """Requests on the replica: router in-flight, or the engine's own count when larger."""
+        engine = (self.running or 0.0) + (self.waiting or 0.0)
+        return max(float(self.inflight), engine)
+
+
+@dataclass
+class Replica:
+    url: str
+    source: str = "static"
+    healthy: bool = True  # optimistic until the first probe says otherwise
+    models: frozenset[str] = frozenset()
+    model_cards: list[dict[str, Any]] = field(default_factory=list)
+    inflight: int = 0
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    last_error: str | None = None
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    def view(self) -> EndpointView:
+        return EndpointView(
+            self.name, self.url, self.healthy, self.models, self.inflight,
+            self.running, self.waiting, self.kv_usage, self.breaker.state,
+            self.breaker.allows(),
+        )  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "url": self.url, "source": self.source, "healthy": self.healthy,
+            "models": sorted(self.models), "inflight": self.inflight, "running": self.running,
+            "waiting": self.waiting, "kv_usage": self.kv_usage, "breaker": self.breaker.state,
+            "last_error": self.last_error,
+        }  # fmt: skip
+
+
+def normalize_url(url: str) -> str:
+    return url.rstrip("/")
+
+
+class ReplicaSet:
+    """The live replicas, keyed by URL; each discovery source replaces only its own entries."""
+
+    def __init__(self, breaker_failures: int = 3, breaker_cooldown_s: float = 5.0):
+        self._by_name: dict[str, Replica] = {}
+        self._breaker = (breaker_failures, breaker_cooldown_s)
+        self.version = 0
+
+    def __iter__(self) -> Any:
+        return iter(list(self._by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def get(self, name: str) -> Replica | None:
+        return self._by_name.get(name)
+
+    def set_source(self, source: str, urls: Iterable[str]) -> tuple[set[str], set[str]]:
+        """Make ``source``'s replicas exactly ``urls``; returns (added, removed) names."""
+        want = {normalize_url(u) for u in urls}
+        have = {n for n, r in self._by_name.items() if r.source == source}
+        added, removed = want - have, have - want
+        for n in removed:
+            del self._by_name[n]
+        for n in added:
+            if n not in self._by_name:  # another source may list the same URL
+                self._by_name[n] = Replica(n, source, breaker=CircuitBreaker(*self._breaker))
+        if added or removed:
+            self.version += 1
+            log.info("replicas from %s: +%s -%s", source, sorted(added), sorted(removed))
+        return added, removed
+
+    def views(self) -> tuple[EndpointView, ...]:
+        return tuple(r.view() for r in self._by_name.values())
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """Sum the gauges the router needs over all label sets (one engine may list several)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = min(i for i in (line.find("{"), line.find(" ")) if i >= 0)
+        key = VLLM_GAUGES.get(line[:name_end])
+        if key is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[-1] if "}" not in line else line.rsplit("}", 1)[1])
+        except ValueError:
+            continue
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+# --- Kubernetes EndpointSlice discovery -------------------------------------------------
+
+
+def endpoints_from_slices(
+    slices: Mapping[str, Any] | list[Mapping[str, Any]],
+    port_name: str | None = None,
+    scheme: str = "http",
+) -> set[str]:
+    """Ready endpoint URLs from an EndpointSlice list (``discovery.k8s.io/v1``).
+
+    Takes the ``items`` list (or the list response itself). An endpoint counts when its
+    ``conditions.ready`` is not false and it is not terminating. The port is the one named
+    ``port_name``, else the slice's first port.
+    """
+    items = slices.get("items", []) if isinstance(slices, Mapping) else slices
+    urls: set[str] = set()
+    for sl in items:
+        ports = sl.get("ports") or []
+        port = None
+        for p in ports:
+            if port_name is None or p.get("name") == port_name:
+                port = p.get("port")
+                break
+        if port is None:
+            continue
+        ipv6 = sl.get("addressType") == "IPv6"
+        for ep in sl.get("endpoints") or []:
+            cond = ep.get("conditions") or {}
+            if cond.get("ready") is False or cond.get("terminating") is True:
+                continue
+            for addr in ep.get("addresses") or []:
+                host = f"[{addr}]" if ipv6 else addr
+                urls.add(f"{scheme}://{host}:{port}")
+    return urls
+
+
+def diff(old: set[str], new: set[str]) -> tuple[set[str], set[str]]:
+    """(added, removed) between two discovery results."""
+    return new - old, old - new
+
+
+# --- background monitors ---------------------------------------------------------------
+
+
+class ReplicaMonitor:
+    """Health checks, model lists, metrics scrapes and discovery loops for one ReplicaSet."""
+
+    def __init__(self, replicas: ReplicaSet, session: aiohttp.ClientSession, cfg: Any):
+        self.replicas = replicas
+        self.session = session
+        self.cfg = cfg
+        self.health_rounds = 0
+        self._probe_timeout = aiohttp.ClientTimeout(total=cfg.health_timeout_s)
+        self._headers = (
+            {"Authorization": f"Bearer {cfg.upstream_api_key}"} if cfg.upstream_api_key else {}
+        )
+
+    async def check_one(self, r: Replica) -> None:
+        try:
+            async with self.session.get(
+                r.url + "/health", timeout=self._probe_timeout, headers=self._headers
+            ) as resp:
+                ok = resp.status == 200
+                await resp.read()
+            if ok:
+                async with self.session.get(
+                    r.url + "/v1/models", timeout=self._probe_timeout, headers=self._headers
+                ) as resp:
+                    if resp.status == 200:
+                        data = orjson.loads(await resp.read()).get("data") or []
+                        r.model_cards = [m for m in data if isinstance(m, dict) and "id" in m]
+                        r.models = frozenset(str(m["id"]) for m in r.model_cards)
+            if ok != r.healthy:
+                log.warning("replica %s is now %s", r.name, "healthy" if ok else "unhealthy")
+            r.healthy, r.last_error = ok, None if ok else "health check failed"
+        except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as e:
+            if r.healthy:
+                log.warning("replica %s failed its health check: %r", r.name, e)
+            r.healthy, r.last_error = False, f"health: {type(e).__name__}"
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check_one(r) for r in self.replicas))
+        self.health_rounds += 1
+
+    async def scrape_one(self, r: Replica) -> None:
+        try:
+            async with self.session.get(
+                r.url + "/metrics", timeout=self._probe_timeout, headers=self._headers
+            ) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
+            return
+        m = parse_vllm_metrics(text)
+        r.running, r.waiting, r.kv_usage = m.get("running"), m.get("waiting"), m.get("kv_usage")
+
+    async def health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            await self.check_all()
+
+    async def metrics_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.metrics_interval_s)
+            await asyncio.gather(*(self.scrape_one(r) for r in self.replicas if r.healthy))
+
+    async def dns_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            for i, base in enumerate(self.cfg.replica_dns):
+                u = urlsplit(base)
+                port = u.port or (443 if u.scheme == "https" else 80)
+                try:
+                    infos = await loop.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM)
+                except OSError as e:
+                    log.warning("cannot resolve %s: %s (keeping the last answer)", base, e)
+                    continue
+                urls = set()
+                for fam, *_rest, addr in infos:
+                    host = f"[{addr[0]}]" if fam == socket.AF_INET6 else addr[0]
+                    urls.add(urlunsplit((u.scheme, f"{host}:{port}", u.path, "", "")))
+                added, _ = self.replicas.set_source(f"dns:{i}", urls)
+                for n in added:
+                    r = self.replicas.get(n)
+                    if r:
+                        await self.check_one(r)
+            await asyncio.sleep(self.cfg.dns_interval_s)
+
+    async def k8s_loop(self) -> None:
+        """Poll EndpointSlices of one Service through the in-cluster API (service account)."""
+        from pathlib import Path
+
+        sa = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+        import os
+        import ssl
+
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            log.error("--k8s-service needs a cluster (KUBERNETES_SERVICE_HOST is not set)")
+            return
+        ctx = ssl.create_default_context(cafile=str(sa / "ca.crt"))
+        url = (
+            f"https://{host}:{port}/apis/discovery.k8s.io/v1/namespaces/"
+            f"{self.cfg.k8s_namespace}/endpointslices"
+        )
+        params = {"labelSelector": f"kubernetes.io/service-name={self.cfg.k8s_service}"}
+        while True:
+            try:
+                token = (sa / "token").read_text().strip()  # rotated by the kubelet
+                async with self.session.get(
+                    url, params=params, ssl=ctx, timeout=self._probe_timeout,
+                    headers={"Authorization": f"Bearer {token}"},
+                ) as resp:
+                    resp.raise_for_status()
+                    data = orjson.loads(await resp.read())
+                urls = endpoints_from_slices(data, self.cfg.k8s_port_name)
+                added, _ = self.replicas.set_source("k8s", urls)
+                for n in added:
+                    r = self.replicas.get(n)
+                    if r:
+                        await self.check_one(r)
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+                log.warning("EndpointSlice poll failed: %r (keeping the last answer)", e)
+            await asyncio.sleep(self.cfg.k8s_interval_s)
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        t = [
+            asyncio.create_task(self.health_loop(), name="kvroute-health"),
+            asyncio.create_task(self.metrics_loop(), name="kvroute-metrics-scrape"),
+        ]
+        if self.cfg.replica_dns:
+            t.append(asyncio.create_task(self.dns_loop(), name="kvroute-dns"))
+        if self.cfg.k8s_service:
+            t.append(asyncio.create_task(self.k8s_loop(), name="kvroute-k8s"))
+        return t
+
+
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t

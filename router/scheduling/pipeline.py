@@ -1,0 +1,104 @@
+"""The scheduling pipeline: filters, weighted scorers, picker; records the pick after.
+
+Owns: running one request through the configured plugins over a :class:`Snapshot`, the
+explanation of the decision (for ``/admin/route?explain=1`` and debug logs) and the only
+mutable scheduling state, the pick counter (``seq``) that round-robin-like scorers read from
+the snapshot. Must not import aiohttp, the proxy or stores.
+
+total(e) = sum_i w_i * clamp(score_i(e), 0, 1); the picker chooses among the totals.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.replicas import EndpointView
+from router.scheduling import Filter, Picker, RequestContext, Scorer, Snapshot
+
+log = logging.getLogger("kvroute.scheduling")
+
+
+class NoCandidates(Exception):
+    """No endpoint survived the filters."""
+
+    def __init__(self, removed_by: dict[str, str]):
+        super().__init__("no replica can serve this request")
+        self.removed_by = removed_by
+
+
+@dataclass
+class Decision:
+    endpoint: EndpointView
+    ranked: list[tuple[EndpointView, float]]  # best first (for explain; retries re-run)
+    explain: dict[str, Any] = field(default_factory=dict)
+
+
+def _clamp(x: float) -> float:
+    if not isinstance(x, (int, float)) or math.isnan(x):
+        return 0.0
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else float(x)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+    ):
+        self.name = name
+        self.filters = list(filters)
+        self.scorers = list(scorers)
+        self.picker = picker
+        self.seq = 0
+
+    def schedule(self, ctx: RequestContext, snap: Snapshot, explain: bool = False) -> Decision:
+        eps = [e for e in snap.endpoints if e.name not in ctx.excluded]
+        removed_by = {n: "already tried" for n in ctx.excluded}
+        for f in self.filters:
+            kept = f.filter(ctx, snap, eps)
+            if explain or not kept:
+                keep = {e.name for e in kept}
+                removed_by.update({e.name: f.name for e in eps if e.name not in keep})
+            eps = kept
+            if not eps:
+                raise NoCandidates(removed_by)
+        totals = dict.fromkeys((e.name for e in eps), 0.0)
+        detail: dict[str, dict[str, float]] = {e.name: {} for e in eps} if explain else {}
+        for scorer, w in self.scorers:
+            s = scorer.score(ctx, snap, eps)
+            for e in eps:
+                v = _clamp(s.get(e.name, 0.0))
+                totals[e.name] += w * v
+                if explain:
+                    detail[e.name][scorer.name] = round(v, 6)
+        ranked = sorted(((e, totals[e.name]) for e in eps), key=lambda t: -t[1])
+        chosen = self.picker.pick(ctx, snap, ranked)
+        out = Decision(chosen, ranked)
+        if explain:
+            out.explain = {
+                "policy": self.name,
+                "winner": chosen.name,
+                "weights": {s.name: w for s, w in self.scorers},
+                "candidates": [
+                    {"replica": e.name, "total": round(t, 6), "scores": detail[e.name],
+                     "load": e.load, "kv_usage": e.kv_usage}
+                    for e, t in ranked
+                ],
+                "filtered_out": removed_by,
+                "session": None if snap.session is None else snap.session.key,
+                "session_replica": None if snap.session is None else snap.session.replica,
+            }  # fmt: skip
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("pick %s for %s: %s", chosen.name, ctx.request_id,
+                      [(e.name, round(t, 3)) for e, t in ranked])  # fmt: skip
+        return out
+
+    def record(self, decision: Decision) -> None:
+        """Called by the service after a pick is used (policies never mutate state)."""
+        self.seq += 1

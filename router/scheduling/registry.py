@@ -1,0 +1,139 @@
+"""Plugin registry and YAML wiring for the scheduling pipeline.
+
+Owns: the name -> factory tables for ``filter``, ``scorer``, ``picker`` and ``policy`` (a named
+pipeline spec), and :func:`build_pipeline` which turns a spec into a :class:`Pipeline`. A spec:
+
+.. code-block:: yaml
+
+    filters: [healthy, serves_model]          # or {type: NAME, params: {...}}
+    scorers:
+      - {type: session_affinity, weight: 2.0, params: {load_factor: 1.25}}
+      - {type: least_load, weight: 1.0}
+    picker: max_score                          # or {type: max_score, params: {seed: 0}}
+
+Errors (unknown plugin, missing or negative weight, bad params) raise
+:class:`router.config.ConfigError` at start-up, never at request time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from router.config import ConfigError
+
+KINDS = ("filter", "scorer", "picker", "policy")
+_TABLE: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in KINDS}
+_BUILTIN_MODULES = (
+    "router.scheduling.filters",
+    "router.scheduling.pickers",
+    "router.scheduling.round_robin",
+    "router.scheduling.least_load",
+    "router.scheduling.session_affinity",
+    "router.scheduling.prefix_hash",
+)
+_discovered = False
+
+
+def register(kind: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: ``@register("scorer", "least_load")`` on a factory of keyword params."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown plugin kind {kind!r}")
+
+    def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
+        _TABLE[kind][name] = factory
+        return factory
+
+    return deco
+
+
+def register_policy(name: str, spec: Mapping[str, Any]) -> None:
+    _TABLE["policy"][name] = lambda: dict(spec)
+
+
+def discover() -> None:
+    """Import built-in plugins plus ``router.scheduling.scorers.*`` and ``kv_*`` modules."""
+    global _discovered
+    if _discovered:
+        return
+    for m in _BUILTIN_MODULES:
+        importlib.import_module(m)
+    import router.scheduling as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("kv_"):
+            importlib.import_module(f"router.scheduling.{info.name}")
+    try:
+        scorers = importlib.import_module("router.scheduling.scorers")
+    except ImportError:
+        scorers = None
+    if scorers is not None and hasattr(scorers, "__path__"):
+        for info in pkgutil.walk_packages(scorers.__path__, "router.scheduling.scorers."):
+            importlib.import_module(info.name)
+    _discovered = True
+
+
+def names(kind: str) -> list[str]:
+    discover()
+    return sorted(_TABLE[kind])
+
+
+def _make(kind: str, item: Any) -> tuple[Any, Mapping[str, Any]]:
+    if isinstance(item, str):
+        item = {"type": item}
+    if not isinstance(item, Mapping) or "type" not in item:
+        raise ConfigError(f"{kind} entry must be a name or a mapping with 'type': {item!r}")
+    name = item["type"]
+    factory = _TABLE[kind].get(name)
+    if factory is None:
+        raise ConfigError(f"unknown {kind} {name!r}; known: {sorted(_TABLE[kind])}")
+    params = item.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{kind} {name}: params must be a mapping")
+    try:
+        return factory(**params), item
+    except TypeError as e:
+        raise ConfigError(f"{kind} {name}: bad params {dict(params)}: {e}") from None
+
+
+def policy_spec(name: str) -> dict[str, Any]:
+    discover()
+    f = _TABLE["policy"].get(name)
+    if f is None:
+        raise ConfigError(f"unknown policy {name!r}; known: {sorted(_TABLE['policy'])}")
+    return dict(f())
+
+
+def build_pipeline(spec: Mapping[str, Any] | str, seed: int | None = None) -> Any:
+    """A :class:`~router.scheduling.pipeline.Pipeline` from a policy name or a spec mapping."""
+    from router.scheduling.pipeline import Pipeline
+
+    discover()
+    if isinstance(spec, str):
+        name, spec = spec, policy_spec(spec)
+    else:
+        name = str(spec.get("name", "custom"))
+    unknown = set(spec) - {"name", "filters", "scorers", "picker"}
+    if unknown:
+        raise ConfigError(f"unknown scheduling keys: {sorted(unknown)}")
+    filters = [_make("filter", f)[0] for f in spec.get("filters", ["healthy", "serves_model"])]
+    scorers = []
+    for s in spec.get("scorers") or []:
+        obj, item = _make("scorer", s)
+        w = item.get("weight")
+        if w is None:
+            raise ConfigError(f"scorer {item['type']!r} has no weight")
+        if not isinstance(w, (int, float)) or w < 0:
+            raise ConfigError(f"scorer {item['type']!r}: weight must be a number >= 0, got {w!r}")
+        scorers.append((obj, float(w)))
+    if not scorers:
+        raise ConfigError("a pipeline needs at least one scorer")
+    picker_item = spec.get("picker", "max_score")
+    if isinstance(picker_item, str):
+        picker_item = {"type": picker_item}
+    if seed is not None:
+        picker_item = {**picker_item, "params": {"seed": seed, **(picker_item.get("params") or {})}}
+    picker = _make("picker", picker_item)[0]
+    return Pipeline(name, filters, scorers, picker)

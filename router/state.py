@@ -1,0 +1,388 @@
+"""Session table: in-process (default) or Redis-backed (active-active across routers).
+
+Owns: :class:`SessionRecord` (owner replica, lineage, per-session timing) and the two stores.
+Policies never see a store, only the :class:`SessionRecord` copy handed to them in the
+scheduling snapshot. Must not import aiohttp handlers, scheduling or vllm.
+
+* :class:`MemoryStore` — an ordered dict with TTL (refreshed on every call) and a size cap.
+* :class:`RedisStore` — a :class:`MemoryStore` as the *local view* plus one Redis hash per
+  session (``kvroute:s:<key>``) and a children set (``kvroute:c:<key>``). Every operation
+  updates the local view first, then Redis with a short timeout. When Redis fails the store
+  marks itself down, serves from the local view, remembers the keys it touched, and a
+  background task (``run()``) pings Redis; when it answers, the dirty keys are written back
+  (an owner already in Redis wins: another router may have placed the session meanwhile).
+  The first placement of a session is ``HSETNX`` so two routers racing on a new session agree
+  on one replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import orjson
+
+from router.sessions import SessionIdentity
+
+log = logging.getLogger("kvroute.state")
+MAX_GAPS = 32
+
+
+@dataclass
+class SessionRecord:
+    key: str
+    tenant: str
+    parent: str | None = None
+    agent: str | None = None
+    replica: str | None = None  # the replica that holds (or last held) its KV
+    created: float = 0.0
+    last_seen: float = 0.0  # start of the latest call (wall clock)
+    last_call_end: float | None = None
+    gaps: list[float] = field(default_factory=list)  # idle time between calls (s), newest last
+    calls: int = 0
+    inflight: int = 0  # this router's calls in flight for the session
+    final: bool = False
+    children: set[str] = field(default_factory=set)
+
+    def copy(self) -> SessionRecord:
+        return replace(self, gaps=list(self.gaps), children=set(self.children))
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["children"] = sorted(self.children)
+        return d
+
+
+class SessionStore(Protocol):
+    backend: str
+
+    async def begin_call(self, ident: SessionIdentity, now: float) -> SessionRecord: ...
+    async def claim(self, key: str, replica: str) -> str: ...
+    async def assign(self, key: str, replica: str) -> None: ...
+    async def end_call(self, key: str, now: float) -> None: ...
+    async def get(self, key: str) -> SessionRecord | None: ...
+    def active_count(self) -> int: ...
+    def list(self, limit: int = 100) -> list[SessionRecord]: ...
+    @property
+    def up(self) -> bool: ...
+    async def run(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+class MemoryStore:
+    """In-process session table with TTL and a size cap (oldest evicted first)."""
+
+    backend = "memory"
+
+    def __init__(self, ttl_s: float = 3600.0, max_sessions: int = 1_000_000):
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self._d: OrderedDict[str, SessionRecord] = OrderedDict()
+
+    @property
+    def up(self) -> bool:
+        return True
+
+    def _live(self, key: str, now: float | None = None) -> SessionRecord | None:
+        rec = self._d.get(key)
+        if rec is None:
+            return None
+        now = time.time() if now is None else now
+        if now - max(rec.last_seen, rec.last_call_end or 0.0) > self.ttl_s and rec.inflight == 0:
+            del self._d[key]
+            return None
+        return rec
+
+    def touch(self, ident: SessionIdentity, now: float) -> SessionRecord:
+        rec = self._live(ident.key, now)
+        if rec is None:
+            rec = SessionRecord(ident.key, ident.tenant, ident.parent, ident.agent, created=now)
+            self._d[ident.key] = rec
+            while len(self._d) > self.max_sessions:
+                self._d.popitem(last=False)
+        else:
+            self._d.move_to_end(ident.key)
+        if rec.last_call_end is not None and rec.inflight == 0:
+            rec.gaps.append(max(0.0, now - rec.last_call_end))
+            del rec.gaps[:-MAX_GAPS]
+        rec.last_seen = now
+        rec.calls += 1
+        rec.inflight += 1
+        rec.final = rec.final or ident.final
+        if ident.parent and rec.parent is None:
+            rec.parent = ident.parent
+        if rec.parent:
+            parent = self._live(rec.parent, now)
+            if parent is None:
+                parent = SessionRecord(rec.parent, ident.tenant, created=now, last_seen=now)
+                self._d[rec.parent] = parent
+            parent.children.add(rec.key)
+        return rec
+
+    async def begin_call(self, ident: SessionIdentity, now: float) -> SessionRecord:
+        return self.touch(ident, now).copy()
+
+    async def claim(self, key: str, replica: str) -> str:
+        rec = self._d.get(key)
+        if rec is None:
+            return replica
+        if rec.replica is None:
+            rec.replica = replica
+        return rec.replica
+
+    async def assign(self, key: str, replica: str) -> None:
+        rec = self._d.get(key)
+        if rec is not None:
+            rec.replica = replica
+
+    def finish(self, key: str, now: float) -> SessionRecord | None:
+        rec = self._d.get(key)
+        if rec is not None:
+            rec.inflight = max(0, rec.inflight - 1)
+            rec.last_call_end = now
+        return rec
+
+    async def end_call(self, key: str, now: float) -> None:
+        self.finish(key, now)
+
+    async def get(self, key: str) -> SessionRecord | None:
+        rec = self._live(key)
+        return None if rec is None else rec.copy()
+
+    def sweep(self, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        dead = [k for k in list(self._d) if self._live(k, now) is None]
+        return len(dead)
+
+    def active_count(self) -> int:
+        return len(self._d)
+
+    def list(self, limit: int = 100) -> list[SessionRecord]:
+        return [r.copy() for r in list(reversed(self._d.values()))[:limit]]
+
+    def merge_remote(self, key: str, remote: dict[str, Any]) -> None:
+        rec = self._d.get(key)
+        if rec is None:
+            return
+        if remote.get("replica"):
+            rec.replica = remote["replica"]
+        end = remote.get("last_call_end")
+        if end is not None and (rec.last_call_end is None or end > rec.last_call_end):
+            rec.last_call_end = end
+        rec.calls = max(rec.calls, int(remote.get("calls", 0)))
+        rec.created = min(rec.created, float(remote.get("created", rec.created)))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(min(60.0, self.ttl_s / 4))
+            self.sweep()
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisStore:
+    """Redis-backed table with a local view that keeps serving while Redis is away."""
+
+    backend = "redis"
+    PREFIX = "kvroute:s:"
+    CHILDREN = "kvroute:c:"
+
+    def __init__(
+        self,
+        url: str,
+        ttl_s: float = 3600.0,
+        timeout_s: float = 0.25,
+        reconcile_interval_s: float = 1.0,
+    ):
+        import redis.asyncio as aioredis
+
+        self.url = url
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.reconcile_interval_s = reconcile_interval_s
+        self.local = MemoryStore(ttl_s)
+        self._r = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry_on_timeout=False, decode_responses=True,
+        )  # fmt: skip
+        self._up = True
+        self._dirty: set[str] = set()
+        self.reconciles = 0
+        self._wake = asyncio.Event()
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def _down(self, err: BaseException, key: str | None) -> None:
+        if self._up:
+            log.warning("redis unreachable (%s): serving sessions from the local view", err)
+        self._up = False
+        if key:
+            self._dirty.add(key)
+        self._wake.set()
+
+    async def _do(self, key: str | None, coro_fn: Any) -> Any:
+        if not self._up:
+            if key:
+                self._dirty.add(key)
+            return None
+        try:
+            async with asyncio.timeout(self.timeout_s * 2):
+                return await coro_fn()
+        except (TimeoutError, OSError, Exception) as e:  # redis errors vary widely
+            self._down(e, key)
+            return None
+
+    def _fields(self, rec: SessionRecord) -> dict[str, str]:
+        f = {
+            "tenant": rec.tenant,
+            "created": repr(rec.created),
+            "last_seen": repr(rec.last_seen),
+            "calls": str(rec.calls),
+            "gaps": orjson.dumps(rec.gaps).decode(),
+            "final": "1" if rec.final else "0",
+        }
+        if rec.parent:
+            f["parent"] = rec.parent
+        if rec.agent:
+            f["agent"] = rec.agent
+        if rec.last_call_end is not None:
+            f["last_call_end"] = repr(rec.last_call_end)
+        return f
+
+    @staticmethod
+    def _parse(h: dict[str, str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if h.get("replica"):
+            out["replica"] = h["replica"]
+        if h.get("last_call_end"):
+            out["last_call_end"] = float(h["last_call_end"])
+        if h.get("calls"):
+            out["calls"] = int(h["calls"])
+        if h.get("created"):
+            out["created"] = float(h["created"])
+        return out
+
+    async def begin_call(self, ident: SessionIdentity, now: float) -> SessionRecord:
+        rec = self.local.touch(ident, now)
+        k = self.PREFIX + ident.key
+
+        async def op() -> None:
+            remote = await self._r.hgetall(k)
+            if remote:
+                # calls and timing seen by other routers count too
+                prev_end = rec.last_call_end
+                self.local.merge_remote(ident.key, self._parse(remote))
+                if rec.last_call_end is not None and rec.last_call_end != prev_end:
+                    gap = max(0.0, now - rec.last_call_end)
+                    if prev_end is not None and rec.gaps:
+                        rec.gaps[-1] = gap
+                    else:
+                        rec.gaps.append(gap)
+                rec.calls = max(rec.calls, int(remote.get("calls", 0)) + 1)
+            async with self._r.pipeline(transaction=False) as p:
+                p.hset(k, mapping=self._fields(rec))
+                p.expire(k, int(self.ttl_s))
+                if rec.parent:
+                    p.sadd(self.CHILDREN + rec.parent, ident.key)
+                    p.expire(self.CHILDREN + rec.parent, int(self.ttl_s))
+                await p.execute()
+
+        await self._do(ident.key, op)
+        return rec.copy()
+
+    async def claim(self, key: str, replica: str) -> str:
+        local_owner = await self.local.claim(key, replica)
+
+        async def op() -> str:
+            k = self.PREFIX + key
+            async with self._r.pipeline(transaction=False) as p:
+                p.hsetnx(k, "replica", replica)
+                p.hget(k, "replica")
+                _, owner = await p.execute()
+            return str(owner or replica)
+
+        owner = await self._do(key, op)
+        if owner is None:
+            return local_owner
+        await self.local.assign(key, owner)
+        return str(owner)
+
+    async def assign(self, key: str, replica: str) -> None:
+        await self.local.assign(key, replica)
+        await self._do(key, lambda: self._r.hset(self.PREFIX + key, "replica", replica))
+
+    async def end_call(self, key: str, now: float) -> None:
+        self.local.finish(key, now)
+        await self._do(key, lambda: self._r.hset(self.PREFIX + key, "last_call_end", repr(now)))
+
+    async def get(self, key: str) -> SessionRecord | None:
+        return await self.local.get(key)
+
+    def active_count(self) -> int:
+        return self.local.active_count()
+
+    def list(self, limit: int = 100) -> list[SessionRecord]:
+        return self.local.list(limit)
+
+    async def reconcile(self) -> bool:
+        """Ping Redis; when it answers, write back what changed while it was away."""
+        try:
+            async with asyncio.timeout(self.timeout_s * 2):
+                await self._r.ping()
+                dirty, self._dirty = self._dirty, set()
+                for key in dirty:
+                    rec = self.local._d.get(key)
+                    if rec is None:
+                        continue
+                    k = self.PREFIX + key
+                    async with self._r.pipeline(transaction=False) as p:
+                        p.hset(k, mapping=self._fields(rec))
+                        if rec.replica:
+                            p.hsetnx(k, "replica", rec.replica)
+                        p.expire(k, int(self.ttl_s))
+                        if rec.parent:
+                            p.sadd(self.CHILDREN + rec.parent, key)
+                        await p.execute()
+        except Exception as e:  # still away: keep the dirty keys for next time
+            self._dirty |= locals().get("dirty", set())
+            log.debug("redis still unreachable: %s", e)
+            return False
+        if not self._up:
+            log.warning("redis is back: reconciled %d sessions", len(dirty))
+        self._up = True
+        self.reconciles += 1
+        return True
+
+    async def run(self) -> None:
+        sweep_every = max(1.0, min(60.0, self.ttl_s / 4))
+        last_sweep = time.monotonic()
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with asyncio.timeout(self.reconcile_interval_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            if not self._up or self._dirty:
+                await asyncio.sleep(self.reconcile_interval_s)
+                await self.reconcile()
+            if time.monotonic() - last_sweep > sweep_every:
+                self.local.sweep()
+                last_sweep = time.monotonic()
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._r.aclose()
+
+
+def make_store(redis_url: str | None, ttl_s: float, timeout_s: float = 0.25,
+               reconcile_interval_s: float = 1.0) -> MemoryStore | RedisStore:
+    if redis_url:
+        return RedisStore(redis_url, ttl_s, timeout_s, reconcile_interval_s)
+    return MemoryStore(ttl_s)

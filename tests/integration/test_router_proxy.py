@@ -1,0 +1,341 @@
+"""The router's streaming proxy against real minimal backends on loopback.
+
+:class:`FakeReplica` is a small vLLM-shaped aiohttp server with knobs (delay, failure status,
+streaming, dying mid-stream) that records what it received; other router test files import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from router.app import REPLICAS, build_app, start_site
+from router.config import RouterConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+# Odd bytes on purpose: multi-byte UTF-8 split across writes, CRLF, an SSE comment line.
+SSE_CHUNKS = [
+    b": keep-alive comment\n\n",
+    b'data: {"choices":[{"delta":{"content":"h\xc3',
+    b'\xa9llo \xe2\x82\xac"}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":" w\\u00f6rld\\r\\n"}}]}\r\n\r\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens":7}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+@dataclass
+class Seen:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class FakeReplica:
+    """A vLLM-shaped backend. Knobs are plain attributes and may change between calls."""
+
+    name: str
+    models: list[str] = field(default_factory=lambda: ["tiny"])
+    delay_s: float = 0.0  # before the response headers
+    chunk_delay_s: float = 0.0
+    chunks: list[bytes] = field(default_factory=lambda: list(SSE_CHUNKS))
+    fail_status: int | None = None
+    die_after_chunks: int | None = None  # close the connection mid-stream
+    healthy: bool = True
+    running: float = 0.0
+    waiting: float = 0.0
+    seen: list[Seen] = field(default_factory=list)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    completed: int = 0
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    async def _infer(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.seen.append(Seen(request.path_qs, dict(request.headers), raw))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_status:
+            return web.json_response({"error": {"message": "injected"}}, status=self.fail_status)
+        body = orjson.loads(raw) if raw else {}
+        if not body.get("stream"):
+            return web.json_response({"id": "x", "replica": self.name, "echo_len": len(raw),
+                                      "usage": {"prompt_tokens": 3}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "X-Replica": self.name})
+        await resp.prepare(request)
+        try:
+            for i, c in enumerate(self.chunks):
+                if self.die_after_chunks is not None and i == self.die_after_chunks:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
+                await resp.write(c)
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+            await resp.write_eof()
+            self.completed += 1
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted.set()
+            raise
+        return resp
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "owned_by": self.name} for m in self.models]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=(
+            f'vllm:num_requests_running{{model_name="tiny"}} {self.running}\n'
+            f'vllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="tiny"}} 0.25\n'))
+
+    async def start(self) -> FakeReplica:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/{tail:.+}", self._infer)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+
+
+def dead_url() -> str:
+    """A loopback URL where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[Callable[..., Any]]:
+    started: list[FakeReplica] = []
+
+    async def make(n: int = 2, **knobs: Any) -> list[FakeReplica]:
+        out = [await FakeReplica(f"r{len(started) + i}", **knobs).start() for i in range(n)]
+        started.extend(out)
+        return out
+
+    yield make
+    for f in started:
+        await f.stop()
+
+
+@pytest.fixture
+async def router() -> AsyncIterator[Callable[..., Any]]:
+    runners: list[web.AppRunner] = []
+
+    async def make(urls: list[str], **cfg: Any) -> tuple[str, web.Application]:
+        defaults: dict[str, Any] = {"health_interval_s": 30.0, "metrics_interval_s": 30.0}
+        app = build_app(RouterConfig(replicas=urls, **{**defaults, **cfg}))
+        runner, url = await start_site(app)
+        runners.append(runner)
+        return url, app
+
+    yield make
+    for r in runners:
+        await r.cleanup()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        yield s
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+async def test_sse_passthrough_is_byte_exact_and_headers_are_clean(fakes, router, http):
+    (f,) = await fakes(1)
+    url, _ = await router([f.url])
+    hdrs = {"Connection": "keep-alive, X-Hop-Secret", "X-Hop-Secret": "1", "TE": "trailers",
+            "X-Request-Id": "req-123", "X-Custom": "kept"}
+    async with http.post(url + "/v1/chat/completions", json=CHAT, headers=hdrs) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"] == "text/event-stream"
+        assert r.headers["X-Request-Id"] == "req-123"
+        got = await r.read()
+    assert got == b"".join(SSE_CHUNKS)
+    up = {k.lower(): v for k, v in f.seen[-1].headers.items()}
+    assert up["x-request-id"] == "req-123" and up["x-custom"] == "kept"
+    assert "x-hop-secret" not in up and "te" not in up
+    # a request without an id gets one assigned, the same upstream and back
+    async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+        rid = r.headers["X-Request-Id"]
+        await r.read()
+    up = {k.lower(): v for k, v in f.seen[-1].headers.items()}
+    assert len(rid) >= 16 and up["x-request-id"] == rid
+
+
+async def test_non_streaming_body_and_large_request_pass_unchanged(fakes, router, http):
+    (f,) = await fakes(1)
+    url, _ = await router([f.url])
+    body = orjson.dumps({"model": "tiny", "prompt": "x" * 200_000, "max_tokens": 1})
+    async with http.post(url + "/v1/completions", data=body,
+                         headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 200
+        assert (await r.json())["echo_len"] == len(body)
+    assert f.seen[-1].body == body
+
+
+async def test_client_disconnect_aborts_upstream(fakes, router, http):
+    (f,) = await fakes(1, chunk_delay_s=0.05, chunks=[b"data: {}\n\n"] * 400)
+    url, _ = await router([f.url])
+    async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+        await r.content.readuntil(b"\n\n")
+        await r.content.readuntil(b"\n\n")
+        r.close()  # the client goes away mid-stream
+    await asyncio.wait_for(f.aborted.wait(), timeout=5)
+    assert f.completed == 0
+
+
+async def test_failover_before_first_byte_loses_no_call(fakes, router, http):
+    good, bad, doomed = await fakes(3)
+    bad.fail_status = 503
+    url, app = await router([doomed.url, bad.url, good.url], policy="round_robin",
+                            breaker_failures=2, breaker_cooldown_s=60)
+    await doomed.stop()  # passed its health check, then died: connections are refused
+    results = []
+    for _ in range(12):
+        async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+            results.append((r.status, await r.read()))
+    assert all(s == 200 and b == b"".join(SSE_CHUNKS) for s, b in results)
+    assert good.completed == 12
+    # both bad replicas tripped their breakers and stopped receiving traffic
+    states = {r.url: r.breaker.state for r in app[REPLICAS]}
+    assert states[bad.url] == "open" and list(states.values()).count("open") == 2
+    assert len(bad.seen) == 2
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert "kvroute_retries_total" in text and 'kvroute_breaker_state{replica="' in text
+
+
+async def test_replica_dying_mid_stream_ends_with_sse_error_event(fakes, router, http):
+    (f,) = await fakes(1, die_after_chunks=3)
+    url, _ = await router([f.url])
+    async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+        got = await r.read()
+    assert got.startswith(b"".join(SSE_CHUNKS[:3]))
+    tail = got[len(b"".join(SSE_CHUNKS[:3])):]
+    assert tail.startswith(b"data: ") and tail.endswith(b"\n\n")
+    assert orjson.loads(tail[6:])["error"]["type"] == "upstream_error"
+    # Anthropic route: a typed SSE error event
+    async with http.post(url + "/v1/messages", json={**CHAT, "max_tokens": 4}) as r:
+        got = await r.read()
+    assert got.endswith(b"\n\n") and b"event: error\ndata: " in got
+
+
+async def test_bad_input_gets_clear_errors(fakes, router, http):
+    (f,) = await fakes(1)
+    url, _ = await router([f.url], max_body_bytes=10_000, client_body_timeout_s=0.5,
+                          max_header_bytes=2048)
+    async with http.post(url + "/v1/chat/completions", data=b"{not json",
+                         headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400
+        err = (await r.json())["error"]
+        assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
+    async with http.post(url + "/v1/chat/completions", json={**CHAT, "model": "nope"}) as r:
+        assert r.status == 404 and (await r.json())["error"]["type"] == "model_not_found"
+    async with http.post(url + "/v1/chat/completions",
+                         json={**CHAT, "pad": "x" * 20_000}) as r:
+        assert r.status == 413
+    async with http.post(url + "/v1/chat/completions", json=CHAT,
+                         headers={"X-Big": "y" * 4096}) as r:
+        assert r.status in (400, 431)
+    async with http.post(url + "/v1/messages", data=b"[1]",
+                         headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400 and (await r.json())["type"] == "error"
+    assert f.seen == []  # none of them reached the replica
+
+    # a client that stops sending its body half-way is cut off with 408
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\":")
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), timeout=5)
+    assert b" 408 " in status_line
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+
+
+async def test_no_healthy_replica_is_503_with_retry_after(fakes, router, http):
+    (f,) = await fakes(1, healthy=False)
+    url, _ = await router([f.url, dead_url()])
+    async with http.post(url + "/v1/chat/completions", json={**CHAT, "model": None}) as r:
+        assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+        assert (await r.json())["error"]["type"] == "service_unavailable"
+    async with http.get(url + "/ready") as r:
+        assert r.status == 503
+    async with http.get(url + "/health") as r:
+        assert r.status == 200
+
+
+async def test_models_union_ready_metrics_and_passthrough(fakes, router, http):
+    a, b = await fakes(2)
+    b.models = ["tiny", "big"]
+    url, _ = await router([a.url, b.url])
+    async with http.get(url + "/v1/models") as r:
+        assert [m["id"] for m in (await r.json())["data"]] == ["big", "tiny"]
+    async with http.get(url + "/ready") as r:
+        assert r.status == 200 and (await r.json())["healthy_replicas"] == 2
+    # 'big' only lives on b: the serves_model filter must send it there
+    for _ in range(4):
+        async with http.post(url + "/v1/completions",
+                             json={"model": "big", "prompt": "p", "user": "u1"}) as r:
+            assert (await r.json())["replica"] == b.name
+    async with http.post(url + "/v1/embeddings", json={"model": "tiny", "input": "x"}) as r:
+        assert r.status == 200
+    assert any(s.path == "/v1/embeddings" for s in a.seen + b.seen)
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'kvroute_requests_total{replica="' + b.url in text
+    assert 'route="/v1/*"' in text and "kvroute_added_latency_seconds_count" in text
+
+
+async def test_upstream_key_is_injected_and_never_echoed_or_logged(fakes, router, http, caplog):
+    secret = "sk-upstream-SECRET-42"
+    (f,) = await fakes(1)
+    f.fail_status = None
+    url, app = await router([f.url], upstream_api_key=secret, admin_key="adm",
+                            api_keys={"client-key": "team-a"})
+    caplog.set_level(logging.DEBUG)
+    async with http.post(url + "/v1/chat/completions", json=CHAT,
+                         headers={"Authorization": "Bearer client-key"}) as r:
+        assert r.status == 200
+        raw = await r.read()
+        echoed = str(dict(r.headers)) + raw.decode()
+    assert f.seen[-1].headers["Authorization"] == f"Bearer {secret}"
+    async with http.get(url + "/admin/config", headers={"X-Admin-Key": "adm"}) as r:
+        echoed += await r.text()
+    async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 401
+    assert secret not in echoed and secret not in caplog.text and secret not in repr(
+        app[REPLICAS])
