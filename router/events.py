@@ -1,0 +1,259 @@
+"""KV event ingestion: asyncio ZMQ subscribers that keep the block index in step with replicas.
+
+Owns: the SUB sockets (both directions — *connect* to replicas whose publisher binds, e.g.
+``tcp://*:5557``; *bind* one socket for replicas whose publisher connects, e.g.
+``tcp://router:5557``, told apart by topic), per-publisher ``seq`` tracking, and what happens
+when the stream is not clean:
+
+* **gap** (``seq`` jumps, or the first message seen is not ``seq`` 0): mark the replica stale in
+  the index and ask its replay endpoint (vLLM ``ZmqEventPublisher`` ROUTER socket: send
+  ``[b"", start_seq(8B BE)]``, receive ``[b"", topic, seq, payload]`` per buffered batch, then
+  ``[b"", b"", -1(8B signed), b""]``). If every missing batch comes back, apply them in order
+  and mark the replica fresh. If not (no replay endpoint, timeout, or the buffer no longer
+  reaches back), the replica stays stale — scorers then use approximate mode for it — until
+  an ``AllBlocksCleared`` or a restart gives a known-empty cache to start from again.
+* **restart** (``seq`` goes back to 0): the replica's cache is empty; clear it in the index.
+* ``AllBlocksCleared``: clear the replica (done by :meth:`BlockIndex.apply`), mark fresh.
+* bad messages are counted and logged, never raised; one broken replica never stops the others.
+
+Must not import aiohttp, torch or vllm; talks to the index only through its mutators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from router.index import BlockIndex
+from router.kvevents import AllBlocksCleared, EventBatch, EventDecodeError, decode_message
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def topic_to_replica(topic: str) -> str:
+    """Default mapping: ``kv@NAME`` -> ``NAME`` (the bed's convention), else the topic."""
+    return topic[3:] if topic.startswith("kv@") else topic
+
+
+@dataclass
+class PublisherState:
+    """Per (replica, dp_rank) stream bookkeeping."""
+
+    last_seq: int | None = None
+    batches: int = 0
+    gaps: int = 0
+    replayed: int = 0
+    restarts: int = 0
+
+
+@dataclass
+class SubscriberStats:
+    decode_errors: int = 0
+    unknown_topics: int = 0
+    ignored_removed: int = 0
+    streams: dict[tuple[str, int | None], PublisherState] = field(default_factory=dict)
+
+
+class KVEventSubscriber:
+    """Feeds a :class:`BlockIndex` from vLLM KV event streams.
+
+    Start sockets with :meth:`bind` / :meth:`connect` inside a running event loop; each
+    socket gets one reader task. :meth:`close` cancels the tasks and closes the sockets.
+    ``replica_for_topic`` maps a topic to a replica name in bind mode (``None`` drops the
+    message as unknown).
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        *,
+        replica_for_topic: Callable[[str], str | None] = topic_to_replica,
+        replay_timeout_s: float = 2.0,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.index = index
+        self.replica_for_topic = replica_for_topic
+        self.replay_timeout_s = replay_timeout_s
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.asyncio.Context()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._socks: list[zmq.asyncio.Socket] = []
+        self._replay: dict[str, str] = {}  # replica -> replay endpoint
+        self._removed: set[str] = set()
+        self._changed = asyncio.Event()
+        self.stats = SubscriberStats()
+
+    # ---- sockets --------------------------------------------------------------------------
+
+    def _sub(self) -> zmq.asyncio.Socket:
+        s = self.ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, 100_000)
+        self._socks.append(s)
+        return s
+
+    def bind(self, endpoint: str = "tcp://127.0.0.1:0") -> str:
+        """Bind one SUB socket for publishers that connect; returns the bound endpoint
+        (port 0 picks a free port)."""
+        s = self._sub()
+        if endpoint.endswith(":0"):
+            port = s.bind_to_random_port(endpoint[: endpoint.rfind(":")])
+            endpoint = f"{endpoint[: endpoint.rfind(':')]}:{port}"
+        else:
+            s.bind(endpoint)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._read(s, None)))
+        return endpoint
+
+    def connect(self, endpoint: str, replica: str, replay_endpoint: str | None = None) -> None:
+        """Subscribe to one replica whose publisher binds ``endpoint``."""
+        s = self._sub()
+        s.connect(endpoint)
+        self.add_replica(replica, replay_endpoint)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._read(s, replica)))
+
+    def add_replica(self, replica: str, replay_endpoint: str | None = None) -> None:
+        """Expect events from ``replica`` (again, after a removal); optional replay endpoint."""
+        self._removed.discard(replica)
+        if replay_endpoint:
+            self._replay[replica] = replay_endpoint
+        self.index.add_replica(replica)
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget a replica: its blocks leave the index; its events are ignored from now on."""
+        self._removed.add(replica)
+        self._replay.pop(replica, None)
+        for key in [k for k in self.stats.streams if k[0] == replica]:
+            del self.stats.streams[key]
+        self.index.remove_replica(replica)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for s in self._socks:
+            s.close(0)
+        self._tasks.clear()
+        self._socks.clear()
+        if self._own_ctx:
+            self.ctx.term()
+
+    async def wait_changed(self) -> None:
+        """Wait until the next batch (or replay) has been applied (tests, admin)."""
+        self._changed.clear()
+        await self._changed.wait()
+
+    # ---- the stream -------------------------------------------------------------------------
+
+    async def _read(self, sock: zmq.asyncio.Socket, replica: str | None) -> None:
+        while True:
+            parts = await sock.recv_multipart()
+            try:
+                await self.handle(parts, replica)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad message kill ingestion
+                log.exception("kv events: failed to handle a message")
+            self._changed.set()
+
+    async def handle(self, parts: list[bytes], replica: str | None = None) -> None:
+        """Decode one multipart message and apply it (public for tests and tools)."""
+        try:
+            batch = decode_message(parts)
+        except EventDecodeError as e:
+            self.stats.decode_errors += 1
+            log.warning("kv events: undecodable message: %s", e)
+            return
+        mapped = self.replica_for_topic(batch.topic)
+        if mapped is None:  # a topic nobody asked for (connect mode: the socket names it)
+            self.stats.unknown_topics += 1
+            return
+        name = replica or mapped
+        if name in self._removed:
+            self.stats.ignored_removed += 1
+            return
+        key = (name, batch.dp_rank)
+        st = self.stats.streams.setdefault(key, PublisherState())
+        if st.last_seq is not None and batch.seq <= st.last_seq:
+            # seq went back: the publisher restarted, so its cache starts empty.
+            st.restarts += 1
+            log.info("kv events: %s restarted (seq %d after %d)", name, batch.seq, st.last_seq)
+            self.index.clear(name)
+            self.index.mark_fresh(name)
+            st.last_seq = None
+            if batch.seq != 0:
+                await self._gap(name, st, 0, batch)
+                return
+        elif (st.last_seq is None and batch.seq != 0) or (
+            st.last_seq is not None and batch.seq != st.last_seq + 1
+        ):
+            start = 0 if st.last_seq is None else st.last_seq + 1
+            await self._gap(name, st, start, batch)
+            return
+        self._apply(name, st, batch)
+
+    def _apply(self, name: str, st: PublisherState, batch: EventBatch) -> None:
+        self.index.apply(name, batch.events)
+        st.last_seq = batch.seq
+        st.batches += 1
+        if any(isinstance(e, AllBlocksCleared) for e in batch.events):
+            self.index.mark_fresh(name)  # a known-empty cache: whatever we missed is gone
+
+    async def _gap(self, name: str, st: PublisherState, start: int, batch: EventBatch) -> None:
+        st.gaps += 1
+        self.index.mark_stale(name, f"seq gap: expected {start}, got {batch.seq}")
+        log.warning("kv events: %s seq gap %d..%d", name, start, batch.seq - 1)
+        missed = await self._fetch_replay(name, start, batch.seq)
+        if missed is not None:
+            for b in missed:
+                self._apply(name, st, b)
+            st.replayed += len(missed)
+            self.index.mark_fresh(name)
+        self._apply(name, st, batch)
+
+    async def _fetch_replay(self, name: str, start: int, stop: int) -> list[EventBatch] | None:
+        """Batches ``start..stop-1`` from the replica's replay endpoint, or ``None`` when they
+        cannot all be had."""
+        ep = self._replay.get(name)
+        if ep is None:
+            return None
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        got: dict[int, EventBatch] = {}
+        try:
+            s.connect(ep)
+            await s.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(self.replay_timeout_s):
+                while True:
+                    frames = await s.recv_multipart()
+                    if len(frames) >= 3 and frames[0] == b"":
+                        frames = frames[1:]
+                    if len(frames) == 3 and frames[1] == END_SEQ:
+                        break
+                    try:
+                        b = decode_message(frames)
+                    except EventDecodeError:
+                        self.stats.decode_errors += 1
+                        continue
+                    if start <= b.seq < stop:
+                        got[b.seq] = b
+        except (TimeoutError, zmq.ZMQError) as e:
+            log.warning("kv events: replay from %s for %s failed: %r", ep, name, e)
+            return None
+        finally:
+            s.close(0)
+        if len(got) != stop - start:
+            log.warning("kv events: replay for %s returned %d of %d batches", name, len(got),
+                        stop - start)
+            return None
+        return [got[i] for i in range(start, stop)]
