@@ -19,6 +19,9 @@ from kvroute import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("loadtest.model_cli", "build or locate the deterministic tiny test model"),
     "serve": ("router.serve", "run the router in front of vLLM replicas"),
+    "twin": ("loadtest.twin.twin_cli", "run one simulated vLLM replica (the replica twin)"),
+    "cluster": ("loadtest.twin.cluster_cli", "run N replica twins in one process"),
+    "replay": ("loadtest.replay.cli", "replay an agentic trace, write AgentX metrics"),
 }
 
 

@@ -1,0 +1,136 @@
+"""AgentX metrics over replay records.
+
+Owns: :func:`summarize` (records -> the ``summary.json`` dict) and :class:`UnlimitedCache`
+(the prefix-cache hit bound for the same prompts with infinite capacity). Pure: numpy only,
+no HTTP, no router imports.
+
+Definitions (AgentX vocabulary, DESIGN.md):
+
+- P90 interactivity = 1000 / P90 TPOT in ms (tok/s per user); TPOT is a call's
+  ``(e2e - ttft) / (completion_tokens - 1)``, over successful calls with ≥2 output tokens.
+- Tokens per GPU-second = (prompt tokens incl. cached + completion tokens of successful calls)
+  / (GPUs × wall time).
+- TTFT p50/p90/p99; session completion p50/p90 over completed session plays (first call's
+  start to last call's end).
+- Cache hit ratio = Σ cached_tokens / Σ prompt_tokens over successful calls that reported
+  ``cached_tokens``; its bound is the same ratio for :class:`UnlimitedCache`.
+- Twins run ``speedup`` times faster than the hardware they model: every time is multiplied
+  by ``speedup`` (and throughput divided by it) so results read in modelled seconds.
+
+Percentiles use numpy's default (linear interpolation between order statistics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from loadtest.replay.records import CallRecord, QueueSample, SessionRecord
+
+
+def _pct(xs: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else None
+
+
+class UnlimitedCache:
+    """vLLM-style prefix caching over full blocks, with no capacity limit.
+
+    ``observe(token_ids)`` returns how many leading tokens of the prompt were held (full blocks
+    whose whole prefix chain was seen before, capped like vLLM at the last full block before
+    the final token, since one token must always be computed), then remembers every full
+    block of the prompt.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._seen: set[int] = set()
+
+    def observe(self, token_ids: Sequence[int]) -> int:
+        b = self.block_size
+        n_full = len(token_ids) // b
+        parent = 0
+        hit = 0
+        matching = True
+        for i in range(n_full):
+            h = hash((parent, tuple(token_ids[i * b : (i + 1) * b])))
+            if matching and h in self._seen:
+                hit += 1
+            else:
+                matching = False
+                self._seen.add(h)
+            parent = h
+        cap = (len(token_ids) - 1) // b
+        return min(hit, cap) * b
+
+
+def summarize(
+    calls: Sequence[CallRecord],
+    sessions: Sequence[SessionRecord] = (),
+    queue: Sequence[QueueSample] = (),
+    *,
+    wall_s: float,
+    gpus: int = 1,
+    speedup: float = 1.0,
+    interactivity_line_tok_s: float = 50.0,
+) -> dict[str, Any]:
+    """The AgentX summary of one replay (see the module docstring)."""
+    if wall_s <= 0:
+        raise ValueError("wall_s must be positive")
+    if gpus <= 0 or speedup <= 0:
+        raise ValueError("gpus and speedup must be positive")
+    ok = [c for c in calls if c.ok]
+    failed = [c for c in calls if not c.ok]
+    ttft = [c.ttft_s * speedup for c in ok if c.ttft_s is not None]
+    tpot_ms = [c.tpot_s * speedup * 1e3 for c in ok if c.tpot_s is not None
+               and c.completion_tokens >= 2]
+    p90_tpot = _pct(tpot_ms, 90)
+    interactivity = (1000.0 / p90_tpot) if p90_tpot else None
+    tokens = sum(c.prompt_tokens + c.completion_tokens for c in ok)
+    modelled_wall = wall_s * speedup
+    reported = [c for c in ok if c.cached_tokens is not None]
+    prompt_rep = sum(c.prompt_tokens for c in reported)
+    hit = sum(c.cached_tokens or 0 for c in reported) / prompt_rep if prompt_rep else None
+    prompt_all = sum(c.prompt_tokens for c in ok)
+    bound = sum(c.bound_cached_tokens for c in ok) / prompt_all if prompt_all else None
+    done = [s for s in sessions if s.complete]
+    completion = [(s.t_end - s.t_start) * speedup for s in done]
+    depth = [q.in_flight for q in queue]
+    waiting = [q.waiting for q in queue if q.waiting is not None]
+    errors: dict[str, int] = {}
+    for c in failed:
+        k = c.error.split(":", 1)[0] if c.error else f"http {c.status}"
+        errors[k] = errors.get(k, 0) + 1
+    return {
+        "p90_interactivity_tok_s": interactivity,
+        "tpot_p50_ms": _pct(tpot_ms, 50),
+        "tpot_p90_ms": p90_tpot,
+        "meets_interactivity_line": (
+            interactivity >= interactivity_line_tok_s if interactivity is not None else None
+        ),
+        "tokens_per_gpu_s": tokens / (gpus * modelled_wall),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90),
+        "ttft_p99_s": _pct(ttft, 99),
+        "session_completion_p50_s": _pct(completion, 50),
+        "session_completion_p90_s": _pct(completion, 90),
+        "sessions_completed": len(done),
+        "sessions_started": len(sessions),
+        "cache_hit_ratio": hit,
+        "cache_hit_bound": bound,
+        "prompt_tokens": prompt_all,
+        "cached_tokens": sum(c.cached_tokens or 0 for c in ok),
+        "completion_tokens": sum(c.completion_tokens for c in ok),
+        "requests_ok": len(ok),
+        "requests_failed": len(failed),
+        "failures": errors,
+        "queue_depth_p50": _pct(depth, 50),
+        "queue_depth_max": max(depth) if depth else None,
+        "waiting_p90": _pct(waiting, 90),
+        "wall_s": wall_s,
+        "modelled_wall_s": modelled_wall,
+        "speedup": speedup,
+        "gpus": gpus,
+        "replicas_used": sorted({c.replica for c in ok if c.replica}),
+    }

@@ -1,0 +1,388 @@
+"""The closed-loop (and open-loop) replay of a trace against an OpenAI-compatible target.
+
+Owns: :class:`ReplayConfig` and :func:`replay`, which plays sessions as DAGs — each call
+starts when its dependencies have ended plus their (scaled) delays — and writes
+``calls.jsonl``, ``sessions.jsonl``, ``queue.jsonl`` and ``summary.json`` into the output
+folder.
+
+- **Closed loop** (default): ``concurrency`` lanes; a lane plays one session at a time and
+  takes the next when it finishes. When every session has been played, lanes recycle the
+  trace as a new *play* whose prompts carry a per-play marker (a new namespace in
+  :class:`~loadtest.prompts.PromptBuilder`), so a recycled play never hits a warm cache.
+  Recycling goes on only while a ``duration_s`` bound is set and not reached.
+- **Open loop**: every session starts at its ``arrival_s / time_scale`` (Mooncake), however
+  many are in flight.
+- **Bounded**: after ``duration_s`` no new session and no new call starts; calls still in
+  flight get ``grace_s`` to finish, then are cancelled (recorded as failed: ``cancelled``).
+- Recorded delays are divided by ``time_scale`` (set it to a twin's ``speedup`` so idle gaps
+  shrink with the simulated hardware).
+
+Must not import the router (the harness must measure any router the same way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtest.metrics import UnlimitedCache, summarize
+from loadtest.prompts import PromptBuilder
+from loadtest.replay.client import CONVENTIONS, CallResult, session_headers, stream_chat
+from loadtest.replay.records import CallRecord, QueueSample, SessionRecord, write_jsonl
+from loadtest.traces.model import Call, Session, Trace
+
+
+@dataclass
+class ReplayConfig:
+    target: str  # base URL, e.g. http://127.0.0.1:8000
+    model: str | None = None  # None: the first of GET /v1/models
+    concurrency: int = 4
+    duration_s: float | None = None
+    grace_s: float = 30.0
+    max_plays: int | None = None  # session plays to start at most (over all lanes)
+    time_scale: float = 1.0
+    open_loop: bool = False
+    convention: str = "claude"
+    request_timeout_s: float = 600.0
+    speedup: float = 1.0  # the target's time compression (twins), for metrics
+    gpus: int = 1
+    metrics_urls: list[str] = field(default_factory=list)  # replicas' /metrics for queues
+    queue_sample_s: float = 0.5
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.convention not in CONVENTIONS:
+            raise ValueError(f"convention must be one of {CONVENTIONS}")
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+
+
+class _Run:
+    """State of one replay: records, the bound cache, in-flight count, the clock."""
+
+    def __init__(self, trace: Trace, builder: PromptBuilder, cfg: ReplayConfig, model: str):
+        self.trace = trace
+        self.builder = builder
+        self.cfg = cfg
+        self.model = model
+        self.t0 = time.monotonic()
+        self.calls: list[CallRecord] = []
+        self.sessions: list[SessionRecord] = []
+        self.queue: list[QueueSample] = []
+        self.bound = UnlimitedCache(builder.block_size)
+        self.in_flight = 0
+        self.stop_at = (self.t0 + cfg.duration_s) if cfg.duration_s else None
+        self.url = cfg.target.rstrip("/") + "/v1/chat/completions"
+        self.on_call: Callable[[CallRecord], None] = lambda r: None
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def stopped(self) -> bool:
+        return self.stop_at is not None and time.monotonic() >= self.stop_at
+
+    async def sleep_until(self, t_rel: float) -> bool:
+        """Sleep until ``t_rel`` (run clock); False if the run's bound comes first."""
+        target = self.t0 + t_rel
+        if self.stop_at is not None and target >= self.stop_at:
+            await asyncio.sleep(max(0.0, self.stop_at - time.monotonic()))
+            return False
+        await asyncio.sleep(max(0.0, target - time.monotonic()))
+        return not self.stopped()
+
+    def session_ns(self, s: Session, play: int) -> str:
+        if self.trace.id_scope == "trace":
+            return self.trace.name
+        return f"{self.trace.name}/{s.id}"
+
+    async def play_session(self, http: aiohttp.ClientSession, s: Session, play: int,
+                           lane: int) -> None:
+        start = self.now()
+        ns = self.session_ns(s, play)
+        sid = f"{self.trace.name}/{s.id}#{play}"
+        ends: dict[str, asyncio.Future[float]] = {
+            c.id: asyncio.get_running_loop().create_future() for c in s.calls
+        }
+        oks: dict[str, bool] = {}
+
+        async def run_call(c: Call) -> None:
+            try:
+                if c.deps:
+                    done = [await ends[d.call] for d in c.deps]
+                    ready = max(t + d.delay_s / self.cfg.time_scale
+                                for t, d in zip(done, c.deps, strict=True))
+                else:
+                    ready = start + c.start_delay_s / self.cfg.time_scale
+                if not await self.sleep_until(ready):
+                    oks[c.id] = False
+                    return
+                rec = await self.one_call(http, s.id, c, ns, sid, play, lane)
+                oks[c.id] = rec.ok
+            finally:
+                if not ends[c.id].done():
+                    ends[c.id].set_result(self.now())
+
+        tasks = [asyncio.create_task(run_call(c)) for c in s.calls]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.sessions.append(SessionRecord(
+                session=s.id, play=play, lane=lane, t_start=start, t_end=self.now(),
+                calls=sum(1 for c in s.calls if c.id in oks),
+                complete=len(oks) == len(s.calls) and all(oks.values()),
+            ))
+
+    async def one_call(self, http: aiohttp.ClientSession, session: str, c: Call, ns: str,
+                       sid: str, play: int, lane: int) -> CallRecord:
+        prompt = self.builder.build(c, ns, play)
+        bound = self.bound.observe(prompt.token_ids)
+        body = {
+            "model": self.model,
+            "messages": prompt.messages,
+            "max_tokens": c.output_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "temperature": 0.0,
+            **self.cfg.extra_body,
+        }
+        headers = session_headers(self.cfg.convention, sid, c.agent, c.parent_agent)
+        self.in_flight += 1
+        self.queue.append(QueueSample(self.now(), self.in_flight))
+        try:
+            res = await stream_chat(http, self.url, body, headers, clock=self.now,
+                                    timeout_s=self.cfg.request_timeout_s)
+        except asyncio.CancelledError:
+            res = CallResult(False, self.now(), self.now(), error="cancelled: run bound")
+            self._record(session, c, play, lane, prompt.n_tokens, bound, res)
+            raise
+        finally:
+            self.in_flight -= 1
+            self.queue.append(QueueSample(self.now(), self.in_flight))
+        return self._record(session, c, play, lane, prompt.n_tokens, bound, res)
+
+    def _record(self, session: str, c: Call, play: int, lane: int, expected: int, bound: int,
+                res: CallResult) -> CallRecord:
+        rec = CallRecord(
+            session=session, play=play, call=c.id,
+            agent=c.agent, t_start=res.t_start, t_end=res.t_end, ok=res.ok, ttft_s=res.ttft_s,
+            tpot_s=res.tpot_s,
+            prompt_tokens=res.prompt_tokens if res.prompt_tokens is not None else expected,
+            completion_tokens=res.completion_tokens, cached_tokens=res.cached_tokens,
+            expected_prompt_tokens=expected, bound_cached_tokens=bound, replica=res.replica,
+            lane=lane, status=res.status, error=res.error,
+        )
+        self.calls.append(rec)
+        self.on_call(rec)
+        return rec
+
+
+async def _scrape(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float | None, ...]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    waiting = running = 0.0
+    got = False
+    for u in urls:
+        try:
+            async with http.get(u, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError):
+            continue
+        try:
+            for fam in text_string_to_metric_families(text):
+                for smp in fam.samples:
+                    if smp.name == "vllm:num_requests_waiting":
+                        waiting += smp.value
+                        got = True
+                    elif smp.name == "vllm:num_requests_running":
+                        running += smp.value
+        except ValueError:
+            continue
+    return (waiting, running) if got else (None, None)
+
+
+async def _model_of(http: aiohttp.ClientSession, target: str) -> str:
+    url = target.rstrip("/") + "/v1/models"
+    try:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            data = await r.json(content_type=None)
+        return str(data["data"][0]["id"])
+    except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError) as e:
+        raise RuntimeError(f"cannot list models at {url}: {e!r}; pass --model") from e
+
+
+async def replay(trace: Trace, builder: PromptBuilder, cfg: ReplayConfig,
+                 out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Play ``trace`` against ``cfg.target``; returns the summary (also written to out_dir)."""
+    conn = aiohttp.TCPConnector(limit=max(64, cfg.concurrency * 8), force_close=False)
+    async with aiohttp.ClientSession(connector=conn) as http:
+        model = cfg.model or await _model_of(http, cfg.target)
+        run = _Run(trace, builder, cfg, model)
+        progress = _Progress(cfg, trace) if cfg.progress else None
+        if progress:
+            run.on_call = progress.update
+        sampler = asyncio.create_task(_sample_queue(run, http))
+        try:
+            if progress:
+                progress.start()
+            main = _open_loop(run, http) if cfg.open_loop else _closed_loop(run, http)
+            await _bounded(run, main)
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            if progress:
+                progress.stop()
+        wall = max(run.now(), 1e-9)
+    summary = summarize(run.calls, run.sessions, run.queue, wall_s=wall, gpus=cfg.gpus,
+                        speedup=cfg.speedup)
+    summary.update({
+        "trace": trace.name,
+        "trace_stats": trace.stats(),
+        "target": cfg.target,
+        "model": model,
+        "concurrency": cfg.concurrency,
+        "open_loop": cfg.open_loop,
+        "convention": cfg.convention,
+        "shared_prefix": builder.shared_prefix,
+        "block_size": builder.block_size,
+        "trace_block_size": trace.block_size,
+        "tokens_per_id": builder.tokens_per_id,
+        "template_tokens": builder.template_tokens,
+        "time_scale": cfg.time_scale,
+        "prompt_tokens_mismatch": sum(1 for c in run.calls if c.ok
+                                      and c.prompt_tokens != c.expected_prompt_tokens),
+    })
+    if out_dir is not None:
+        write_outputs(Path(out_dir), run, summary)
+    return summary
+
+
+def write_outputs(out: Path, run: _Run, summary: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "calls.jsonl", sorted(run.calls, key=lambda r: r.t_start))
+    write_jsonl(out / "sessions.jsonl", run.sessions)
+    write_jsonl(out / "queue.jsonl", run.queue)
+    (out / "summary.json").write_text(
+        json.dumps({**summary, "config": asdict(run.cfg)}, indent=1, default=str)
+    )
+
+
+async def _bounded(run: _Run, main: Any) -> None:
+    task = asyncio.ensure_future(main)
+    if run.stop_at is None:
+        await task
+        return
+    deadline = run.stop_at + run.cfg.grace_s - time.monotonic()
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline))
+    if not done:
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _closed_loop(run: _Run, http: aiohttp.ClientSession) -> None:
+    sessions = run.trace.sessions
+    recycle = run.cfg.duration_s is not None
+    counter = iter(range(10**12))
+    started = [0]
+
+    def next_play() -> tuple[Session, int] | None:
+        k = next(counter)
+        if run.cfg.max_plays is not None and k >= run.cfg.max_plays:
+            return None
+        play, idx = divmod(k, len(sessions))
+        if play > 0 and not recycle:
+            return None
+        started[0] += 1
+        return sessions[idx], play
+
+    async def lane(i: int) -> None:
+        while not run.stopped():
+            nxt = next_play()
+            if nxt is None:
+                return
+            await run.play_session(http, nxt[0], nxt[1], i)
+
+    lanes = [asyncio.create_task(lane(i)) for i in range(run.cfg.concurrency)]
+    try:
+        await asyncio.gather(*lanes)
+    finally:
+        for t in lanes:
+            t.cancel()
+        await asyncio.gather(*lanes, return_exceptions=True)
+
+
+async def _open_loop(run: _Run, http: aiohttp.ClientSession) -> None:
+    tasks: list[asyncio.Task[None]] = []
+    sessions = run.trace.sessions
+    if run.cfg.max_plays is not None:
+        sessions = sessions[: run.cfg.max_plays]
+    t_first = min((s.arrival_s or 0.0) for s in sessions) if sessions else 0.0
+    try:
+        for s in sessions:
+            at = ((s.arrival_s or 0.0) - t_first) / run.cfg.time_scale
+            if not await run.sleep_until(at):
+                break
+            tasks.append(asyncio.create_task(run.play_session(http, s, 0, 0)))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _sample_queue(run: _Run, http: aiohttp.ClientSession) -> None:
+    while True:
+        await asyncio.sleep(run.cfg.queue_sample_s)
+        waiting = running = None
+        if run.cfg.metrics_urls:
+            waiting, running = await _scrape(http, run.cfg.metrics_urls)
+        run.queue.append(QueueSample(run.now(), run.in_flight, waiting, running))
+
+
+class _Progress:
+    """Rich progress: calls finished (of the trace's calls, or of the time bound)."""
+
+    def __init__(self, cfg: ReplayConfig, trace: Trace):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.p = Progress(TextColumn("[bold]replay[/] {task.description}"), BarColumn(),
+                          MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
+        total = trace.n_calls if cfg.duration_s is None else None
+        if cfg.max_plays is not None and not cfg.duration_s:
+            total = sum(len(s.calls) for s in (trace.sessions * (cfg.max_plays //
+                        max(1, len(trace.sessions)) + 1))[: cfg.max_plays])
+        self.task = self.p.add_task(trace.name, total=total)
+        self.failed = 0
+
+    def start(self) -> None:
+        self.p.start()
+
+    def stop(self) -> None:
+        self.p.stop()
+
+    def update(self, rec: CallRecord) -> None:
+        if not rec.ok:
+            self.failed += 1
+            self.p.update(self.task, description=f"({self.failed} failed)")
+        self.p.advance(self.task)

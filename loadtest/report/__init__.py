@@ -1,0 +1,1 @@
+"""Reports of replay results: rich tables (:mod:`.tables`), PNG plots and an HTML page."""

@@ -1,0 +1,41 @@
+"""Rich tables of replay summaries (one row per target/point). Must not import the router."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+COLUMNS = [
+    ("p90_interactivity_tok_s", "P90 tok/s/user", "{:.1f}"),
+    ("tokens_per_gpu_s", "tok/GPU-s", "{:,.0f}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
+    ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
+    ("session_completion_p90_s", "session p90 s", "{:.1f}"),
+    ("cache_hit_ratio", "hit", "{:.1%}"),
+    ("cache_hit_bound", "hit bound", "{:.1%}"),
+    ("requests_ok", "ok", "{}"),
+    ("requests_failed", "failed", "{}"),
+]
+
+
+def fmt(v: Any, spec: str) -> str:
+    if v is None:
+        return "–"
+    try:
+        return spec.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def print_summary(rows: Mapping[str, Mapping[str, Any]], title: str = "AgentX metrics") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("target")
+    for _, head, _ in COLUMNS:
+        t.add_column(head, justify="right")
+    for name, s in rows.items():
+        t.add_row(name, *(fmt(s.get(k), spec) for k, _, spec in COLUMNS))
+    Console().print(t)

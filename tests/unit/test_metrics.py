@@ -1,0 +1,83 @@
+"""AgentX metrics on a hand-checkable record set, and the unlimited-cache bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.metrics import UnlimitedCache, summarize
+from loadtest.replay.records import CallRecord, QueueSample, SessionRecord
+
+
+def rec(t0, t1, ttft, tpot, p, c, cached, bound=0, ok=True, **kw):
+    return CallRecord(session="s", play=0, call="c", agent="main", t_start=t0, t_end=t1, ok=ok,
+                      ttft_s=ttft, tpot_s=tpot, prompt_tokens=p, completion_tokens=c,
+                      cached_tokens=cached, bound_cached_tokens=bound, **kw)
+
+
+RECORDS = [
+    # TPOTs 10, 20, 30, 40 ms; TTFTs 0.1 .. 0.4 s
+    rec(0.0, 1.0, 0.1, 0.010, 1000, 11, 500, bound=600, replica="a"),
+    rec(1.0, 2.0, 0.2, 0.020, 2000, 11, 1500, bound=1800, replica="b"),
+    rec(2.0, 3.0, 0.3, 0.030, 3000, 11, 0, bound=2900, replica="a"),
+    rec(3.0, 4.0, 0.4, 0.040, 4000, 11, 4000 - 32, bound=3968),
+    rec(4.0, 4.5, None, None, 5000, 0, None, ok=False, status=503, error="http 503: busy"),
+    rec(4.0, 9.0, 0.5, None, 900, 1, None),  # one output token: no TPOT, no cached field
+]
+SESSIONS = [
+    SessionRecord("s", 0, 0, 0.0, 10.0, 3, True),
+    SessionRecord("t", 0, 1, 2.0, 22.0, 3, True),
+    SessionRecord("u", 0, 1, 2.0, 3.0, 1, False),
+]
+
+
+def test_summary_by_hand():
+    s = summarize(RECORDS, SESSIONS, [QueueSample(0, 1), QueueSample(1, 3), QueueSample(2, 2)],
+                  wall_s=10.0, gpus=2)
+    # P90 of TPOT [10, 20, 30, 40] ms with linear interpolation = 37 ms
+    assert s["tpot_p90_ms"] == pytest.approx(37.0)
+    assert s["p90_interactivity_tok_s"] == pytest.approx(1000 / 37)
+    assert s["meets_interactivity_line"] is False
+    # tokens: prompts 1000+2000+3000+4000+900 + outputs 4*11+1 over 2 GPUs x 10 s
+    assert s["tokens_per_gpu_s"] == pytest.approx((10_900 + 45) / 20)
+    assert s["ttft_p50_s"] == pytest.approx(0.3)
+    assert s["ttft_p90_s"] == pytest.approx(0.46)
+    assert s["ttft_p99_s"] == pytest.approx(0.496)
+    # sessions: complete ones last 10 s and 20 s
+    assert s["session_completion_p50_s"] == pytest.approx(15.0)
+    assert s["session_completion_p90_s"] == pytest.approx(19.0)
+    assert s["sessions_completed"] == 2 and s["sessions_started"] == 3
+    # hit ratio over calls that reported cached_tokens: (500+1500+0+3968)/(10000)
+    assert s["cache_hit_ratio"] == pytest.approx(5968 / 10_000)
+    assert s["cache_hit_bound"] == pytest.approx((600 + 1800 + 2900 + 3968) / 10_900)
+    assert s["requests_ok"] == 5 and s["requests_failed"] == 1
+    assert s["failures"] == {"http 503": 1}
+    assert s["queue_depth_max"] == 3 and s["queue_depth_p50"] == 2
+    assert s["replicas_used"] == ["a", "b"]
+
+
+def test_twin_speedup_scales_times_back():
+    fast = summarize(RECORDS, SESSIONS, wall_s=10.0, speedup=10.0)
+    real = summarize(RECORDS, SESSIONS, wall_s=10.0)
+    assert fast["ttft_p50_s"] == pytest.approx(10 * real["ttft_p50_s"])
+    assert fast["p90_interactivity_tok_s"] == pytest.approx(real["p90_interactivity_tok_s"] / 10)
+    assert fast["tokens_per_gpu_s"] == pytest.approx(real["tokens_per_gpu_s"] / 10)
+    assert fast["session_completion_p90_s"] == pytest.approx(190.0)
+
+
+def test_empty_and_bad_inputs():
+    s = summarize([], wall_s=1.0)
+    assert s["requests_ok"] == 0 and s["p90_interactivity_tok_s"] is None
+    assert s["cache_hit_ratio"] is None and s["tokens_per_gpu_s"] == 0
+    with pytest.raises(ValueError):
+        summarize([], wall_s=0)
+
+
+def test_unlimited_cache_counts_full_block_prefix_hits_like_vllm():
+    c = UnlimitedCache(4)
+    a = list(range(10))  # blocks [0-3] [4-7], tail 8 9
+    assert c.observe(a) == 0
+    assert c.observe(a) == 8  # both full blocks held
+    assert c.observe(a[:8]) == 4  # a prompt of exactly 2 blocks: the last token is computed
+    b = [0, 1, 2, 3, 99, 5, 6, 7, 8, 9]
+    assert c.observe(b) == 4  # diverges in block 2: chained hashes stop matching there
+    assert c.observe([99, 1, 2, 3, 4, 5, 6, 7, 1]) == 0  # same blocks later, different prefix
