@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -344,8 +344,10 @@ def merge_base(d: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
 # ---- the one loader (package data) ---------------------------------------------------------
 
 
-def _data_dir():  # -> importlib.resources.abc.Traversable
-    return resources.files("costmodel").joinpath("profiles")
+def _data_dir() -> Path:
+    # Next to this module (package data, see pyproject). Not importlib.resources.files():
+    # an editable install can present ``costmodel`` as a namespace package, which it refuses.
+    return Path(__file__).with_name("profiles")
 
 
 def _read_yaml(name: str) -> Any:

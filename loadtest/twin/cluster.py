@@ -1,0 +1,112 @@
+"""N twin replicas in one process, on consecutive loopback ports: the embedded cluster.
+
+Owns: starting and stopping a set of :class:`loadtest.twin.server.TwinReplica` web apps that
+share one tokenizer, one ZMQ context and one KV-event endpoint (each replica publishes on
+its own topic ``kv@<name>``). This is what ``kvroute cluster`` and ``make demo`` run, and
+the small programmatic API other parts of ``loadtest`` build on::
+
+    async with start_cluster(4, "cpu-tiny", speedup=1.0, kv_events=endpoint) as c:
+        c.urls      # ["http://127.0.0.1:P", ...]
+        c.topics    # ["kv@twin-0", ...]
+
+Must not import torch or vllm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from costmodel.profiles import ReplicaProfile, load_profile
+from loadtest.twin.server import TwinConfig, TwinReplica, runner_port, serve
+from loadtest.twin.tokenize import ModelTokenizer
+
+
+@dataclass
+class Cluster:
+    replicas: list[TwinReplica] = field(default_factory=list)
+    runners: list[web.AppRunner] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+
+    @property
+    def topics(self) -> list[str]:
+        return [r.topic for r in self.replicas]
+
+    @property
+    def names(self) -> list[str]:
+        return [r.cfg.name for r in self.replicas]
+
+    def by_url(self, url: str) -> TwinReplica:
+        return self.replicas[self.urls.index(url)]
+
+
+@contextlib.asynccontextmanager
+async def start_cluster(
+    n: int,
+    profile: str | ReplicaProfile = "cpu-tiny",
+    *,
+    speedup: float = 1.0,
+    base_port: int = 0,
+    host: str = "127.0.0.1",
+    kv_events: str | None = None,
+    model_dir: str | Path | None = None,
+    served_model_name: str = "tiny",
+    name_prefix: str = "twin",
+    max_model_len: int | None = None,
+    zmq_ctx: Any = None,
+) -> AsyncIterator[Cluster]:
+    """Start ``n`` twins (ports ``base_port + i``, or free ports when ``base_port`` is 0).
+
+    ``kv_events``: the ZMQ endpoint every replica publishes to. With ``tcp://HOST:PORT`` the
+    replicas connect (a subscriber binds it, as with vLLM); a binding endpoint (``*``/``::``)
+    is only possible for one replica.
+    """
+    if n < 1:
+        raise ValueError("a cluster needs at least one replica")
+    if kv_events and n > 1 and ("*" in kv_events or "::" in kv_events):
+        raise ValueError(
+            "n replicas cannot all bind one endpoint; let a subscriber bind and "
+            "give its address (the replicas connect)"
+        )
+    prof = load_profile(profile) if isinstance(profile, str) else profile
+    if model_dir is None:
+        from loadtest import tinymodel
+
+        model_dir = tinymodel.ensure()
+    tok = ModelTokenizer(model_dir)
+    own_ctx = None
+    if kv_events and zmq_ctx is None:
+        import zmq
+
+        own_ctx = zmq_ctx = zmq.Context()
+    cluster = Cluster(host=host)
+    try:
+        for i in range(n):
+            cfg = TwinConfig(
+                profile=prof,
+                model_dir=Path(model_dir),
+                name=f"{name_prefix}-{i}",
+                served_model_name=served_model_name,
+                speedup=speedup,
+                kv_events_endpoint=kv_events,
+                max_model_len=max_model_len,
+            )
+            twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx)
+            runner = await serve(twin, host, base_port + i if base_port else 0)
+            cluster.replicas.append(twin)
+            cluster.runners.append(runner)
+            cluster.urls.append(f"http://{host}:{runner_port(runner)}")
+        yield cluster
+    finally:
+        for runner in cluster.runners:
+            await runner.cleanup()
+        for twin in cluster.replicas:
+            await twin.stop()
+        if own_ctx is not None:
+            own_ctx.term()

@@ -1,0 +1,56 @@
+"""``kvroute cluster``: N replica twins in one process on consecutive loopback ports.
+
+The embedded cluster behind ``make demo``: every twin speaks vLLM's API and publishes KV
+events (topic ``kv@<prefix>-<i>``) to one endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--profile", default="cpu-tiny")
+    p.add_argument("--base-port", type=int, default=0, help="0: free ports")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
+    p.add_argument("--served-model-name", default="tiny")
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="ZMQ endpoint the replicas connect to (a subscriber binds it)",
+    )
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--name-prefix", default="twin")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from costmodel.profiles import ProfileError
+    from loadtest.twin.cluster import start_cluster
+
+    async def main() -> None:
+        async with start_cluster(
+            args.replicas,
+            args.profile,
+            speedup=args.speedup,
+            base_port=args.base_port,
+            host=args.host,
+            kv_events=args.kv_events,
+            model_dir=args.model,
+            served_model_name=args.served_model_name,
+            name_prefix=args.name_prefix,
+        ) as c:
+            for name, url in zip(c.names, c.urls, strict=True):
+                print(f"{name} {url}", flush=True)
+            await asyncio.Event().wait()
+
+    try:
+        asyncio.run(main())
+    except (ProfileError, ValueError) as e:
+        print(f"kvroute cluster: {e}")
+        return 2
+    return 0

@@ -1,0 +1,733 @@
+"""The HTTP replica twin: a simulated vLLM replica on aiohttp.
+
+Owns: one twin replica's web application — vLLM's OpenAI-compatible API (``/v1/completions``,
+``/v1/chat/completions`` streaming and not, ``/v1/models``, ``/tokenize``, ``/health``,
+``/load``, ``/metrics`` with vLLM's metric names, ``POST /reset_prefix_cache``), vLLM's error
+shapes and status codes, the asyncio loop that runs the engine model in (compressed) real
+time, and the ZMQ publisher of KV events in vLLM's wire format. Must not import torch or vllm.
+
+Time: the engine lives in *model time* (seconds on the simulated hardware). With ``speedup``
+X, a step of d model seconds takes d/X wall seconds, and the API-server overhead of the
+profile likewise. Everything a client measures (TTFT, ITL, latency) and the histograms in
+``/metrics`` are wall-clock, so they are model time divided by X: multiply by X (the
+``x-twin-speedup`` response header and the ``kvroute:twin_speedup`` gauge carry X) to scale
+them back. KV-event timestamps are wall-clock ``time.time()`` like vLLM's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from costmodel.profiles import ReplicaProfile
+from loadtest.twin.engine import Engine, Request
+from loadtest.twin.tokenize import ModelTokenizer, TemplateError
+from router.hashing import BlockHasher
+from router.kvevents import encode_message
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+@dataclass
+class TwinConfig:
+    profile: ReplicaProfile
+    model_dir: Path
+    name: str = "twin"
+    served_model_name: str = "tiny"
+    speedup: float = 1.0
+    kv_events_endpoint: str | None = None  # vLLM semantics: bind if "*"/"::"/ipc/inproc
+    kv_events_topic: str | None = None  # default "kv@<name>"
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str | None = None  # the engine's PYTHONHASHSEED
+    int_hashes: bool = True  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+    max_model_len: int | None = None  # default: the profile's
+
+    def __post_init__(self) -> None:
+        if not self.speedup > 0:
+            raise ValueError(f"speedup must be > 0, got {self.speedup}")
+
+
+def publisher_binds(endpoint: str) -> bool:
+    """vLLM's rule: the publisher binds for ``*``/``::`` hosts and ipc/inproc, else connects."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class KVEventPublisher:
+    """A ZMQ PUB socket sending ``[topic, seq, msgpack([ts, events, dp_rank])]`` batches."""
+
+    def __init__(self, endpoint: str, topic: str, zmq_ctx: Any = None, as_int: bool = True):
+        import zmq
+
+        self._own_ctx = zmq_ctx is None
+        self.ctx = zmq_ctx or zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        if publisher_binds(endpoint):
+            self.sock.bind(endpoint)
+            self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        else:
+            self.sock.connect(endpoint)
+            self.endpoint = endpoint
+        self.topic = topic
+        self.seq = 0
+        self.as_int = as_int
+        self.dropped = 0
+
+    def publish(self, events: list[dict[str, Any]]) -> None:
+        import zmq
+
+        if not events:
+            return
+        if not self.as_int:
+            events = [_digest_form(e) for e in events]
+        parts = encode_message(self.topic, self.seq, time.time(), events)
+        try:
+            self.sock.send_multipart(parts, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1  # PUB semantics: never block the engine
+        self.seq += 1
+
+    def close(self) -> None:
+        self.sock.close(0)
+        if self._own_ctx:
+            self.ctx.term()
+
+
+def _digest_form(ev: dict[str, Any]) -> dict[str, Any]:
+    """Events carry 8-byte big-endian hashes when int hashes are off (the twin only keeps
+    64-bit keys; a real engine would send the 32-byte digest)."""
+    out = dict(ev)
+    for f in ("block_hashes",):
+        if f in out:
+            out[f] = [h.to_bytes(8, "big") if isinstance(h, int) else h for h in out[f]]
+    if isinstance(out.get("parent_block_hash"), int):
+        out["parent_block_hash"] = out["parent_block_hash"].to_bytes(8, "big")
+    return out
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}  # fmt: skip
+        return web.json_response(body, status=self.status, dumps=_dumps)
+
+
+def _dumps(x: Any) -> str:
+    return orjson.dumps(x).decode()
+
+
+def _bad(message: str, param: str | None = None, value: Any = None) -> ApiError:
+    if param is not None:
+        message = f"{message} (parameter={param}" + (
+            f", value={value})" if value is not None else ")"
+        )
+    return ApiError(400, message, "BadRequestError", param)
+
+
+@dataclass
+class _Stream:
+    """Per-request channel from the engine loop to the HTTP handler."""
+
+    req: Request
+    queue: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    t_arrival: float = 0.0
+
+
+class TwinReplica:
+    """One twin: engine, tokenizer, event publisher, and the loop that runs steps."""
+
+    def __init__(
+        self, cfg: TwinConfig, tokenizer: ModelTokenizer | None = None, zmq_ctx: Any = None
+    ):
+        self.cfg = cfg
+        self.profile = cfg.profile
+        self.max_model_len = cfg.max_model_len or cfg.profile.max_model_len
+        if self.max_model_len != cfg.profile.max_model_len:
+            self.profile = cfg.profile.replace(model=_with_len(cfg.profile, self.max_model_len))
+        self.tokenizer = tokenizer or ModelTokenizer(cfg.model_dir)
+        self.hasher = BlockHasher(self.profile.block_size, cfg.hash_algo, cfg.hash_seed)
+        self.engine = Engine(self.profile, hasher=self.hasher, output_token=self._output_token)
+        self.topic = cfg.kv_events_topic or f"kv@{cfg.name}"
+        self.publisher = (
+            KVEventPublisher(cfg.kv_events_endpoint, self.topic, zmq_ctx, cfg.int_hashes)
+            if cfg.kv_events_endpoint
+            else None
+        )
+        self.speedup = cfg.speedup
+        self.streams: dict[str, _Stream] = {}
+        self.in_flight = 0
+        self._wake = asyncio.Event()
+        self._t0 = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+        self.created = int(time.time())
+        self.metrics = _Metrics(self)
+
+    # ---- time ---------------------------------------------------------------------------
+
+    def model_now(self) -> float:
+        return (time.monotonic() - self._t0) * self.speedup
+
+    async def _sleep_until(self, t_model: float) -> None:
+        delay = (t_model - self.model_now()) / self.speedup
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    # ---- engine loop --------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.cfg.name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for st in self.streams.values():
+            st.queue.put_nowait(None)
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    def _publish(self) -> None:
+        evs = self.engine.take_events()
+        if evs and self.publisher is not None:
+            self.publisher.publish(evs)
+
+    async def _run(self) -> None:
+        eng = self.engine
+        while True:
+            if not eng.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = self.model_now()
+            step = eng.schedule(now)
+            if step is None:
+                self._publish()
+                nxt = eng.next_ready()
+                self._wake.clear()
+                timeout = None if nxt is None else max(0.0, (nxt - now) / self.speedup)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                continue
+            await self._sleep_until(now + step.duration)
+            res = eng.complete(step, now + step.duration)
+            self._publish()
+            wall = time.monotonic()
+            for req in res.tokens:
+                st = self.streams.get(req.id)
+                if st is None:
+                    continue
+                if req.num_output == 1:
+                    self.metrics.ttft.append(wall - st.t_arrival)
+                st.queue.put_nowait(req.output_ids[-1] if req.output_ids else 0)
+            for req in res.finished:
+                st = self.streams.get(req.id)
+                if st is not None:
+                    st.queue.put_nowait(None)
+
+    def _output_token(self, req: Request, i: int) -> int:
+        return self.tokenizer.plain_token(hash((req.id, i)) & 0x7FFFFFFF)
+
+    def submit(self, req: Request) -> _Stream:
+        st = _Stream(req, t_arrival=time.monotonic())
+        self.engine.add(req)
+        self.streams[req.id] = st
+        self._wake.set()
+        return st
+
+    def release(self, req: Request) -> None:
+        self.streams.pop(req.id, None)
+        if not req.finished:
+            self.engine.abort(req.id)
+            self._wake.set()
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.engine.reset_prefix_cache()
+        self._publish()
+        return ok
+
+
+def _with_len(p: ReplicaProfile, n: int):  # -> ModelProfile
+    import dataclasses
+
+    return dataclasses.replace(p.model, max_model_len=n)
+
+
+# ---- request parsing ------------------------------------------------------------------------
+
+APP_TWIN = web.AppKey("twin", TwinReplica)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        msg = (
+            "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', "
+            f"'msg': 'JSON decode error', 'input': '<dict of 0 items>', "
+            f"'ctx': {{'error': {str(e)!r}}}}}"
+        )
+        raise ApiError(400, msg, "Bad Request", "body.1") from e
+    if not isinstance(body, dict):
+        raise ApiError(
+            400,
+            "1 validation error:\n  {'type': 'model_attributes_type', "
+            "'loc': 'body', 'msg': 'Input should be a valid dictionary or object'}",
+            "Bad Request",
+            "body",
+        )
+    return body
+
+
+def _check_model(twin: TwinReplica, body: dict[str, Any]) -> str:
+    name = body.get("model")
+    served = twin.cfg.served_model_name
+    if name is None:
+        return served
+    if name != served:
+        raise ApiError(
+            404,
+            f"The model `{name}` does not exist. Valid aliases: {served}.",
+            "NotFoundError",
+            "model",
+        )
+    return served
+
+
+def _prompt_ids(twin: TwinReplica, body: dict[str, Any], chat: bool) -> list[int]:
+    tk = twin.tokenizer
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise _bad("messages must be a non-empty list", "messages")
+        try:
+            return tk.encode_chat(
+                msgs, body.get("tools"), bool(body.get("add_generation_prompt", True))
+            )
+        except TemplateError as e:
+            raise _bad(str(e), "messages") from e
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return tk.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < tk.vocab_size]
+        if bad:
+            raise _bad(f"Token id {bad[0]} is out of vocabulary", "prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise _bad("the twin serves one prompt per request", "prompt")
+    raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+
+
+def _limits(twin: TwinReplica, body: dict[str, Any], n_prompt: int) -> int:
+    limit = twin.max_model_len
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    if n_prompt >= limit:
+        shown = min(n_prompt, limit + 1)
+        raise _bad(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains at least {shown} input tokens, which exceeds this limit even without "
+            "any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+            shown,
+        )
+    if mt is None:
+        return limit - n_prompt
+    if not isinstance(mt, int) or isinstance(mt, bool):
+        raise _bad(f"max_tokens must be an integer, got {mt!r}.", "max_tokens", mt)
+    if mt < 1:
+        raise _bad(f"max_tokens must be at least 1, got {mt}.", "max_tokens", mt)
+    if mt > limit:
+        raise _bad(
+            f"max_tokens={mt} cannot be greater than max_model_len={limit}. "
+            "Please request fewer output tokens.",
+            "max_tokens",
+            mt,
+        )
+    if n_prompt + mt > limit:
+        raise _bad(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{mt} output tokens and your prompt contains at least {n_prompt} input tokens, "
+            f"for a total of at least {n_prompt + mt} tokens. Please reduce the length of "
+            "the input prompt or the number of requested output tokens.",
+            "max_tokens",
+            mt,
+        )
+    return mt
+
+
+def _session_id(request: web.Request, body: dict[str, Any]) -> str | None:
+    sid = body.get("session_id") or request.headers.get("X-Session-ID")
+    xargs = body.get("vllm_xargs")
+    if sid is None and isinstance(xargs, dict):
+        sid = xargs.get("session_id")
+    return str(sid) if sid is not None else None
+
+
+def _usage(req: Request) -> dict[str, Any]:
+    return {"prompt_tokens": req.prompt_len,
+            "total_tokens": req.prompt_len + req.num_output,
+            "completion_tokens": req.num_output,
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens or 0}}  # fmt: skip
+
+
+# ---- handlers -------------------------------------------------------------------------------
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    twin = request.app[APP_TWIN]
+    try:
+        body = await _json_body(request)
+        model = _check_model(twin, body)
+        ids = _prompt_ids(twin, body, chat)
+        max_tokens = _limits(twin, body, len(ids))
+        if body.get("n", 1) != 1:
+            raise _bad("the twin supports n=1 only", "n", body.get("n"))
+    except ApiError as e:
+        return e.response()
+    stream = bool(body.get("stream", False))
+    so = body.get("stream_options") or {}
+    include_usage = bool(so.get("include_usage")) if isinstance(so, dict) else False
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+    req = Request(rid, len(ids), max_tokens, token_ids=ids, session_id=_session_id(request, body))
+    created = int(time.time())
+    twin.in_flight += 1
+    try:
+        overhead = twin.profile.request_overhead_s / twin.speedup
+        if overhead > 0:
+            await asyncio.sleep(overhead)
+        st = twin.submit(req)
+        if stream:
+            return await _stream(request, twin, st, chat, rid, model, created, include_usage)
+        toks: list[int] = []
+        while (t := await st.queue.get()) is not None:
+            toks.append(t)
+        text = twin.tokenizer.decode(toks)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length",
+                                  "stop_reason": None}  # fmt: skip
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+        else:
+            choice["text"] = text
+        resp = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": model, "choices": [choice],
+                "system_fingerprint": "kvroute-twin", "usage": _usage(req)}  # fmt: skip
+        return web.json_response(resp, dumps=_dumps, headers=_headers(twin))
+    finally:
+        twin.in_flight -= 1
+        twin.release(req)
+
+
+def _headers(twin: TwinReplica) -> dict[str, str]:
+    return {"x-twin-speedup": repr(twin.speedup), "x-twin-replica": twin.cfg.name}
+
+
+async def _stream(
+    request: web.Request,
+    twin: TwinReplica,
+    st: _Stream,
+    chat: bool,
+    rid: str,
+    model: str,
+    created: int,
+    include_usage: bool,
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            **_headers(twin),
+        }
+    )
+    await resp.prepare(request)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        d = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": choices,
+            **extra,
+        }
+        return b"data: " + orjson.dumps(d) + b"\n\n"
+
+    if chat:
+        await resp.write(
+            chunk(
+                [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        )
+    req = st.req
+    limit = twin.max_model_len
+    count = 0
+    while (tok := await st.queue.get()) is not None:
+        count += 1
+        done = count >= req.max_tokens or req.prompt_len + count >= limit
+        text = twin.tokenizer.decode([tok])
+        c: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": "length" if done else None,
+        }
+        if chat:
+            c["delta"] = {"content": text}
+        else:
+            c["text"] = text
+            c["stop_reason"] = None
+        await resp.write(chunk([c]))
+    if include_usage:
+        await resp.write(chunk([], usage=_usage(req), system_fingerprint="kvroute-twin"))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    twin = request.app[APP_TWIN]
+    try:
+        body = await _json_body(request)
+        _check_model(twin, body)
+        ids = _prompt_ids(twin, body, chat="messages" in body)
+    except ApiError as e:
+        return e.response()
+    return web.json_response(
+        {"count": len(ids), "max_model_len": twin.max_model_len, "tokens": ids, "token_strs": None},
+        dumps=_dumps,
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    twin = request.app[APP_TWIN]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": twin.cfg.served_model_name,
+                    "object": "model",
+                    "created": twin.created,
+                    "owned_by": "vllm",
+                    "root": str(twin.cfg.model_dir),
+                    "parent": None,
+                    "max_model_len": twin.max_model_len,
+                    "permission": [],
+                }
+            ],
+        },
+        dumps=_dumps,
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def load(request: web.Request) -> web.Response:
+    return web.json_response({"server_load": request.app[APP_TWIN].in_flight})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    twin = request.app[APP_TWIN]
+    if not twin.reset_prefix_cache():
+        return ApiError(
+            500, "prefix cache reset refused: requests hold blocks", "InternalServerError"
+        ).response()
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[APP_TWIN].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except ApiError as e:
+        return e.response()
+
+
+def build_app(twin: TwinReplica) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
+    app[APP_TWIN] = twin
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        twin.start()
+        yield
+        await twin.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/load", load)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    return app
+
+
+# ---- /metrics -------------------------------------------------------------------------------
+
+
+class _Metrics:
+    """vLLM's metric names (``vllm/v1/metrics/loggers.py``), rendered from engine state on
+    scrape; labels ``model_name`` and ``engine`` like vLLM's."""
+
+    def __init__(self, twin: TwinReplica):
+        self.twin = twin
+        self.ttft: list[float] = []
+        self._ttft_seen = 0
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.registry = CollectorRegistry()
+        self.h_ttft = Histogram("vllm:time_to_first_token_seconds",
+                                "Histogram of time to first token in seconds.",
+                                ["model_name", "engine"], registry=self.registry,
+                                buckets=TTFT_BUCKETS)  # fmt: skip
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        twin = self.twin
+        eng = twin.engine
+        labels = f'model_name="{twin.cfg.served_model_name}",engine="0"'
+        h = self.h_ttft.labels(twin.cfg.served_model_name, "0")
+        for v in self.ttft[self._ttft_seen :]:
+            h.observe(v)
+        self._ttft_seen = len(self.ttft)
+        if self._ttft_seen > 10_000:
+            self.ttft.clear()
+            self._ttft_seen = 0
+        p = twin.profile
+        lines = []
+
+        def gauge(name: str, doc: str, value: float, extra: str = "") -> None:
+            lines.append(
+                f"# HELP {name} {doc}\n# TYPE {name} gauge\n"
+                f"{name}{{{labels}{extra}}} {float(value)}"
+            )
+
+        def counter(name: str, doc: str, value: float) -> None:
+            lines.append(
+                f"# HELP {name}_total {doc}\n# TYPE {name}_total counter\n"
+                f"{name}_total{{{labels}}} {float(value)}"
+            )
+
+        gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            eng.num_running(),
+        )
+        gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            eng.num_waiting(),
+        )
+        gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", eng.kv_usage()
+        )
+        counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            eng.prefix_queries,
+        )
+        counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            eng.prefix_hits,
+        )
+        counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", eng.prompt_tokens_total
+        )
+        counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            eng.prefix_hits,
+        )
+        counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            eng.generation_tokens_total,
+        )
+        counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            eng.preemptions,
+        )
+        info = (
+            f',block_size="{p.block_size}",num_gpu_blocks="{p.gpu_kv_blocks}",'
+            f'num_cpu_blocks="{p.cpu_kv_blocks}",enable_prefix_caching="True",'
+            f'prefix_caching_hash_algo="{twin.cfg.hash_algo}"'
+        )
+        gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1, info)
+        gauge("kvroute:twin_speedup", "Model seconds per wall second of this twin.", twin.speedup)
+        text = "\n".join(lines) + "\n"
+        return text.encode() + generate_latest(self.registry)
+
+
+# ---- running one twin -----------------------------------------------------------------------
+
+
+async def serve(twin: TwinReplica, host: str = "127.0.0.1", port: int = 0) -> web.AppRunner:
+    """Start ``twin`` on ``host:port`` (0: a free port); returns the runner (``.addresses``)."""
+    runner = web.AppRunner(build_app(twin), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner
+
+
+def runner_port(runner: web.AppRunner) -> int:
+    return int(runner.addresses[0][1])
+
+
+def load_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())

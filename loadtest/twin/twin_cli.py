@@ -1,0 +1,73 @@
+"""``kvroute twin``: run one simulated vLLM replica (the replica twin) on loopback.
+
+Speaks vLLM's OpenAI-compatible API and publishes KV events in vLLM's wire format; timing
+follows a replica profile (``costmodel/profiles/``), compressed by ``--speedup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
+    p.add_argument("--profile", default="cpu-tiny", help="replica profile name")
+    p.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
+    p.add_argument("--served-model-name", default="tiny")
+    p.add_argument("--name", default="twin", help="replica name (KV-event topic kv@NAME)")
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="ZMQ endpoint; tcp://H:P connects, tcp://*:P binds (as vLLM)",
+    )
+    p.add_argument("--kv-events-topic", default=None)
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="model seconds per wall second; multiply measured times by it",
+    )
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from costmodel.profiles import ProfileError, load_profile
+    from loadtest import tinymodel
+    from loadtest.twin.server import TwinConfig, TwinReplica, runner_port, serve
+
+    try:
+        prof = load_profile(args.profile)
+    except ProfileError as e:
+        print(f"kvroute twin: {e}")
+        return 2
+    cfg = TwinConfig(
+        profile=prof,
+        model_dir=Path(args.model or tinymodel.ensure()),
+        name=args.name,
+        served_model_name=args.served_model_name,
+        speedup=args.speedup,
+        kv_events_endpoint=args.kv_events,
+        kv_events_topic=args.kv_events_topic,
+        max_model_len=args.max_model_len,
+    )
+
+    async def main() -> None:
+        twin = TwinReplica(cfg)
+        runner = await serve(twin, args.host, args.port)
+        print(
+            f"twin {cfg.name} ({prof.name}, speedup {cfg.speedup}) on "
+            f"http://{args.host}:{runner_port(runner)}",
+            flush=True,
+        )
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,337 @@
+"""The HTTP replica twin on loopback: vLLM's API, error shapes, KV events, time scaling."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import orjson
+import pytest
+
+from costmodel.profiles import load_profile
+from costmodel.steptime import request_prefill_time
+from loadtest import tinymodel
+from loadtest.twin.cluster import start_cluster
+from loadtest.twin.tokenize import ModelTokenizer
+from loadtest.vllmbed import EventCollector
+from router.hashing import BlockHasher
+from router.kvevents import AllBlocksCleared, BlockStored, decode_message
+
+pytestmark = pytest.mark.timeout(60)
+WORDS = tinymodel._WORDS
+
+
+def text(n: int, seed: int) -> str:
+    return " ".join(WORDS[(seed * 131 + i * 17) % len(WORDS)] for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ModelTokenizer(tinymodel.ensure())
+
+
+@pytest.fixture()
+def collector():
+    c = EventCollector()
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+async def cluster(collector):
+    async with start_cluster(2, "cpu-tiny", kv_events=collector.endpoint) as c:
+        yield c
+
+
+@pytest.fixture()
+async def http():
+    async with httpx.AsyncClient(timeout=30) as c:
+        yield c
+
+
+async def complete(http, url, prompt, max_tokens=2, **kw):
+    r = await http.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **kw},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def test_completion_usage_reports_cached_tokens_like_vllm(cluster, http, tok):
+    url = cluster.urls[0]
+    p = text(1500, 1)
+    n = len(tok.encode(p))
+    first = await complete(http, url, p)
+    again = await complete(http, url, p)
+    assert first["object"] == "text_completion" and first["model"] == "tiny"
+    assert first["usage"]["prompt_tokens"] == n and first["usage"]["completion_tokens"] == 2
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 32 * 32
+    other = await complete(http, cluster.urls[1], p)  # replicas do not share a cache
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_streaming_chat_sends_role_tokens_usage_and_done(cluster, http, tok):
+    msgs = [{"role": "user", "content": text(40, 2)}]
+    body = {
+        "model": "tiny",
+        "messages": msgs,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = []
+    async with http.stream("POST", cluster.urls[0] + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    js = [orjson.loads(c) for c in chunks[:-1]]
+    assert js[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [j for j in js if j["choices"] and "content" in j["choices"][0]["delta"]][1:]
+    assert len(content) == 5
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None] * 4 + ["length"]
+    usage = js[-1]["usage"]
+    assert js[-1]["choices"] == []
+    assert usage["prompt_tokens"] == len(tok.encode_chat(msgs)) and usage["completion_tokens"] == 5
+    assert all(j["object"] == "chat.completion.chunk" for j in js)
+
+
+async def test_non_streaming_chat_and_tokenize_match_the_model_tokenizer(cluster, http, tok):
+    url = cluster.urls[0]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = await http.post(
+        url + "/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 3}
+    )
+    j = r.json()
+    assert j["object"] == "chat.completion" and j["choices"][0]["message"]["role"] == "assistant"
+    assert j["usage"]["prompt_tokens"] == len(tok.encode_chat(msgs))
+    t = (await http.post(url + "/tokenize", json={"model": "tiny", "prompt": "hi there"})).json()
+    assert t["tokens"] == tok.encode("hi there") == [0, 77, 78, 509]  # as real vLLM returned
+    assert t["count"] == 4 and t["max_model_len"] == 4096
+    t = (await http.post(url + "/tokenize", json={"model": "tiny", "messages": msgs})).json()
+    assert t["tokens"] == tok.encode_chat(msgs)
+
+
+async def test_models_health_load_and_metrics_names(cluster, http):
+    url = cluster.urls[0]
+    m = (await http.get(url + "/v1/models")).json()
+    assert m["data"][0]["id"] == "tiny" and m["data"][0]["max_model_len"] == 4096
+    assert (await http.get(url + "/health")).status_code == 200
+    assert (await http.get(url + "/load")).json() == {"server_load": 0}
+    await complete(http, url, text(100, 3))
+    metrics = (await http.get(url + "/metrics")).text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_cached_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:cache_config_info",
+    ):
+        assert f"\n{name}{{" in metrics, name
+    assert 'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "etype", "param"),
+    [
+        ("/v1/completions", b"{not json", 400, "Bad Request", "body.1"),
+        ("/v1/chat/completions", b"{not json", 400, "Bad Request", "body.1"),
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "NotFoundError", "model"),
+        (
+            "/v1/chat/completions",
+            {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+            404,
+            "NotFoundError",
+            "model",
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": text(5000, 4), "max_tokens": 2},
+            400,
+            "BadRequestError",
+            "input_tokens",
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hi", "max_tokens": 5000},
+            400,
+            "BadRequestError",
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hi", "max_tokens": -1},
+            400,
+            "BadRequestError",
+            "max_tokens",
+        ),
+        ("/v1/completions", {"model": "tiny", "max_tokens": 2}, 400, "BadRequestError", "prompt"),
+    ],
+)
+async def test_bad_input_gets_vllm_status_and_error_shape(
+    cluster, http, path, body, status, etype, param
+):
+    kw = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
+    r = await http.post(cluster.urls[0] + path, **kw)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == (etype, param, status)
+    assert err["message"]
+
+
+async def test_too_long_prompt_message_matches_vllm(cluster, http):
+    r = await http.post(
+        cluster.urls[0] + "/v1/completions",
+        json={"model": "tiny", "prompt": text(5000, 4), "max_tokens": 2},
+    )
+    assert r.json()["error"]["message"] == (
+        "This model's maximum context length is 4096 tokens. However, your prompt contains at "
+        "least 4097 input tokens, which exceeds this limit even without any output tokens. "
+        "Please reduce the length of the input prompt. (parameter=input_tokens, value=4097)"
+    )
+
+
+async def test_kv_events_carry_vllm_hashes_in_order_and_reset_clears(cluster, http, tok, collector):
+    url, topic = cluster.urls[0], cluster.topics[0]
+    prompts = [text(400, 5), text(400, 5) + " " + text(300, 6)]
+    for p in prompts:
+        await complete(http, url, p, max_tokens=1)
+    h = BlockHasher(32)
+    want = {k for p in prompts for k in h.hash_keys(tok.encode(p))}
+
+    def stored(bs):
+        return {
+            k for b in bs for e in b.events if isinstance(e, BlockStored) for k in e.block_hashes
+        }
+
+    batches = await asyncio.to_thread(collector.wait_for, topic, lambda bs: want <= stored(bs))
+    assert stored(batches) == want  # max_tokens=1: no block is filled by generated tokens
+    assert [b.seq for b in batches] == list(range(len(batches)))
+    assert not collector.errors
+    r = await http.post(url + "/reset_prefix_cache")
+    assert r.status_code == 200
+    await asyncio.to_thread(
+        collector.wait_for,
+        topic,
+        lambda bs: any(isinstance(e, AllBlocksCleared) for b in bs for e in b.events),
+    )
+    again = await complete(http, url, prompts[0])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_publisher_binds_when_the_endpoint_has_a_wildcard(http, tok):
+    import zmq
+    import zmq.asyncio
+
+    async with start_cluster(1, "cpu-tiny", kv_events="tcp://127.0.0.1:*") as c:
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(c.replicas[0].publisher.endpoint)
+        try:
+            # a SUB that connects late misses earlier messages: retry until one arrives
+            got = None
+            for i in range(50):
+                await complete(http, c.urls[0], text(100, 100 + i), max_tokens=1)
+                if await sub.poll(100):
+                    got = decode_message(await sub.recv_multipart())
+                    break
+            assert got is not None and got.topic == "kv@twin-0"
+            assert any(isinstance(e, BlockStored) for e in got.events)
+        finally:
+            sub.close(0)
+            ctx.term()
+
+
+async def test_speedup_compresses_time_and_scales_back_to_model_time(http):
+    prof = load_profile("cpu-tiny")
+    p = text(3000, 7)
+    model_ttft = prof.request_overhead_s + request_prefill_time(prof, 3000)
+    measured = {}
+    for speedup in (0.25, 8.0):
+        async with start_cluster(1, prof, speedup=speedup) as c:
+            body = {"model": "tiny", "prompt": p, "max_tokens": 1, "stream": True}
+            t0 = time.perf_counter()
+            async with http.stream("POST", c.urls[0] + "/v1/completions", json=body) as r:
+                assert r.headers["x-twin-speedup"] == repr(speedup)
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        measured[speedup] = time.perf_counter() - t0
+                        break
+    slow = measured[0.25] * 0.25  # scaled back to model seconds
+    assert 0.8 * model_ttft < slow < 1.6 * model_ttft, (slow, model_ttft)
+    assert measured[0.25] > 10 * measured[8.0]
+
+
+async def test_client_disconnect_aborts_the_request(cluster, http):
+    twin = cluster.replicas[0]
+    body = {"model": "tiny", "prompt": text(50, 8), "max_tokens": 3000, "stream": True}
+    async with http.stream("POST", cluster.urls[0] + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                break
+    assert twin.engine.has_work or twin.engine.num_running() == 0
+    for _ in range(200):  # the server notices the closed connection on its next write
+        if not twin.engine.has_work:
+            break
+        await asyncio.sleep(0.01)
+    assert not twin.engine.has_work and twin.engine.kv_usage() == 0
+
+
+def _two_free_ports() -> int:
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_cluster_cli_serves_consecutive_ports():
+    base = _two_free_ports()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "cluster",
+            "--replicas",
+            "2",
+            "--base-port",
+            str(base),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        lines = [proc.stdout.readline().split() for _ in range(2)]
+        assert [u for _, u in lines] == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+        for _, u in lines:
+            assert httpx.get(u + "/health", timeout=5).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
