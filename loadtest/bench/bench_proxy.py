@@ -1,0 +1,348 @@
+"""Proxy overhead: client -> {direct | kvroute serve | sglang-router} -> one fast backend.
+
+Each row: request body size (2 KB, 200 KB, chat completion with ``stream: true``), client
+concurrency (1, 32), path; throughput (req/s), median and p90 latency, the proxy process's
+CPU per request (user+sys from ``/proc/<pid>/stat``) and ratios against direct and against
+sglang-router measured in the same run. The backend is a small aiohttp server in its own
+process that reads the whole body and streams 8 SSE events back; the load generator is this
+process. All three share this machine's cores, so read the ratios, not absolute numbers.
+
+sglang-router (PyPI ``sglang-router``, Rust) comes from ``scripts/setup_peers.sh`` (a venv
+under ``$KVROUTE_CACHE``); when it is missing its rows say so instead of failing the run.
+Both routers run ``round_robin`` over the one backend; kvroute also runs its default
+``session_affinity`` policy (a session table write per call).
+
+    python -m loadtest.benchmarks --only proxy [--quick]
+    python -m loadtest.bench.bench_proxy --backend PORT     # the backend alone
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SSE_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
+N_EVENTS = 8
+COMPLETION = (
+    b'{"id":"c","object":"chat.completion","choices":[{"index":0,"message":'
+    b'{"role":"assistant","content":"tok tok tok tok tok tok tok tok"},'
+    b'"finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":8}}'
+)
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("KVROUTE_CACHE", Path.home() / ".cache" / "kvroute"))
+
+
+def sglang_python() -> Path | None:
+    for p in sorted(_cache().glob("peers-sglang-router-*")):
+        if (p / ".ready").exists():
+            return p / "bin" / "python"
+    return None
+
+
+# --- backend (runs in its own process) ---------------------------------------------------
+
+
+def backend_main(port: int) -> None:
+    from aiohttp import web
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if b'"stream":false' in raw[:200]:
+            return web.Response(body=COMPLETION, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(N_EVENTS):
+            await resp.write(SSE_EVENT)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": "tiny", "tokenizer_path": "tiny", "is_generation": True, "dp_size": 1}
+        )
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", chat)
+    for path in ("/health", "/health_generate", "/metrics"):
+        app.router.add_get(path, ok)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/get_model_info", info)
+    app.router.add_get("/get_server_info", info)
+    app.router.add_get("/model_info", info)
+    app.router.add_get("/server_info", info)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# --- processes -------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(
+    url: str,
+    timeout: float = 60.0,
+    proc: subprocess.Popen[bytes] | None = None,
+    ok_codes: tuple[int, ...] = (200,),
+) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code in ok_codes:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready in {timeout} s")
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            argv,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def _stop(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- load ----------------------------------------------------------------------------
+
+
+async def _load(
+    url: str, body: bytes, concurrency: int, n: int, pid: int | None = None
+) -> dict[str, float]:
+    import aiohttp
+
+    lat: list[float] = []
+    errors = 0
+    todo = iter(range(n))
+    conn = aiohttp.TCPConnector(limit=concurrency * 2)
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=conn) as s:
+
+        async def worker() -> None:
+            nonlocal errors
+            for _ in todo:
+                t0 = time.perf_counter()
+                try:
+                    async with s.post(
+                        url + "/v1/chat/completions", data=body, headers=headers
+                    ) as r:
+                        data = await r.read()
+                        if r.status != 200 or not data.endswith((b"[DONE]\n\n", b"}}")):
+                            errors += 1
+                except aiohttp.ClientError:
+                    errors += 1
+                lat.append(time.perf_counter() - t0)
+
+        # warm-up: connections and code paths
+        warm = iter(range(min(n // 10, 50)))
+        todo, main = warm, todo
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        lat.clear()
+        errors = 0
+        todo = main
+        cpu0 = _cpu_s(pid) if pid else 0.0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+        cpu = _cpu_s(pid) - cpu0 if pid else None
+    lat.sort()
+    out = {
+        "rps": len(lat) / wall,
+        "p50_ms": statistics.median(lat) * 1e3,
+        "p90_ms": lat[int(0.9 * (len(lat) - 1))] * 1e3,
+        "errors": errors,
+        "n": len(lat),
+        "wall_s": wall,
+    }
+    if cpu is not None:
+        out["cpu_ms_per_req"] = cpu * 1e3 / len(lat)
+    return out
+
+
+def _body(size: int, stream: bool = True) -> bytes:
+    import orjson
+
+    base = {
+        "stream": stream,
+        "model": "tiny",
+        "max_tokens": 8,
+        "messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hello"}],
+    }
+    pad = size - len(orjson.dumps(base))
+    base["messages"][0]["content"] = ("lorem ipsum dolor sit amet " * (pad // 27 + 1))[:pad]
+    out = orjson.dumps(base)
+    assert abs(len(out) - size) <= 1
+    return out
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="kvroute-bench-proxy-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    rows: list[dict[str, Any]] = []
+    try:
+        bport = _free_port()
+        backend = _spawn(
+            [sys.executable, "-m", "loadtest.bench.bench_proxy", "--backend", str(bport)],
+            work / "backend.log",
+        )
+        procs.append(backend)
+        burl = f"http://127.0.0.1:{bport}"
+        _wait_http(burl + "/health", proc=backend)
+
+        paths: dict[str, tuple[str, int | None]] = {"direct": (burl, None)}
+        for policy in ("round_robin", "session_affinity"):
+            port = _free_port()
+            p = _spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvroute.cli",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--replica",
+                    burl,
+                    "--policy",
+                    policy,
+                    "--log-level",
+                    "warning",
+                    "--max-body-bytes",
+                    str(64 << 20),
+                ],
+                work / f"kvroute-{policy}.log",
+            )
+            procs.append(p)
+            url = f"http://127.0.0.1:{port}"
+            _wait_http(url + "/ready", proc=p)
+            paths[f"kvroute:{policy}"] = (url, p.pid)
+        sg = sglang_python()
+        if sg is not None:
+            port = _free_port()
+            p = _spawn(
+                [
+                    str(sg),
+                    "-m",
+                    "sglang_router.launch_router",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--worker-urls",
+                    burl,
+                    "--policy",
+                    "round_robin",
+                    "--log-level",
+                    "warn",
+                    "--max-payload-size",
+                    str(64 << 20),
+                    "--disable-retries",
+                    "--disable-circuit-breaker",
+                ],
+                work / "sglang-router.log",
+            )
+            procs.append(p)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                _wait_http(url + "/health", timeout=90, proc=p, ok_codes=(200,))
+                paths["sglang-router:round_robin"] = (url, p.pid)
+            except RuntimeError as e:
+                tail = (work / "sglang-router.log").read_text(errors="replace")[-800:]
+                rows.append({"name": "sglang-router", "error": f"{e}: {tail}"})
+        else:
+            rows.append(
+                {"name": "sglang-router", "error": "not installed: run scripts/setup_peers.sh"}
+            )
+
+        for mode, size, conc in [
+            (m, s, c) for m in ("sse", "json") for s in (2_000, 200_000) for c in (1, 32)
+        ]:
+            body = _body(size, stream=mode == "sse")
+            n = (150 if conc == 1 else 600) if quick else (400 if conc == 1 else 2000)
+            case: dict[str, dict[str, Any]] = {}
+            for name, (url, pid) in paths.items():
+                case[name] = asyncio.run(_load(url, body, conc, n, pid))
+            for name, res in case.items():
+                row: dict[str, Any] = {
+                    "name": f"{mode}_{size // 1000}KB_c{conc}_{name}",
+                    "mode": mode,
+                    "body_bytes": size,
+                    "concurrency": conc,
+                    "path": name,
+                    "n": res["n"],
+                    "rps": round(res["rps"], 1),
+                    "p50_ms": round(res["p50_ms"], 2),
+                    "p90_ms": round(res["p90_ms"], 2),
+                    "errors": res["errors"],
+                }
+                if "cpu_ms_per_req" in res:
+                    row["cpu_ms_per_req"] = round(res["cpu_ms_per_req"], 3)
+                row["rps_vs_direct"] = round(res["rps"] / case["direct"]["rps"], 3)
+                sgl = case.get("sglang-router:round_robin")
+                if sgl:
+                    row["rps_vs_sglang"] = round(res["rps"] / sgl["rps"], 3)
+                rows.append(row)
+    finally:
+        for p in procs:
+            _stop(p)
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--backend":
+        backend_main(int(sys.argv[2]))
+    else:
+        for r in run(quick="--quick" in sys.argv):
+            print(r)
