@@ -1,0 +1,69 @@
+"""The in-process simulator's speed: 64 H200 replicas x 1 hour of agentic traffic.
+
+Rows: the target run (64 x ``h200-70b-fp8``, 384 synthetic AgentX-like sessions over one
+simulated hour, session-affinity routing) with its wall time and AgentX summary; the same
+workload on 8 replicas with decode bursts off vs on (bursts are step-exact: the summaries must
+agree; the ratio is the speed-up); and routing policies compared on one workload.
+"""
+
+from __future__ import annotations
+
+from costmodel.profiles import load_profile
+from loadtest.twin.sim import simulate, synthetic_agentx
+
+
+def _row(name: str, res, **extra) -> dict:
+    s = res.summary()
+    return {
+        "name": name,
+        **extra,
+        "wall_s": round(res.wall_s, 2),
+        "sim_s": round(res.sim_time_s),
+        "requests": s["requests"],
+        "steps": s["steps"],
+        "ttft_p50_s": round(s["ttft_p50_s"], 3),
+        "ttft_p90_s": round(s["ttft_p90_s"], 3),
+        "tpot_p90_ms": round(1e3 * s["tpot_p90_s"], 1),
+        "hit_ratio": round(s["cache_hit_ratio"], 3),
+        "tok_per_gpu_s": round(s["throughput_tok_per_gpu_s"]),
+        "preemptions": s["preemptions"],
+    }
+
+
+def run(quick: bool = False) -> list[dict]:
+    prof = load_profile("h200-70b-fp8")
+    rows = []
+    n, hours = (16, 0.25) if quick else (64, 1.0)
+    dur = 3600 * hours
+    sessions = synthetic_agentx(6 * n, dur, seed=1)
+    res = simulate(prof, n, sessions, "session_affinity", until=dur)
+    rows.append(
+        _row(
+            f"sim_{n}x{prof.name}_{hours:g}h",
+            res,
+            replicas=n,
+            sessions=len(sessions),
+            target_wall_s=300,
+        )
+    )
+
+    small = synthetic_agentx(24, 600 if quick else 1800, seed=2)
+    step = simulate(prof, 8, small, "session_affinity", burst=False)
+    fast = simulate(prof, 8, small, "session_affinity", burst=True)
+    same = step.summary()["ttft_p90_s"] == fast.summary()["ttft_p90_s"] and len(
+        step.records
+    ) == len(fast.records)
+    rows.append(_row("sim_8x_stepwise", step))
+    rows.append(
+        _row(
+            "sim_8x_bursts",
+            fast,
+            speedup_vs_stepwise=round(step.wall_s / fast.wall_s, 2),
+            identical_results=same,
+        )
+    )
+
+    pol = synthetic_agentx(4 * 8, 900 if quick else 1800, seed=3)
+    for route in ("round_robin", "least_loaded", "session_affinity", "cache_aware"):
+        rows.append(_row(f"route_{route}_8x", simulate(prof, 8, pol, route)))
+    return rows

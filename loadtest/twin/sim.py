@@ -1,0 +1,543 @@
+"""In-process discrete-event simulator: many twin engines, one routing function, no HTTP.
+
+Owns: driving N :class:`loadtest.twin.engine.Engine` instances (the same engine model the
+HTTP twin runs) through simulated time with a heap of events — session calls arriving, engine
+steps ending, tier loads completing — and handing each arriving call to a pluggable
+``route(call, replicas) -> index``; plus per-request records and a summary in AgentX terms.
+Also a synthetic AgentX-like session generator for sweeps. No sockets, no asyncio; must not
+import aiohttp, zmq, torch or vllm.
+
+Speed: decode-only stretches are advanced as *bursts* (several steps in one event, each step's
+time still from the step model) whenever no block boundary, finish or waiting request can
+occur inside them; an arrival at a replica cuts its burst at the next step boundary, so the
+result is step-exact, just cheaper.
+
+Workload semantics (closed loop, like AgentX replays): a session's call k+1 is issued
+``think_s`` after call k finishes; every call's prompt is the session's whole context so far
+(previous prompt + its output + the new tool result / user turn), so prefix sharing inside a
+session is exact; the first ``shared_prefix_tokens`` (tools + system prompt) are identical
+across sessions when the workload says so.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from costmodel.profiles import ReplicaProfile
+from loadtest.twin.engine import RUNNING, Engine, Request, Step
+
+MASK64 = (1 << 64) - 1
+
+
+# ---- workload -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Call:
+    """One model call of a session: tokens appended since the previous call (its output is
+    counted by the simulator itself), tokens to generate, idle time before it."""
+
+    new_tokens: int
+    output_tokens: int
+    think_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Session:
+    id: str
+    start: float
+    calls: list[Call]
+    shared_prefix_tokens: int = 0  # leading tokens identical across sessions (tools+system)
+
+
+def synthetic_agentx(
+    n_sessions: int,
+    duration_s: float,
+    *,
+    seed: int = 0,
+    shared_prefix_tokens: int = 15_000,
+    first_call_tokens: int = 20_000,
+    turn_tokens_median: float = 2_000,
+    output_median: float = 300,
+    think_median_s: float = 18.0,
+    think_p90_s: float = 130.0,
+    calls_mean: float = 46.0,
+    max_context: int = 250_000,
+) -> list[Session]:
+    """Sessions shaped like the public Claude Code traces (see shared/data/README.md):
+    ~15k tokens of tools+system prompt, contexts growing by a few thousand tokens a call to
+    ~100k, a few hundred output tokens, think times with median 18 s and p90 130 s
+    (log-normal), ~46 calls (geometric), session starts uniform over ``duration_s``."""
+    rng = random.Random(seed)
+    sigma = math.log(think_p90_s / think_median_s) / 1.2816
+    sessions = []
+    for s in range(n_sessions):
+        n_calls = max(1, min(200, int(rng.expovariate(1.0 / calls_mean)) + 1))
+        calls = []
+        ctx = 0
+        for k in range(n_calls):
+            if k == 0:
+                new = first_call_tokens
+                think = 0.0
+            else:
+                new = max(50, int(rng.lognormvariate(math.log(turn_tokens_median), 1.0)))
+                think = rng.lognormvariate(math.log(think_median_s), sigma)
+            out = max(1, int(rng.lognormvariate(math.log(output_median), 0.8)))
+            if ctx + new + out > max_context:
+                break
+            ctx += new + out
+            calls.append(Call(new, out, think))
+        sessions.append(
+            Session(
+                f"s{s}",
+                rng.uniform(0, duration_s),
+                calls,
+                min(shared_prefix_tokens, first_call_tokens),
+            )
+        )
+    return sessions
+
+
+# ---- the replicas' read-only view for routing ----------------------------------------------
+
+
+@dataclass(slots=True)
+class CallView:
+    """What a routing function sees of an arriving call."""
+
+    session_id: str
+    call_index: int
+    prompt_tokens: int
+    block_keys: list[int]
+    max_tokens: int
+    now: float
+
+
+class ReplicaView:
+    """Read-only view of one simulated replica for routing functions."""
+
+    __slots__ = ("_eng", "index")
+
+    def __init__(self, index: int, engine: Engine):
+        self.index = index
+        self._eng = engine
+
+    @property
+    def num_running(self) -> int:
+        return len(self._eng.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._eng.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self._eng.kv_usage()
+
+    @property
+    def profile(self) -> ReplicaProfile:
+        return self._eng.profile
+
+    def pending_prefill_tokens(self) -> int:
+        e = self._eng
+        return sum(r.num_tokens - r.num_computed for r in e.waiting) + sum(
+            r.num_tokens - 1 - r.num_computed for r in e.running if r.num_output == 0
+        )
+
+    def cached_blocks(self, keys: Sequence[int]) -> tuple[int, int, int]:
+        """(gpu, cpu, storage) blocks of the longest cached prefix of ``keys``."""
+        e = self._eng
+        gpu = len(e.pool.match(keys, len(keys)))
+        cpu = sto = 0
+        for k in keys[gpu:]:
+            if e.cpu is not None and k in e.cpu:
+                cpu += 1
+            elif e.storage is not None and k in e.storage:
+                sto += 1
+            else:
+                break
+        return gpu, cpu, sto
+
+
+RouteFn = Callable[[CallView, Sequence[ReplicaView]], int]
+
+
+def route_round_robin() -> RouteFn:
+    counter = iter(range(1 << 62))
+
+    def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
+        return next(counter) % len(replicas)
+
+    return route
+
+
+def route_least_loaded() -> RouteFn:
+    def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
+        return min(replicas, key=lambda r: (r.num_running + r.num_waiting, r.kv_usage)).index
+
+    return route
+
+
+def route_session_affinity(max_waiting: int = 4) -> RouteFn:
+    """Keep a session on its replica unless that replica has a queue; new sessions go to
+    the least-loaded replica."""
+    home: dict[str, int] = {}
+    least = route_least_loaded()
+
+    def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
+        r = home.get(call.session_id)
+        if r is None or replicas[r].num_waiting > max_waiting:
+            r = least(call, replicas)
+            home[call.session_id] = r
+        return r
+
+    return route
+
+
+def route_cache_aware(load_weight_s: float = 2.0) -> RouteFn:
+    """Score = estimated uncached prefill tokens + queue; scans every replica's cache (cost
+    O(replicas x prompt blocks): fine for tens of replicas, slow for sweeps of hundreds)."""
+
+    def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
+        best, best_cost = 0, float("inf")
+        for r in replicas:
+            g, c, s = r.cached_blocks(call.block_keys)
+            bs = r.profile.block_size
+            uncached = call.prompt_tokens - (g + 0.5 * c + 0.2 * s) * bs
+            cost = uncached + r.pending_prefill_tokens() + load_weight_s * 1000 * r.num_waiting
+            if cost < best_cost:
+                best, best_cost = r.index, cost
+        return best
+
+    return route
+
+
+ROUTERS: dict[str, Callable[[], RouteFn]] = {
+    "round_robin": route_round_robin,
+    "least_loaded": route_least_loaded,
+    "session_affinity": route_session_affinity,
+    "cache_aware": route_cache_aware,
+}
+
+
+# ---- the simulator --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CallRecord:
+    session_id: str
+    call_index: int
+    replica: int
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    first_token: float
+    finish: float
+    preemptions: int
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+
+@dataclass
+class SimResult:
+    records: list[CallRecord]
+    sim_time_s: float
+    wall_s: float
+    replicas: int
+    events: int
+    steps: int
+    sessions_done: int
+    sessions: int
+    engine_busy_s: list[float] = field(default_factory=list)
+    tier_hit_blocks: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        r = self.records
+        if not r:
+            return {"requests": 0, "wall_s": round(self.wall_s, 2)}
+        ttft = np.array([x.ttft for x in r])
+        tpot = np.array([t for x in r if (t := x.tpot) is not None])
+        prompt = sum(x.prompt_tokens for x in r)
+        cached = sum(x.cached_tokens for x in r)
+        out = sum(x.output_tokens for x in r)
+        p90_tpot = float(np.percentile(tpot, 90)) if len(tpot) else float("nan")
+        return {
+            "requests": len(r),
+            "sessions_done": self.sessions_done,
+            "sessions": self.sessions,
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "tpot_p90_s": p90_tpot,
+            "p90_interactivity_tok_s": 1.0 / p90_tpot if p90_tpot > 0 else float("nan"),
+            "cache_hit_ratio": cached / prompt if prompt else 0.0,
+            "throughput_tok_per_gpu_s": (prompt + out) / (self.replicas * self.sim_time_s),
+            "preemptions": sum(x.preemptions for x in r),
+            "tier_hit_blocks": dict(self.tier_hit_blocks),
+            "sim_time_s": self.sim_time_s,
+            "wall_s": self.wall_s,
+            "events": self.events,
+            "steps": self.steps,
+            "utilization": (sum(self.engine_busy_s) / (self.replicas * self.sim_time_s)
+                            if self.sim_time_s else 0.0),
+        }  # fmt: skip
+
+
+_ARRIVE, _STEP, _WAKE = 0, 1, 2
+
+
+class _Replica:
+    __slots__ = ("burst", "engine", "step", "version")
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.step: Step | None = None
+        self.burst: tuple[float, list[float], int] | None = None  # start, step ends, batch
+        self.version = 0
+
+
+class Simulator:
+    """N engines of one profile, a routing function, and a workload of sessions."""
+
+    def __init__(
+        self,
+        profile: ReplicaProfile,
+        n_replicas: int,
+        route: RouteFn,
+        *,
+        burst: bool = True,
+        max_burst_steps: int = 256,
+    ):
+        if n_replicas < 1:
+            raise ValueError("need at least one replica")
+        self.profile = profile
+        self.replicas = [_Replica(Engine(profile, emit_events=False)) for _ in range(n_replicas)]
+        self.views = [ReplicaView(i, r.engine) for i, r in enumerate(self.replicas)]
+        self.route = route
+        self.burst = burst
+        self.max_burst_steps = max_burst_steps
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self.steps = 0
+        self.events = 0
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+
+    # -- engine driving --
+
+    def _kick(self, i: int, now: float) -> None:
+        """Start replica ``i``'s next step (or burst) at ``now`` if it is idle."""
+        rep = self.replicas[i]
+        if rep.step is not None or rep.burst is not None:
+            return
+        eng = rep.engine
+        if not eng.has_work:
+            return
+        if self.burst:
+            k = self._burst_len(eng)
+            if k >= 2:
+                self._start_burst(i, rep, now, k)
+                return
+        step = eng.schedule(now)
+        if step is None:
+            nxt = eng.next_ready()
+            if nxt is not None:
+                rep.version += 1
+                self._push(nxt, _WAKE, (i, rep.version))
+            return
+        rep.step = step
+        rep.version += 1
+        self._push(now + step.duration, _STEP, (i, rep.version))
+
+    def _burst_len(self, eng: Engine) -> int:
+        """Steps that can run as pure decode with no allocation, caching or finish."""
+        if eng.waiting or not eng.running:
+            return 0
+        bs = eng.block_size
+        max_len = eng.profile.max_model_len
+        k = self.max_burst_steps
+        for r in eng.running:
+            c = r.num_computed
+            if c != r.num_tokens - 1:
+                return 0  # still prefilling
+            pos = c % bs
+            if pos == 0 or pos == bs - 1:
+                return 0
+            k = min(k, bs - 1 - pos, r.max_tokens - r.num_output - 1, max_len - 1 - r.num_tokens)
+            if k < 2:
+                return 0
+        return k
+
+    def _start_burst(self, i: int, rep: _Replica, now: float, k: int) -> None:
+        eng = rep.engine
+        b = len(eng.running)
+        ctx = float(sum(r.num_computed for r in eng.running))
+        step = eng.coeffs.step
+        ends = []
+        t = now
+        for j in range(k):
+            c = ctx + j * b
+            t += step(b, c, c)
+            ends.append(t)
+        rep.burst = (now, ends, b)
+        rep.version += 1
+        self._push(ends[-1], _STEP, (i, rep.version))
+
+    def _apply_burst(self, rep: _Replica, n_steps: int) -> float:
+        """Apply the first ``n_steps`` of the replica's burst; returns when they end."""
+        assert rep.burst is not None
+        start, ends, _b = rep.burst
+        rep.burst = None
+        eng = rep.engine
+        for r in eng.running:
+            r.num_computed += n_steps
+            r.num_output += n_steps
+        eng.generation_tokens_total += n_steps * len(eng.running)
+        eng.busy_time += ends[n_steps - 1] - start
+        eng.step_count += n_steps
+        self.steps += n_steps
+        return ends[n_steps - 1]
+
+    def _cut_burst(self, i: int, now: float) -> float:
+        """An arrival at ``now`` during a burst: finish the step in progress, stop there."""
+        rep = self.replicas[i]
+        assert rep.burst is not None
+        ends = rep.burst[1]
+        m = next(j for j, e in enumerate(ends) if e >= now)
+        rep.version += 1  # the burst's own end event is now stale
+        return self._apply_burst(rep, m + 1)
+
+    # -- main loop --
+
+    def run(self, sessions: Sequence[Session], until: float | None = None) -> SimResult:
+        wall0 = time.perf_counter()
+        bs = self.profile.block_size
+        max_len = self.profile.max_model_len
+        shared_salt = 0x5EED
+        state: dict[str, dict[str, Any]] = {}
+        for s in sessions:
+            state[s.id] = {"keys": [], "ctx": 0, "k": 0, "session": s}
+            self._push(s.start, _ARRIVE, s.id)
+        records: list[CallRecord] = []
+        done_sessions = 0
+        tier_hits = {"gpu": 0, "cpu": 0, "storage": 0}
+        now = 0.0
+        heap = self._heap
+        while heap:
+            t, _, kind, payload = heapq.heappop(heap)
+            if until is not None and t > until:
+                break
+            now = t
+            self.events += 1
+            if kind == _ARRIVE:
+                st = state[payload]
+                s: Session = st["session"]
+                call = s.calls[st["k"]]
+                ctx = st["ctx"] + call.new_tokens
+                if ctx + call.output_tokens > max_len:
+                    done_sessions += 1
+                    continue
+                keys: list[int] = st["keys"]
+                shared = s.shared_prefix_tokens // bs
+                sid_salt = hash(s.id) & MASK64
+                while len(keys) < ctx // bs:
+                    j = len(keys)
+                    if j < shared:
+                        keys.append((shared_salt * 0x9E3779B97F4A7C15 + j) & MASK64)
+                    else:
+                        keys.append(
+                            ((sid_salt ^ (j * 0xBF58476D1CE4E5B9)) * 0x94D049BB133111EB) & MASK64
+                        )
+                st["ctx"] = ctx
+                view = CallView(s.id, st["k"], ctx, keys, call.output_tokens, now)
+                i = self.route(view, self.views)
+                rep = self.replicas[i]
+                req = Request(f"{s.id}/{st['k']}", ctx, call.output_tokens,
+                              block_keys=keys[: ctx // bs], arrival=now, session_id=s.id,
+                              tag=i)  # fmt: skip
+                start = now
+                if rep.burst is not None:
+                    start = self._cut_burst(i, now)
+                rep.engine.add(req)
+                if start > now:
+                    self._push(start, _WAKE, (i, rep.version))
+                else:
+                    self._kick(i, now)
+                continue
+            i, version = payload
+            rep = self.replicas[i]
+            if version != rep.version:
+                continue  # stale (a cut burst or a superseded wake-up)
+            if kind == _WAKE:
+                self._kick(i, now)
+                continue
+            # _STEP
+            eng = rep.engine
+            if rep.burst is not None:
+                self._apply_burst(rep, len(rep.burst[1]))
+            else:
+                step = rep.step
+                assert step is not None
+                rep.step = None
+                self.steps += 1
+                res = eng.complete(step, now)
+                for req in res.finished:
+                    st = state[req.session_id]
+                    s = st["session"]
+                    records.append(CallRecord(
+                        s.id, st["k"], i, req.arrival, req.prompt_len, req.num_output,
+                        req.cached_tokens or 0, req.first_token_time or now, now,
+                        req.num_preemptions))  # fmt: skip
+                    st["ctx"] += req.num_output
+                    st["k"] += 1
+                    if st["k"] < len(s.calls):
+                        self._push(now + s.calls[st["k"]].think_s, _ARRIVE, s.id)
+                    else:
+                        done_sessions += 1
+            self._kick(i, now)
+        for rep in self.replicas:
+            for k_, v in rep.engine.tier_hit_blocks.items():
+                tier_hits[k_] += v
+        return SimResult(
+            records=records, sim_time_s=now, wall_s=time.perf_counter() - wall0,
+            replicas=len(self.replicas), events=self.events, steps=self.steps,
+            sessions_done=done_sessions, sessions=len(sessions),
+            engine_busy_s=[r.engine.busy_time for r in self.replicas],
+            tier_hit_blocks=tier_hits,
+        )  # fmt: skip
+
+
+def simulate(
+    profile: ReplicaProfile,
+    n_replicas: int,
+    sessions: Sequence[Session],
+    route: RouteFn | str = "session_affinity",
+    **kw: Any,
+) -> SimResult:
+    """One run: ``route`` is a function or the name of a built-in policy (:data:`ROUTERS`)."""
+    fn = ROUTERS[route]() if isinstance(route, str) else route
+    until = kw.pop("until", None)
+    return Simulator(profile, n_replicas, fn, **kw).run(sessions, until=until)
+
+
+__all__ = ["RUNNING", "Call", "CallView", "ReplicaView", "Session", "SimResult", "Simulator",
+           "simulate", "synthetic_agentx"]  # fmt: skip

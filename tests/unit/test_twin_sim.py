@@ -1,0 +1,89 @@
+"""The discrete-event simulator: closed-loop sessions, pluggable routing, step-exact bursts."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodel.profiles import load_profile
+from loadtest.twin.sim import Call, Session, Simulator, simulate, synthetic_agentx
+
+P70 = load_profile("h200-70b-fp8")
+
+
+def test_bursts_are_step_exact():
+    sessions = synthetic_agentx(12, 300, seed=5)
+    a = simulate(P70, 3, sessions, "least_loaded", burst=False)
+    b = simulate(P70, 3, sessions, "least_loaded", burst=True)
+    key = lambda r: (r.session_id, r.call_index)  # noqa: E731
+    ra, rb = sorted(a.records, key=key), sorted(b.records, key=key)
+    assert len(ra) == len(rb) > 50
+    for x, y in zip(ra, rb, strict=True):
+        assert (x.replica, x.cached_tokens, x.output_tokens) == (
+            y.replica,
+            y.cached_tokens,
+            y.output_tokens,
+        )
+        assert x.first_token == pytest.approx(y.first_token, abs=1e-9)
+        assert x.finish == pytest.approx(y.finish, abs=1e-9)
+    assert a.steps == b.steps and b.events < a.events / 3
+
+
+def test_closed_loop_next_call_waits_think_time_after_the_previous_finishes():
+    s = Session("s", 1.0, [Call(5000, 10), Call(500, 20, think_s=7.0), Call(300, 5, 3.0)])
+    res = simulate(P70, 1, [s], "round_robin")
+    r = sorted(res.records, key=lambda x: x.call_index)
+    assert [x.call_index for x in r] == [0, 1, 2]
+    assert r[0].arrival == 1.0
+    assert r[1].arrival == pytest.approx(r[0].finish + 7.0)
+    assert r[2].arrival == pytest.approx(r[1].finish + 3.0)
+    # each call's prompt is the whole context: previous prompt + output + new tokens
+    assert r[1].prompt_tokens == 5000 + 10 + 500
+    assert r[2].prompt_tokens == r[1].prompt_tokens + 20 + 300
+    # and hits what the previous call left cached (full blocks of the previous prompt)
+    assert r[1].cached_tokens == 5000 // 64 * 64
+    assert r[1].ttft < r[0].ttft
+    assert res.sessions_done == 1
+
+
+def test_routing_function_sees_views_and_its_choice_is_used():
+    seen = []
+
+    def route(call, replicas):
+        seen.append(
+            (
+                call.session_id,
+                call.call_index,
+                len(replicas),
+                replicas[1].cached_blocks(call.block_keys),
+            )
+        )
+        return 1
+
+    s = [Session("a", 0.0, [Call(3000, 5), Call(100, 5, 1.0)])]
+    res = Simulator(P70, 3, route).run(s)
+    assert {r.replica for r in res.records} == {1}
+    assert seen[0][:3] == ("a", 0, 3) and seen[0][3] == (0, 0, 0)
+    assert seen[1][3][0] == 3005 // 64  # the first call's prompt and output blocks
+
+
+def test_cache_affinity_beats_round_robin_on_hit_ratio():
+    sessions = synthetic_agentx(16, 600, seed=7)
+    rr = simulate(P70, 4, sessions, "round_robin", until=900).summary()
+    aff = simulate(P70, 4, sessions, "session_affinity", until=900).summary()
+    assert aff["cache_hit_ratio"] > rr["cache_hit_ratio"] + 0.1
+    assert aff["ttft_p50_s"] < rr["ttft_p50_s"]
+
+
+def test_offload_tier_serves_hits_after_gpu_eviction():
+    off = load_profile("h200-70b-fp8-offload")
+    sessions = synthetic_agentx(24, 600, seed=8)
+    res = simulate(off, 2, sessions, "session_affinity", until=1800)
+    hits = res.summary()["tier_hit_blocks"]
+    assert hits["cpu"] > 0 and hits["gpu"] > 0
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError):
+        Simulator(P70, 0, lambda c, r: 0)
+    with pytest.raises(KeyError):
+        simulate(P70, 1, [], "no-such-policy")
