@@ -145,8 +145,13 @@ async def handle_ready(request: web.Request) -> web.Response:
     app = request.app
     healthy = sum(1 for r in app[REPLICAS] if r.healthy)
     ok = healthy > 0 and not app[RUNTIME].draining
-    body = {"ready": ok, "healthy_replicas": healthy, "draining": app[RUNTIME].draining,
-            "state_backend": app[STORE].backend, "state_backend_up": app[STORE].up}
+    body = {
+        "ready": ok,
+        "healthy_replicas": healthy,
+        "draining": app[RUNTIME].draining,
+        "state_backend": app[STORE].backend,
+        "state_backend_up": app[STORE].up,
+    }
     return web.json_response(body, status=200 if ok else 503)
 
 
@@ -216,14 +221,24 @@ async def admin_route(request: web.Request) -> web.Response:
     app = request.app
     record = await app[STORE].get(ctx.identity.key)
     try:
-        d = app[PIPELINE].schedule(ctx, snapshot(app, record),
-                                   explain=request.query.get("explain") in ("1", "true"))
+        d = app[PIPELINE].schedule(
+            ctx, snapshot(app, record), explain=request.query.get("explain") in ("1", "true")
+        )
     except NoCandidates as e:
         return web.json_response({"winner": None, "filtered_out": e.removed_by}, status=503)
     ident = ctx.identity
-    out = {"winner": d.endpoint.name, "identity": {
-        "tenant": ident.tenant, "session": ident.session, "parent": ident.parent,
-        "agent": ident.agent, "final": ident.final, "source": ident.source, "key": ident.key}}
+    out = {
+        "winner": d.endpoint.name,
+        "identity": {
+            "tenant": ident.tenant,
+            "session": ident.session,
+            "parent": ident.parent,
+            "agent": ident.agent,
+            "final": ident.final,
+            "source": ident.source,
+            "key": ident.key,
+        },
+    }
     if d.explain:
         out["explain"] = d.explain
     return web.json_response(out)

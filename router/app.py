@@ -28,7 +28,7 @@ from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Pipeline
 from router.scheduling.registry import build_pipeline
-from router.state import MemoryStore, RedisStore, make_store
+from router.state import RedisStore, SessionStore, make_store
 
 log = logging.getLogger("kvroute")
 
@@ -58,7 +58,7 @@ CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 MONITOR = web.AppKey("monitor", ReplicaMonitor)
-STORE = web.AppKey("store", MemoryStore | RedisStore)
+STORE = web.AppKey("store", SessionStore)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 CLIENT = web.AppKey("client", aiohttp.ClientSession)
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -165,9 +165,7 @@ async def start_site(
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    server = site._server
-    sock = server.sockets[0] if server and server.sockets else None  # type: ignore[union-attr]
-    actual = sock.getsockname()[1] if sock else port
+    actual = runner.addresses[0][1] if runner.addresses else port
     return runner, f"http://{host}:{actual}"
 
 

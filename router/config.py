@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,6 @@ class RouterConfig:
     upstream_api_key: str | None = None
     admin_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # client key -> tenant
-    affinity_load_factor: float = 1.25  # bounded-load consistent hashing: c
     prefix_chars: int = 4096  # fallback session identity: leading prompt characters
     log_level: str = "info"
 
@@ -83,8 +83,6 @@ class RouterConfig:
                 raise ConfigError(f"replica URL must start with http:// or https://: {u!r}")
         if self.max_body_bytes <= 0 or self.retries < 0 or self.breaker_failures < 1:
             raise ConfigError("max_body_bytes > 0, retries >= 0 and breaker_failures >= 1")
-        if self.affinity_load_factor < 1.0:
-            raise ConfigError("affinity_load_factor must be >= 1.0")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
@@ -141,7 +139,7 @@ def _tenant_of_key(key: str) -> str:
 
 def load_config(
     file: str | Path | None = None,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> RouterConfig:
     """Defaults < YAML ``file`` < ``KVROUTE_*`` env < ``overrides`` (flags; None = unset)."""
@@ -157,9 +155,9 @@ def load_config(
         if unknown:
             raise ConfigError(f"unknown config keys in {file}: {sorted(unknown)}")
         values.update({k: _coerce(k, v) for k, v in data.items()})
-    env = os.environ if env is None else env
+    envmap: Mapping[str, str] = os.environ if env is None else env
     for name in _FIELDS:
-        raw = env.get("KVROUTE_" + name.upper())
+        raw = envmap.get("KVROUTE_" + name.upper())
         if raw is not None:
             values[name] = _coerce(name, raw)
     for name, v in (overrides or {}).items():

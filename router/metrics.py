@@ -24,25 +24,46 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvroute_requests", "Requests by route, replica and status",
-                                ["route", "replica", "status"], registry=r)
-        self.added_latency = Histogram("kvroute_added_latency_seconds",
-                                       "Router time before the upstream request is sent",
-                                       buckets=LAT_BUCKETS, registry=r)
-        self.ttft = Histogram("kvroute_ttft_seconds", "Time to the first upstream byte",
-                              ["replica"], buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("kvroute_tpot_seconds", "Time per SSE event after the first",
-                              ["replica"], buckets=TPOT_BUCKETS, registry=r)
+        self.requests = Counter(
+            "kvroute_requests",
+            "Requests by route, replica and status",
+            ["route", "replica", "status"],
+            registry=r,
+        )
+        self.added_latency = Histogram(
+            "kvroute_added_latency_seconds",
+            "Router time before the upstream request is sent",
+            buckets=LAT_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvroute_ttft_seconds",
+            "Time to the first upstream byte",
+            ["replica"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvroute_tpot_seconds",
+            "Time per SSE event after the first",
+            ["replica"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
         self.inflight = Gauge("kvroute_inflight", "Requests in flight", ["replica"], registry=r)
-        self.active_sessions = Gauge("kvroute_active_sessions", "Sessions in the table",
-                                     registry=r)
-        self.retries = Counter("kvroute_retries", "Retries on another replica", ["reason"],
-                               registry=r)
-        self.breaker = Gauge("kvroute_breaker_state",
-                             "Circuit breaker: 0 closed, 1 half-open, 2 open", ["replica"],
-                             registry=r)
-        self.backend_up = Gauge("kvroute_state_backend_up", "Session store reachable",
-                                ["backend"], registry=r)
+        self.active_sessions = Gauge("kvroute_active_sessions", "Sessions in the table", registry=r)
+        self.retries = Counter(
+            "kvroute_retries", "Retries on another replica", ["reason"], registry=r
+        )
+        self.breaker = Gauge(
+            "kvroute_breaker_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open",
+            ["replica"],
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "kvroute_state_backend_up", "Session store reachable", ["backend"], registry=r
+        )
         self._refreshers: list[Callable[[], None]] = []
 
     def on_scrape(self, fn: Callable[[], None]) -> None:

@@ -59,7 +59,10 @@ def error_body(route: str, status: int, message: str, etype: str) -> bytes:
 
 
 def error_response(
-    route: str, status: int, message: str, etype: str = "invalid_request_error",
+    route: str,
+    status: int,
+    message: str,
+    etype: str = "invalid_request_error",
     headers: Mapping[str, str] | None = None,
 ) -> web.Response:
     return web.Response(
@@ -75,7 +78,7 @@ def request_id(headers: Mapping[str, str]) -> str:
     return uuid.uuid4().hex
 
 
-def _drop(headers: Mapping[str, str]) -> set[str]:
+def _drop(headers: Mapping[str, str]) -> frozenset[str]:
     """Hop-by-hop names, including any the ``Connection`` header lists."""
     extra = {h.strip().lower() for h in headers.get("connection", "").split(",") if h.strip()}
     return HOP_BY_HOP | extra
@@ -135,8 +138,9 @@ def snapshot(app: web.Application, session: SessionRecord | None) -> Snapshot:
     return Snapshot(app[REPLICAS].views(), session, app[PIPELINE].seq, states)
 
 
-async def place_session(app: web.Application, ctx: RequestContext, record: SessionRecord | None,
-                        decision: Decision) -> str:
+async def place_session(
+    app: web.Application, ctx: RequestContext, record: SessionRecord | None, decision: Decision
+) -> str:
     """Record the pick in the session table; a concurrent first placement elsewhere wins."""
     store = app[STORE]
     chosen = decision.endpoint.name
@@ -216,8 +220,15 @@ class _RetryElsewhere(Exception):
 
 
 async def _stream_from(
-    request: web.Request, ctx: RequestContext, raw: bytes, headers: CIMultiDict[str], path: str,
-    replica: Any, t0: float, route_label: str, last_attempt: bool,
+    request: web.Request,
+    ctx: RequestContext,
+    raw: bytes,
+    headers: CIMultiDict[str],
+    path: str,
+    replica: Any,
+    t0: float,
+    route_label: str,
+    last_attempt: bool,
 ) -> web.StreamResponse:
     app = request.app
     cfg = app[CONFIG]
@@ -239,8 +250,11 @@ async def _stream_from(
             replica.breaker.on_failure()
         else:
             replica.breaker.on_success()
-        out = web.StreamResponse(status=resp.status, reason=resp.reason,
-                                 headers=response_headers(resp.headers, ctx.request_id))
+        out = web.StreamResponse(
+            status=resp.status,
+            reason=resp.reason,
+            headers=response_headers(resp.headers, ctx.request_id),
+        )
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         await out.prepare(request)
         first_at = None
@@ -260,11 +274,13 @@ async def _stream_from(
                 log.warning("request %s: replica %s failed mid-stream: %r", ctx.request_id,
                             name, e)  # fmt: skip
                 if sse:
-                    await out.write(sse_error_event(ctx.route, f"replica failed mid-stream: "
-                                                               f"{type(e).__name__}"))
+                    await out.write(
+                        sse_error_event(ctx.route, f"replica failed mid-stream: {type(e).__name__}")
+                    )
                     await out.write_eof()
                 else:
-                    request.transport and request.transport.close()  # truncated: tell client
+                    if request.transport is not None:  # truncated body: tell the client
+                        request.transport.close()
                 break
             if first_at is None:
                 first_at = time.perf_counter()

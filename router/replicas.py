@@ -341,7 +341,10 @@ class ReplicaMonitor:
             try:
                 token = (sa / "token").read_text().strip()  # rotated by the kubelet
                 async with self.session.get(
-                    url, params=params, ssl=ctx, timeout=self._probe_timeout,
+                    url,
+                    params=params,
+                    ssl=ctx,
+                    timeout=self._probe_timeout,
                     headers={"Authorization": f"Bearer {token}"},
                 ) as resp:
                     resp.raise_for_status()

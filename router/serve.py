@@ -20,10 +20,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from router.config import RouterConfig
 
     p.add_argument("--config", help="YAML file with any of the settings below")
-    p.add_argument("--replica", dest="replicas", action="append", default=None,
-                   metavar="URL", help="a replica base URL (repeat)")
-    p.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                   metavar="KEY[:TENANT]", help="accept this client key (enables auth; repeat)")
+    p.add_argument(
+        "--replica",
+        dest="replicas",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a replica base URL (repeat)",
+    )
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=None,
+        metavar="KEY[:TENANT]",
+        help="accept this client key (enables auth; repeat)",
+    )
     for f in dataclasses.fields(RouterConfig):
         if f.name in _SKIP or f.name == "replicas":
             continue
@@ -50,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kvroute serve: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     log = logging.getLogger("kvroute")
 
     async def main() -> int:
@@ -59,9 +72,13 @@ def run(args: argparse.Namespace) -> int:
 
         app = build_app(cfg)
         runner, url = await start_site(app, cfg.host, cfg.port)
-        log.info("kvroute serving on %s (policy %s, state %s, %d replicas)", url,
-                 app[PIPELINE].name,
-                 "redis" if cfg.redis_url else "memory", len(cfg.replicas))
+        log.info(
+            "kvroute serving on %s (policy %s, state %s, %d replicas)",
+            url,
+            app[PIPELINE].name,
+            "redis" if cfg.redis_url else "memory",
+            len(cfg.replicas),
+        )
         print(f"kvroute listening on {url}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

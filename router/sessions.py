@@ -153,4 +153,4 @@ def identify(
         text = prompt_prefix_text(body, prefix_chars)
         digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
         session, source = f"prefix:{digest}", "prefix"
-    return SessionIdentity(tenant, session, parent_key, agent, final, source)
+    return SessionIdentity(tenant, session, parent_key, agent, final, source or "prefix")

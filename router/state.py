@@ -23,7 +23,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import orjson
 
@@ -279,7 +279,7 @@ class RedisStore:
             if remote:
                 # calls and timing seen by other routers count too
                 prev_end = rec.last_call_end
-                self.local.merge_remote(ident.key, self._parse(remote))
+                self.local.merge_remote(ident.key, self._parse(cast(dict[str, str], remote)))
                 if rec.last_call_end is not None and rec.last_call_end != prev_end:
                     gap = max(0.0, now - rec.last_call_end)
                     if prev_end is not None and rec.gaps:
@@ -288,7 +288,7 @@ class RedisStore:
                         rec.gaps.append(gap)
                 rec.calls = max(rec.calls, int(remote.get("calls", 0)) + 1)
             async with self._r.pipeline(transaction=False) as p:
-                p.hset(k, mapping=self._fields(rec))
+                p.hset(k, mapping=cast(Any, self._fields(rec)))
                 p.expire(k, int(self.ttl_s))
                 if rec.parent:
                     p.sadd(self.CHILDREN + rec.parent, ident.key)
@@ -344,7 +344,7 @@ class RedisStore:
                         continue
                     k = self.PREFIX + key
                     async with self._r.pipeline(transaction=False) as p:
-                        p.hset(k, mapping=self._fields(rec))
+                        p.hset(k, mapping=cast(Any, self._fields(rec)))
                         if rec.replica:
                             p.hsetnx(k, "replica", rec.replica)
                         p.expire(k, int(self.ttl_s))
@@ -381,8 +381,9 @@ class RedisStore:
             await self._r.aclose()
 
 
-def make_store(redis_url: str | None, ttl_s: float, timeout_s: float = 0.25,
-               reconcile_interval_s: float = 1.0) -> MemoryStore | RedisStore:
+def make_store(
+    redis_url: str | None, ttl_s: float, timeout_s: float = 0.25, reconcile_interval_s: float = 1.0
+) -> MemoryStore | RedisStore:
     if redis_url:
         return RedisStore(redis_url, ttl_s, timeout_s, reconcile_interval_s)
     return MemoryStore(ttl_s)

@@ -19,8 +19,9 @@ from router.scheduling.registry import register, register_policy
 from router.scheduling.ring import bounded_capacity, ring_for
 
 
-def ring_scores(key: str, endpoints: list[EndpointView], factor: float,
-                sticky: str | None = None) -> dict[str, float]:
+def ring_scores(
+    key: str, endpoints: list[EndpointView], factor: float, sticky: str | None = None
+) -> dict[str, float]:
     by_name = {e.name: e for e in endpoints}
     total = sum(e.load for e in endpoints)
     cap = bounded_capacity(total, len(endpoints), factor)
@@ -56,6 +57,4 @@ def _session_affinity(load_factor: float = 1.25) -> SessionAffinity:
     return SessionAffinity(load_factor)
 
 
-register_policy(
-    "session_affinity", {"scorers": [{"type": "session_affinity", "weight": 1.0}]}
-)
+register_policy("session_affinity", {"scorers": [{"type": "session_affinity", "weight": 1.0}]})

@@ -71,10 +71,17 @@ class FakeReplica:
             return web.json_response({"error": {"message": "injected"}}, status=self.fail_status)
         body = orjson.loads(raw) if raw else {}
         if not body.get("stream"):
-            return web.json_response({"id": "x", "replica": self.name, "echo_len": len(raw),
-                                      "usage": {"prompt_tokens": 3}})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "X-Replica": self.name})
+            return web.json_response(
+                {
+                    "id": "x",
+                    "replica": self.name,
+                    "echo_len": len(raw),
+                    "usage": {"prompt_tokens": 3},
+                }
+            )
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "X-Replica": self.name}
+        )
         await resp.prepare(request)
         try:
             for i, c in enumerate(self.chunks):
@@ -96,14 +103,21 @@ class FakeReplica:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": m, "object": "model", "owned_by": self.name} for m in self.models]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": m, "object": "model", "owned_by": self.name} for m in self.models],
+            }
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=(
-            f'vllm:num_requests_running{{model_name="tiny"}} {self.running}\n'
-            f'vllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'
-            f'vllm:kv_cache_usage_perc{{model_name="tiny"}} 0.25\n'))
+        return web.Response(
+            text=(
+                f'vllm:num_requests_running{{model_name="tiny"}} {self.running}\n'
+                f'vllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'
+                f'vllm:kv_cache_usage_perc{{model_name="tiny"}} 0.25\n'
+            )
+        )
 
     async def start(self) -> FakeReplica:
         app = web.Application(client_max_size=64 << 20)
@@ -173,8 +187,13 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "strea
 async def test_sse_passthrough_is_byte_exact_and_headers_are_clean(fakes, router, http):
     (f,) = await fakes(1)
     url, _ = await router([f.url])
-    hdrs = {"Connection": "keep-alive, X-Hop-Secret", "X-Hop-Secret": "1", "TE": "trailers",
-            "X-Request-Id": "req-123", "X-Custom": "kept"}
+    hdrs = {
+        "Connection": "keep-alive, X-Hop-Secret",
+        "X-Hop-Secret": "1",
+        "TE": "trailers",
+        "X-Request-Id": "req-123",
+        "X-Custom": "kept",
+    }
     async with http.post(url + "/v1/chat/completions", json=CHAT, headers=hdrs) as r:
         assert r.status == 200
         assert r.headers["Content-Type"] == "text/event-stream"
@@ -196,8 +215,9 @@ async def test_non_streaming_body_and_large_request_pass_unchanged(fakes, router
     (f,) = await fakes(1)
     url, _ = await router([f.url])
     body = orjson.dumps({"model": "tiny", "prompt": "x" * 200_000, "max_tokens": 1})
-    async with http.post(url + "/v1/completions", data=body,
-                         headers={"Content-Type": "application/json"}) as r:
+    async with http.post(
+        url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    ) as r:
         assert r.status == 200
         assert (await r.json())["echo_len"] == len(body)
     assert f.seen[-1].body == body
@@ -217,8 +237,12 @@ async def test_client_disconnect_aborts_upstream(fakes, router, http):
 async def test_failover_before_first_byte_loses_no_call(fakes, router, http):
     good, bad, doomed = await fakes(3)
     bad.fail_status = 503
-    url, app = await router([doomed.url, bad.url, good.url], policy="round_robin",
-                            breaker_failures=2, breaker_cooldown_s=60)
+    url, app = await router(
+        [doomed.url, bad.url, good.url],
+        policy="round_robin",
+        breaker_failures=2,
+        breaker_cooldown_s=60,
+    )
     await doomed.stop()  # passed its health check, then died: connections are refused
     results = []
     for _ in range(12):
@@ -242,7 +266,7 @@ async def test_replica_dying_mid_stream_ends_with_sse_error_event(fakes, router,
         assert r.status == 200
         got = await r.read()
     assert got.startswith(b"".join(SSE_CHUNKS[:3]))
-    tail = got[len(b"".join(SSE_CHUNKS[:3])):]
+    tail = got[len(b"".join(SSE_CHUNKS[:3])) :]
     assert tail.startswith(b"data: ") and tail.endswith(b"\n\n")
     assert orjson.loads(tail[6:])["error"]["type"] == "upstream_error"
     # Anthropic route: a typed SSE error event
@@ -253,31 +277,38 @@ async def test_replica_dying_mid_stream_ends_with_sse_error_event(fakes, router,
 
 async def test_bad_input_gets_clear_errors(fakes, router, http):
     (f,) = await fakes(1)
-    url, _ = await router([f.url], max_body_bytes=10_000, client_body_timeout_s=0.5,
-                          max_header_bytes=2048)
-    async with http.post(url + "/v1/chat/completions", data=b"{not json",
-                         headers={"Content-Type": "application/json"}) as r:
+    url, _ = await router(
+        [f.url], max_body_bytes=10_000, client_body_timeout_s=0.5, max_header_bytes=2048
+    )
+    async with http.post(
+        url + "/v1/chat/completions",
+        data=b"{not json",
+        headers={"Content-Type": "application/json"},
+    ) as r:
         assert r.status == 400
         err = (await r.json())["error"]
         assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
     async with http.post(url + "/v1/chat/completions", json={**CHAT, "model": "nope"}) as r:
         assert r.status == 404 and (await r.json())["error"]["type"] == "model_not_found"
-    async with http.post(url + "/v1/chat/completions",
-                         json={**CHAT, "pad": "x" * 20_000}) as r:
+    async with http.post(url + "/v1/chat/completions", json={**CHAT, "pad": "x" * 20_000}) as r:
         assert r.status == 413
-    async with http.post(url + "/v1/chat/completions", json=CHAT,
-                         headers={"X-Big": "y" * 4096}) as r:
+    async with http.post(
+        url + "/v1/chat/completions", json=CHAT, headers={"X-Big": "y" * 4096}
+    ) as r:
         assert r.status in (400, 431)
-    async with http.post(url + "/v1/messages", data=b"[1]",
-                         headers={"Content-Type": "application/json"}) as r:
+    async with http.post(
+        url + "/v1/messages", data=b"[1]", headers={"Content-Type": "application/json"}
+    ) as r:
         assert r.status == 400 and (await r.json())["type"] == "error"
     assert f.seen == []  # none of them reached the replica
 
     # a client that stops sending its body half-way is cut off with 408
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\":")
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b'Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"model":'
+    )
     await writer.drain()
     status_line = await asyncio.wait_for(reader.readline(), timeout=5)
     assert b" 408 " in status_line
@@ -308,8 +339,9 @@ async def test_models_union_ready_metrics_and_passthrough(fakes, router, http):
         assert r.status == 200 and (await r.json())["healthy_replicas"] == 2
     # 'big' only lives on b: the serves_model filter must send it there
     for _ in range(4):
-        async with http.post(url + "/v1/completions",
-                             json={"model": "big", "prompt": "p", "user": "u1"}) as r:
+        async with http.post(
+            url + "/v1/completions", json={"model": "big", "prompt": "p", "user": "u1"}
+        ) as r:
             assert (await r.json())["replica"] == b.name
     async with http.post(url + "/v1/embeddings", json={"model": "tiny", "input": "x"}) as r:
         assert r.status == 200
@@ -324,11 +356,13 @@ async def test_upstream_key_is_injected_and_never_echoed_or_logged(fakes, router
     secret = "sk-upstream-SECRET-42"
     (f,) = await fakes(1)
     f.fail_status = None
-    url, app = await router([f.url], upstream_api_key=secret, admin_key="adm",
-                            api_keys={"client-key": "team-a"})
+    url, app = await router(
+        [f.url], upstream_api_key=secret, admin_key="adm", api_keys={"client-key": "team-a"}
+    )
     caplog.set_level(logging.DEBUG)
-    async with http.post(url + "/v1/chat/completions", json=CHAT,
-                         headers={"Authorization": "Bearer client-key"}) as r:
+    async with http.post(
+        url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer client-key"}
+    ) as r:
         assert r.status == 200
         raw = await r.read()
         echoed = str(dict(r.headers)) + raw.decode()
@@ -337,5 +371,4 @@ async def test_upstream_key_is_injected_and_never_echoed_or_logged(fakes, router
         echoed += await r.text()
     async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 401
-    assert secret not in echoed and secret not in caplog.text and secret not in repr(
-        app[REPLICAS])
+    assert secret not in echoed and secret not in caplog.text and secret not in repr(app[REPLICAS])

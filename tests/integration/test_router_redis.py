@@ -33,9 +33,22 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                REDIS,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while True:
@@ -77,9 +90,20 @@ class ServeProc:
 
     async def start(self) -> ServeProc:
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvroute.cli", "serve", "--port", "0",
-            "--health-interval-s", "30", "--log-level", "warning", *self.args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "serve",
+            "--port",
+            "0",
+            "--health-interval-s",
+            "30",
+            "--log-level",
+            "warning",
+            *self.args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         assert self.proc.stdout is not None
         async with asyncio.timeout(30):
             while True:
@@ -111,9 +135,11 @@ async def serve() -> AsyncIterator[list[ServeProc]]:
 
 
 async def _call(http: aiohttp.ClientSession, url: str, sid: str) -> tuple[int, str]:
-    async with http.post(url + "/v1/chat/completions",
-                         json={"model": "tiny", "messages": []},
-                         headers={"x-session-id": sid}) as r:
+    async with http.post(
+        url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": []},
+        headers={"x-session-id": sid},
+    ) as r:
         return r.status, (await r.json())["replica"] if r.status == 200 else ""
 
 
@@ -132,13 +158,21 @@ async def test_two_routers_share_sessions_through_redis_and_survive_its_outage(
     reps = await fakes(5)
     urls_a = [r.url for r in reps[:4]]
     urls_b = [r.url for r in reps]  # B also knows a fifth replica: its own ring differs
-    a = await ServeProc(*[x for u in urls_a for x in ("--replica", u)],
-                        "--redis-url", redis_server.url,
-                        "--redis-reconcile-interval-s", "0.1").start()
+    a = await ServeProc(
+        *[x for u in urls_a for x in ("--replica", u)],
+        "--redis-url",
+        redis_server.url,
+        "--redis-reconcile-interval-s",
+        "0.1",
+    ).start()
     serve.append(a)
-    b = await ServeProc(*[x for u in urls_b for x in ("--replica", u)],
-                        "--redis-url", redis_server.url,
-                        "--redis-reconcile-interval-s", "0.1").start()
+    b = await ServeProc(
+        *[x for u in urls_b for x in ("--replica", u)],
+        "--redis-url",
+        redis_server.url,
+        "--redis-reconcile-interval-s",
+        "0.1",
+    ).start()
     serve.append(b)
     sessions = [f"s{i}" for i in range(40)]
     placed: dict[str, str] = {}
@@ -160,8 +194,7 @@ async def test_two_routers_share_sessions_through_redis_and_survive_its_outage(
     # (one at a time: concurrent bursts may legitimately move a session under bounded load)
     results = [await _call(http, (a, b)[i % 2].url, sid) for i, sid in enumerate(sessions)]
     assert results == [(200, placed[sid]) for sid in sessions]
-    burst = await asyncio.gather(*(_call(http, (a, b)[i % 2].url, f"burst{i}")
-                                   for i in range(40)))
+    burst = await asyncio.gather(*(_call(http, (a, b)[i % 2].url, f"burst{i}") for i in range(40)))
     assert all(status == 200 for status, _ in burst)
     await _wait_ready_backend(http, a.url, False)
     assert (await _call(http, b.url, "new-during-outage"))[0] == 200
@@ -180,8 +213,9 @@ async def test_sigterm_drains_in_flight_streams_then_exits(fakes, http, serve):
     (f,) = await fakes(1, chunk_delay_s=0.02, chunks=[b"data: {}\n\n"] * 50)
     p = await ServeProc("--replica", f.url, "--drain-timeout-s", "20").start()
     serve.append(p)
-    async with http.post(p.url + "/v1/chat/completions",
-                         json={"model": "tiny", "messages": [], "stream": True}) as r:
+    async with http.post(
+        p.url + "/v1/chat/completions", json={"model": "tiny", "messages": [], "stream": True}
+    ) as r:
         first = await r.content.readuntil(b"\n\n")
         assert p.proc is not None
         p.proc.send_signal(signal.SIGTERM)
@@ -192,8 +226,9 @@ async def test_sigterm_drains_in_flight_streams_then_exits(fakes, http, serve):
                         if rr.status == 503:
                             break
                 await asyncio.sleep(0.02)
-        async with http.post(p.url + "/v1/chat/completions",
-                             json={"model": "tiny", "messages": []}) as r2:
+        async with http.post(
+            p.url + "/v1/chat/completions", json={"model": "tiny", "messages": []}
+        ) as r2:
             assert r2.status == 503 and "Retry-After" in r2.headers
         rest = await r.read()
     assert first + rest == b"data: {}\n\n" * 50  # the in-flight stream finished intact

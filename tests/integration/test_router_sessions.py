@@ -11,9 +11,14 @@ pytestmark = pytest.mark.timeout(60)
 
 CONVENTIONS = {
     "claude-code": lambda s: ({"x-claude-code-session-id": s}, {}),
-    "claude-code-subagent": lambda s: ({"x-claude-code-session-id": "main",
-                                        "x-claude-code-agent-id": s,
-                                        "x-claude-code-parent-agent-id": "lead"}, {}),
+    "claude-code-subagent": lambda s: (
+        {
+            "x-claude-code-session-id": "main",
+            "x-claude-code-agent-id": s,
+            "x-claude-code-parent-agent-id": "lead",
+        },
+        {},
+    ),
     "codex-dash": lambda s: ({"session-id": s}, {}),
     "codex-underscore": lambda s: ({"session_id": s}, {}),
     "opencode": lambda s: ({"x-session-id": s, "x-parent-session-id": "p"}, {}),
@@ -25,8 +30,10 @@ CONVENTIONS = {
     "safety_identifier": lambda s: ({}, {"safety_identifier": s}),
     "user": lambda s: ({}, {"user": s}),
     "cache_salt": lambda s: ({}, {"cache_salt": s}),
-    "prefix-fallback": lambda s: ({}, {"messages": [
-        {"role": "system", "content": f"{s} " + "tools and rules " * 400}]}),
+    "prefix-fallback": lambda s: (
+        {},
+        {"messages": [{"role": "system", "content": f"{s} " + "tools and rules " * 400}]},
+    ),
 }
 
 
@@ -40,8 +47,11 @@ async def test_each_convention_pins_a_session_to_one_replica(convention, fakes, 
             sid = f"sess-{convention}-{i}"
             headers, fields = CONVENTIONS[convention](sid)
             msgs = fields.pop("messages", [{"role": "system", "content": "sys"}])
-            body = {"model": "tiny", "messages": [*msgs, {"role": "user", "content": f"t{turn}"}],
-                    **fields}
+            body = {
+                "model": "tiny",
+                "messages": [*msgs, {"role": "user", "content": f"t{turn}"}],
+                **fields,
+            }
             async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                 assert r.status == 200
                 placement.setdefault(sid, set()).add((await r.json())["replica"])
@@ -54,21 +64,24 @@ async def test_round_robin_spreads_a_session_but_affinity_does_not(fakes, router
     url, _ = await router([r.url for r in reps], policy="round_robin")
     seen = set()
     for _ in range(6):
-        async with http.post(url + "/v1/chat/completions",
-                             json={"model": "tiny", "messages": [], "user": "u"}) as r:
+        async with http.post(
+            url + "/v1/chat/completions", json={"model": "tiny", "messages": [], "user": "u"}
+        ) as r:
             seen.add((await r.json())["replica"])
     assert len(seen) == 3
 
 
 async def test_tenants_with_the_same_session_id_never_collide(fakes, router, http):
     reps = await fakes(2)
-    url, _ = await router([r.url for r in reps], api_keys={"key-a": "alpha", "key-b": "beta"},
-                          admin_key="adm")
+    url, _ = await router(
+        [r.url for r in reps], api_keys={"key-a": "alpha", "key-b": "beta"}, admin_key="adm"
+    )
     for key in ("key-a", "key-b"):
-        async with http.post(url + "/v1/chat/completions",
-                             json={"model": "tiny", "messages": []},
-                             headers={"Authorization": f"Bearer {key}",
-                                      "x-session-id": "shared"}) as r:
+        async with http.post(
+            url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": []},
+            headers={"Authorization": f"Bearer {key}", "x-session-id": "shared"},
+        ) as r:
             assert r.status == 200
     async with http.get(url + "/admin/sessions", headers={"X-Admin-Key": "adm"}) as r:
         keys = {s["key"] for s in (await r.json())["sessions"]}
@@ -80,12 +93,17 @@ async def test_tenants_with_the_same_session_id_never_collide(fakes, router, htt
 async def test_lineage_and_timing_are_recorded(fakes, router, http):
     reps = await fakes(2)
     url, _ = await router([r.url for r in reps], admin_key="adm")
-    calls = [({"x-claude-code-session-id": "S"}, 2),
-             ({"x-claude-code-session-id": "S", "x-claude-code-agent-id": "sub1"}, 1)]
+    calls = [
+        ({"x-claude-code-session-id": "S"}, 2),
+        ({"x-claude-code-session-id": "S", "x-claude-code-agent-id": "sub1"}, 1),
+    ]
     for headers, n in calls:
         for _ in range(n):
-            async with http.post(url + "/v1/chat/completions",
-                                 json={"model": "tiny", "messages": []}, headers=headers) as r:
+            async with http.post(
+                url + "/v1/chat/completions",
+                json={"model": "tiny", "messages": []},
+                headers=headers,
+            ) as r:
                 assert r.status == 200
     async with http.get(url + "/admin/sessions", headers={"X-Admin-Key": "adm"}) as r:
         by_key = {s["key"]: s for s in (await r.json())["sessions"]}
@@ -99,8 +117,11 @@ async def test_admin_route_explains_why_a_replica_won(fakes, router, http):
     reps = await fakes(3)
     url, _ = await router([r.url for r in reps], admin_key="adm")
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
-    async with http.post(url + "/admin/route?explain=1", json=body,
-                         headers={"X-Admin-Key": "adm", "x-session-id": "abc"}) as r:
+    async with http.post(
+        url + "/admin/route?explain=1",
+        json=body,
+        headers={"X-Admin-Key": "adm", "x-session-id": "abc"},
+    ) as r:
         assert r.status == 200
         out = await r.json()
     ex = out["explain"]
@@ -109,6 +130,7 @@ async def test_admin_route_explains_why_a_replica_won(fakes, router, http):
     assert ex["candidates"][0]["scores"]["session_affinity"] == 1.0
     assert ex["weights"] == {"session_affinity": 1.0}
     assert sum(len(r.seen) for r in reps) == 0  # explaining routes nothing
-    async with http.post(url + "/admin/route?explain=1", json=body,
-                         headers={"X-Admin-Key": "wrong"}) as r:
+    async with http.post(
+        url + "/admin/route?explain=1", json=body, headers={"X-Admin-Key": "wrong"}
+    ) as r:
         assert r.status == 401

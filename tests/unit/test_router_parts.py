@@ -1,0 +1,263 @@
+"""Router parts without servers: identity, config, session table, breaker, discovery parsing."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from router.config import ConfigError, load_config
+from router.replicas import (
+    CircuitBreaker,
+    ReplicaSet,
+    diff,
+    endpoints_from_slices,
+    parse_vllm_metrics,
+)
+from router.sessions import identify, prompt_prefix_text
+from router.state import MemoryStore
+
+# --- identity ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers, body, expect",
+    [
+        ({"x-claude-code-session-id": "S"}, {}, ("S", None, None, "claude-code")),
+        (
+            {
+                "x-claude-code-session-id": "S",
+                "x-claude-code-agent-id": "a1",
+                "x-claude-code-parent-agent-id": "a0",
+            },
+            {},
+            ("S", "a1", "t/S#a0", "claude-code"),
+        ),
+        (
+            {"x-claude-code-session-id": "S", "x-claude-code-agent-id": "a1"},
+            {},
+            ("S", "a1", "t/S", "claude-code"),
+        ),
+        (
+            {"X-Dynamo-Session-ID": "D", "X-Dynamo-Parent-Session-ID": "P"},
+            {},
+            ("D", None, "t/P", "dynamo"),
+        ),
+        ({"x-session-id": "O", "x-parent-session-id": "P"}, {}, ("O", None, "t/P", "opencode")),
+        ({"session-id": "C"}, {}, ("C", None, None, "codex")),
+        ({"session_id": "C"}, {}, ("C", None, None, "codex")),
+        ({"X-SMG-Routing-Key": "G"}, {}, ("G", None, None, "sglang")),
+        ({"x-session-token": "L"}, {}, ("L", None, None, "llm-d")),
+        ({"X-Correlation-ID": "X"}, {}, ("X", None, None, "agentx")),
+        ({}, {"prompt_cache_key": "K", "user": "U"}, ("K", None, None, "prompt_cache_key")),
+        ({}, {"safety_identifier": "Z", "user": "U"}, ("Z", None, None, "safety_identifier")),
+        ({}, {"user": "U"}, ("U", None, None, "user")),
+        ({}, {"session_id": "V"}, ("V", None, None, "session_id")),
+        ({}, {"cache_salt": "salt"}, ("salt", None, None, "cache_salt")),
+        # headers beat body fields; an empty header is ignored
+        ({"x-session-id": " ", "session-id": "C"}, {"user": "U"}, ("C", None, None, "codex")),
+    ],
+)
+def test_identity_conventions(headers, body, expect):
+    from multidict import CIMultiDict
+
+    ident = identify(CIMultiDict(headers), body, tenant="t")
+    assert (ident.session, ident.agent, ident.parent, ident.source) == expect
+    assert ident.tenant == "t" and ident.key.startswith("t/")
+
+
+def test_dynamo_final_flag_and_tenant_namespacing():
+    a = identify({"x-dynamo-session-id": "s", "x-dynamo-session-final": "true"}, {}, "alpha")
+    b = identify({"x-dynamo-session-id": "s"}, {}, "beta")
+    assert a.final and not b.final and a.key != b.key
+
+
+def test_prefix_fallback_depends_on_leading_text_only():
+    sys_msg = {"role": "system", "content": "rules " * 1000}
+    a = identify({}, {"messages": [sys_msg, {"role": "user", "content": "one"}]})
+    b = identify({}, {"messages": [sys_msg, {"role": "user", "content": "two"}]})
+    c = identify({}, {"messages": [{"role": "system", "content": "other"}]})
+    assert a.source == "prefix" and a.session == b.session != c.session
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]},
+        {"system": "hello", "messages": []},  # Anthropic
+        {"input": [{"role": "user", "content": "hello"}]},  # Responses API
+        {"prompt": "hello"},
+    ],
+)
+def test_prompt_prefix_text_reads_every_api_shape(body):
+    assert "hello" in prompt_prefix_text(body, 100)
+
+
+# --- config -----------------------------------------------------------------------------
+
+
+def test_config_precedence_flags_over_env_over_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "replicas: [http://a:1]\nport: 1111\nretries: 5\npolicy: least_load\napi_keys: {k1: t1}\n"
+    )
+    env = {"KVROUTE_PORT": "2222", "KVROUTE_RETRIES": "4", "KVROUTE_API_KEYS": "k2:t2,k3"}
+    cfg = load_config(f, env=env, overrides={"port": 3333, "replicas": None})
+    assert (cfg.port, cfg.retries, cfg.policy) == (3333, 4, "least_load")
+    assert cfg.replicas == ["http://a:1"]
+    assert cfg.api_keys["k2"] == "t2" and cfg.api_keys["k3"].startswith("k-")
+    assert cfg.auth_enabled
+
+
+@pytest.mark.parametrize(
+    "yaml_text, env, error",
+    [
+        ("replicas: [http://a:1]\nbogus: 1\n", {}, "unknown config keys"),
+        ("replicas: [http://a:1]\n", {"KVROUTE_PORT": "eighty"}, "cannot use"),
+        ("port: 1\n", {}, "no replicas"),
+        ("replicas: [a:1]\n", {}, "must start with http"),
+        ("- a\n", {}, "must hold a mapping"),
+    ],
+)
+def test_config_errors_are_clear(tmp_path, yaml_text, env, error):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=error):
+        load_config(f, env=env)
+
+
+def test_config_repr_masks_secrets():
+    cfg = load_config(
+        env={
+            "KVROUTE_REPLICAS": "http://a:1",
+            "KVROUTE_UPSTREAM_API_KEY": "sk-very-secret",
+            "KVROUTE_ADMIN_KEY": "adm-secret",
+            "KVROUTE_API_KEYS": "ck-secret:t",
+        }
+    )
+    text = repr(cfg)
+    assert "sk-very-secret" not in text and "adm-secret" not in text and "ck-secret" not in text
+
+
+# --- session table ----------------------------------------------------------------------
+
+
+async def test_memory_store_lineage_gaps_and_ttl():
+    st = MemoryStore(ttl_s=100)
+    t0 = time.time()
+    parent = identify({"x-claude-code-session-id": "S"}, {})
+    child = identify({"x-claude-code-session-id": "S", "x-claude-code-agent-id": "c"}, {})
+    await st.begin_call(parent, now=t0 + 0)
+    assert await st.claim(parent.key, "r1") == "r1"
+    assert await st.claim(parent.key, "r2") == "r1"  # first placement wins
+    await st.end_call(parent.key, now=t0 + 2)
+    rec = await st.begin_call(parent, now=t0 + 10)
+    assert rec.gaps == [8.0] and rec.calls == 2 and rec.replica == "r1"
+    await st.end_call(parent.key, now=t0 + 11)
+    await st.begin_call(child, now=t0 + 12)
+    p = await st.get(parent.key)
+    assert p is not None and p.children == {child.key}
+    c = await st.get(child.key)
+    assert c is not None and c.parent == parent.key
+    await st.end_call(child.key, now=t0 + 13)
+    assert st.sweep(now=t0 + 200) == 2 and st.active_count() == 0
+
+
+async def test_memory_store_keeps_sessions_with_calls_in_flight_past_ttl():
+    st = MemoryStore(ttl_s=1)
+    ident = identify({"x-session-id": "long"}, {})
+    await st.begin_call(ident, now=0.0)
+    assert st.sweep(now=50.0) == 0  # a 50 s prefill must not lose its session
+    await st.end_call(ident.key, now=50.0)
+    assert st.sweep(now=52.0) == 1
+
+
+async def test_memory_store_cap_evicts_oldest():
+    st = MemoryStore(max_sessions=3)
+    for i in range(5):
+        await st.begin_call(identify({"x-session-id": f"s{i}"}, {}), now=float(i))
+    assert [r.key for r in st.list()] == ["-/s4", "-/s3", "-/s2"]
+
+
+# --- breaker, metrics, discovery --------------------------------------------------------
+
+
+def test_breaker_opens_then_lets_one_probe_through():
+    b = CircuitBreaker(failures=2, cooldown_s=10)
+    b.on_failure(now=0)
+    assert b.state == "closed" and b.allows(now=0)
+    b.on_failure(now=1)
+    assert b.state == "open" and not b.allows(now=5)
+    assert b.allows(now=11)
+    b.on_send(now=11)
+    assert b.state == "half_open" and not b.allows(now=11)  # one probe at a time
+    b.on_failure(now=12)
+    assert b.state == "open" and not b.allows(now=15)
+    b.on_send(now=23)
+    b.on_success()
+    assert b.state == "closed" and b.failures == 0 and b.allows(now=23)
+
+
+def test_parse_vllm_metrics_sums_label_sets_and_ignores_the_rest():
+    text = """# HELP vllm:num_requests_running Number of requests
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 2.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.375
+vllm:num_requests_running_total 99
+vllm:time_to_first_token_seconds_bucket{le="0.1"} 7.0
+vllm:num_requests_waiting{engine="0"} NaN-garbage
+"""
+    assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.375}
+
+
+# Recorded shape of `GET /apis/discovery.k8s.io/v1/namespaces/llm/endpointslices
+# ?labelSelector=kubernetes.io/service-name=vllm` (two slices, one IPv6).
+SLICES = json.loads("""
+{"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+ "metadata": {"resourceVersion": "48211"},
+ "items": [
+  {"metadata": {"name": "vllm-abc12", "namespace": "llm",
+                "labels": {"kubernetes.io/service-name": "vllm"}},
+   "addressType": "IPv4",
+   "endpoints": [
+     {"addresses": ["10.1.0.5"], "conditions": {"ready": true, "serving": true,
+      "terminating": false}, "targetRef": {"kind": "Pod", "name": "vllm-0"}},
+     {"addresses": ["10.1.0.6"], "conditions": {"ready": false, "serving": false,
+      "terminating": false}, "targetRef": {"kind": "Pod", "name": "vllm-1"}},
+     {"addresses": ["10.1.0.7"], "conditions": {"ready": true, "serving": true,
+      "terminating": true}, "targetRef": {"kind": "Pod", "name": "vllm-2"}},
+     {"addresses": ["10.1.0.8"], "conditions": {}, "targetRef": {"kind": "Pod",
+      "name": "vllm-3"}}],
+   "ports": [{"name": "metrics", "port": 9100, "protocol": "TCP"},
+             {"name": "http", "port": 8000, "protocol": "TCP"}]},
+  {"metadata": {"name": "vllm-def34", "namespace": "llm"},
+   "addressType": "IPv6",
+   "endpoints": [{"addresses": ["fd00::9"], "conditions": {"ready": true}}],
+   "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}]}]}
+""")
+
+
+def test_endpoint_slices_parse_ready_endpoints_on_the_named_port():
+    assert endpoints_from_slices(SLICES, "http") == {
+        "http://10.1.0.5:8000",
+        "http://10.1.0.8:8000",
+        "http://[fd00::9]:8000",
+    }
+    assert "http://10.1.0.5:9100" in endpoints_from_slices(SLICES["items"])  # first port
+    assert endpoints_from_slices({"items": []}) == set()
+
+
+def test_discovery_diff_and_replica_set_sources():
+    old = endpoints_from_slices(SLICES, "http")
+    SLICES["items"][0]["endpoints"][1]["conditions"]["ready"] = True  # vllm-1 became ready
+    new = endpoints_from_slices(SLICES, "http") - {"http://[fd00::9]:8000"}
+    assert diff(old, new) == ({"http://10.1.0.6:8000"}, {"http://[fd00::9]:8000"})
+    rs = ReplicaSet()
+    rs.set_source("static", ["http://s:1/"])
+    assert rs.set_source("k8s", old) == (old, set())
+    added, removed = rs.set_source("k8s", new)
+    assert (added, removed) == ({"http://10.1.0.6:8000"}, {"http://[fd00::9]:8000"})
+    assert {r.url for r in rs} == new | {"http://s:1"}  # other sources untouched
