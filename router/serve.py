@@ -97,3 +97,16 @@ def run(args: argparse.Namespace) -> int:
         return int(uvloop.run(main()))
     except ImportError:
         return int(asyncio.run(main()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m router.serve ...`` = ``kvroute serve ...`` without the other subcommands."""
+    p = argparse.ArgumentParser(prog="kvroute serve", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -249,8 +249,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 [
                     sys.executable,
                     "-m",
-                    "kvroute.cli",
-                    "serve",
+                    "router.serve",
                     "--port",
                     str(port),
                     "--replica",

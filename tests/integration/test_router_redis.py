@@ -92,8 +92,7 @@ class ServeProc:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "kvroute.cli",
-            "serve",
+            "router.serve",
             "--port",
             "0",
             "--health-interval-s",
