@@ -19,9 +19,11 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
   they are *allocated for* computation (so a request scheduled later in the same step already
   hits them). A prefix hit takes the longest run of cached blocks, capped so that at least
   one prompt token is computed (``(num_tokens - 1) // block_size`` blocks).
-  Ref-counted; a freed block goes to the tail of the free queue (a request's blocks in
-  reverse order, so its last blocks are evicted first) and stays cached until it is
-  reallocated from the head (LRU eviction, one ``BlockRemoved`` per evicted block).
+  Ref-counted; a freed cached block goes to the tail of the free queue (a request's blocks
+  in reverse order, so its last blocks are evicted first) and stays cached until it is
+  reallocated from the head (LRU eviction, one ``BlockRemoved`` per evicted block); a freed
+  block without a hash goes to the front (reused first). A block recomputed while its hash
+  is cached elsewhere becomes a second cached copy (stored and removed on its own).
 * No room for a running request: preempt the last running request (recompute: free its
   blocks, back to the front of the waiting queue). No room for a waiting request: stop
   admitting this step.
@@ -198,7 +200,7 @@ class BlockPool:
     (already in wire form); evicted cached keys go to ``on_evict`` (the lower tiers).
     """
 
-    __slots__ = ("cached", "free", "key_of", "num_blocks", "on_evict", "ref", "sink")
+    __slots__ = ("cached", "dups", "free", "key_of", "num_blocks", "on_evict", "ref", "sink")
 
     def __init__(
         self,
@@ -213,6 +215,7 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[int, int] = {}
+        self.dups: dict[int, set[int]] = {}
         self.sink = sink
         self.on_evict = on_evict
 
@@ -256,31 +259,62 @@ class BlockPool:
             k = key_of[b]
             if k is not None:
                 key_of[b] = None
-                if self.cached.get(k) == b:
-                    del self.cached[k]
+                if self._uncache(b, k):
                     if self.sink is not None:
                         self.sink.append(encode_block_removed([k]))
-                    if self.on_evict is not None:
+                    if self.on_evict is not None and k not in self.cached:
                         self.on_evict(k)
             ref[b] = 1
             out.append(b)
         return out
 
+    def _uncache(self, b: int, k: int) -> bool:
+        """Drop block ``b``'s copy of ``k``; True when it was cached."""
+        cached = self.cached
+        if cached.get(k) == b:
+            extra = self.dups.get(k)
+            if extra:
+                cached[k] = min(extra)  # the oldest remaining copy serves hits
+                extra.discard(cached[k])
+                if not extra:
+                    del self.dups[k]
+            else:
+                del cached[k]
+            return True
+        extra = self.dups.get(k)
+        if extra and b in extra:
+            extra.discard(b)
+            if not extra:
+                del self.dups[k]
+            return True
+        return False
+
     def release(self, ids: Sequence[int]) -> None:
-        """Drop one reference from each block; freed ones join the free queue's tail in
-        reverse order (the request's last blocks are evicted first)."""
-        free, ref = self.free, self.ref
+        """Drop one reference from each block, in eviction order (a request's blocks come
+        reversed, so its last blocks are evicted first). As vLLM's ``free_blocks``: freed
+        cached blocks join the tail of the free queue (LRU), freed blocks without a hash the
+        front (reused first)."""
+        free, ref, key_of = self.free, self.ref, self.key_of
+        front = []
         for b in reversed(ids):
             ref[b] -= 1
             if ref[b] == 0:
-                free[b] = None
+                if key_of[b] is None:
+                    front.append(b)
+                else:
+                    free[b] = None
+        for b in reversed(front):
+            free[b] = None
+            free.move_to_end(b, last=False)
 
     def cache(self, b: int, key: int) -> bool:
-        """Mark block ``b`` as holding ``key``; False when the key is cached already."""
-        if key in self.cached:
-            return False
+        """Mark block ``b`` as holding ``key`` (a second copy of a cached key is kept as a
+        duplicate, as vLLM's hash map holds several blocks per hash)."""
         self.key_of[b] = key
-        self.cached[key] = b
+        if key in self.cached:
+            self.dups.setdefault(key, set()).add(b)
+        else:
+            self.cached[key] = b
         return True
 
     def reset(self) -> bool:
@@ -288,6 +322,7 @@ class BlockPool:
         if len(self.free) != self.usable:
             return False
         self.cached.clear()
+        self.dups.clear()
         self.key_of = [None] * self.num_blocks
         self.free = OrderedDict.fromkeys(range(1, self.num_blocks))
         return True

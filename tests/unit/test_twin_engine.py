@@ -116,14 +116,27 @@ def test_lru_evicts_least_recently_freed_and_a_requests_tail_first():
     e = Engine(prof, hasher=BlockHasher(BS))
     h = BlockHasher(BS)
     a, b = toks(4 * BS + 1, 10), toks(4 * BS + 1, 11)
-    drive(e, [req("a", a)])  # blocks 1-5; freed tail first: queue 6 7 8 5 4 3 2 1
-    drive(e, [req("b", b)])  # takes 6 7 8 5 4: evicts a's 4th full block
-    drive(e, [req("c", toks(BS + 1, 12))])  # takes 3 2: a's 3rd and 2nd
+    # a takes blocks 1-5 (5 holds one token, no hash). Freed: 5 to the front (no hash),
+    # then 4 3 2 1 to the tail -> queue 5 6 7 8 4 3 2 1.
+    drive(e, [req("a", a)])
+    drive(e, [req("b", b)])  # takes 5 6 7 8 4: evicts a's 4th block
+    drive(e, [req("c", toks(BS + 1, 12))])  # takes b's partial block (front), then 3
     ka = h.hash_keys(a)
-    assert removed(events(e)) == [ka[3], ka[2], ka[1]]
+    assert removed(events(e)) == [ka[3], ka[2]]
     hit = req("a2", a)
     drive(e, [hit])
-    assert hit.cached_tokens == BS  # a's first block survived
+    assert hit.cached_tokens == 2 * BS  # a's first two blocks survived
+
+
+def test_recomputed_block_of_a_cached_hash_is_a_second_copy():
+    h = BlockHasher(BS)
+    e = Engine(TINY, hasher=h)
+    p = toks(2 * BS, 13)  # exactly two blocks: a repeat hits one, recomputes the second
+    drive(e, [req("a", p)])
+    drive(e, [req("b", p)])
+    k = h.hash_keys(p)
+    assert stored(events(e)) == [k[0], k[1], k[1]]  # vLLM publishes the copy too
+    assert len(e.pool.dups[k[1]]) == 1
 
 
 def test_blocks_in_use_are_never_evicted_and_waiting_requests_wait_for_room():
