@@ -180,6 +180,30 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], content_format: st
     return conv
 
 
+def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tools as vLLM hands them to the template (``ChatCompletionToolsParam.model_dump()``:
+    unknown keys dropped, ``description``/``parameters`` always present, ``strict`` and
+    ``defer_loading`` only when set)."""
+    if tools is None:
+        return None
+    out = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ChatTemplateError("each tool needs a function with a name")
+        f: dict[str, Any] = {"name": fn["name"], "description": fn.get("description"),
+                             "parameters": fn.get("parameters")}
+        defer = fn.get("defer_loading", t.get("defer_loading"))
+        for k, v in (("strict", fn.get("strict")), ("defer_loading", defer)):
+            if v is not None:
+                f[k] = v
+        tool: dict[str, Any] = {"type": t.get("type", "function"), "function": f}
+        if t.get("defer_loading") is not None:
+            tool["defer_loading"] = t["defer_loading"]
+        out.append(tool)
+    return out
+
+
 def _parse_call(call: Any) -> dict[str, Any]:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise ChatTemplateError("assistant tool_calls entries must be function objects")
@@ -270,7 +294,7 @@ class ModelTokenizer:
         conv = normalize_messages(messages, self.content_format, self.developer_ok)
         kw = {**self.special_tokens, **(chat_template_kwargs or {})}
         try:
-            text = self._template.render(messages=conv, tools=tools,
+            text = self._template.render(messages=conv, tools=normalize_tools(tools),
                                          add_generation_prompt=add_generation_prompt, **kw)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
