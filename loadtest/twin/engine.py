@@ -354,6 +354,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.output_token = output_token or _default_output_token
         self.step_count = 0
+        self.prefill_capacity_bound = False
         # counters (vLLM metric names in the HTTP layer)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens hit (any tier)
@@ -503,11 +504,13 @@ class Engine:
 
     # ---- scheduling --------------------------------------------------------------------
 
-    def _admit(self, req: Request, now: float, budget: int) -> int | None:
+    def _admit(
+        self, req: Request, now: float, budget: int, thresh: int, defer: bool = False
+    ) -> int | None:
         """First scheduling (or rescheduling after preemption) of a waiting request: take
         its cached prefix (GPU, then lower tiers) and blocks for its first chunk. Returns the
         tokens scheduled (0: it now loads from a lower tier), or None when blocks are short
-        (nothing changed)."""
+        (nothing changed, also when ``defer`` holds back a request that needs compute)."""
         bs = self.block_size
         limit = (req.num_tokens - 1) // bs
         keys = self._keys_upto(req, limit)
@@ -530,8 +533,9 @@ class Engine:
             n = 0
             need = len(lower)
         else:
+            if defer:
+                return None  # cadence: this step runs decodes only
             n = req.num_tokens - hit
-            thresh = self.profile.long_prefill_token_threshold
             if 0 < thresh < n:
                 n = thresh
             n = min(n, budget)
@@ -618,15 +622,29 @@ class Engine:
         """Plan one step at time ``now``; None when nothing can run now."""
         p = self.profile
         budget = p.max_num_batched_tokens
-        thresh = p.long_prefill_token_threshold
+        running = self.running
+        # vLLM applies long_prefill_token_threshold only when another request could starve
+        thresh = p.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
         max_len = p.max_model_len
+        cadence = p.prefill_interval_steps
+        # Prefill cadence (vLLM's throttle_prefills): on a step off the cadence, defer all
+        # prefill compute, unless the last admitting step could not drain the waiting queue
+        # (the capacity guard) or no running request could decode instead.
+        defer = (
+            cadence > 1
+            and self.step_count % cadence != 0
+            and not self.prefill_capacity_bound
+            and any(r.num_computed >= r.num_tokens - 1 for r in running)
+        )
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
-        running = self.running
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             n = req.num_tokens - req.num_computed
+            if defer and n > 1:
+                i += 1  # an in-progress prefill chunk waits for a cadence step
+                continue
             if 0 < thresh < n:
                 n = thresh
             n = min(n, budget, max_len - 1 - req.num_computed)
@@ -645,9 +663,7 @@ class Engine:
                 i += 1
                 continue
             break  # req preempted itself
-        cadence = p.prefill_interval_steps
-        admit = not preempted and (cadence <= 1 or not running or self.step_count % cadence == 0)
-        if admit:
+        if not preempted:
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(running) < p.max_num_seqs:
                 req = self.waiting[0]
@@ -657,7 +673,7 @@ class Engine:
                         continue
                     self._finish_load(req)
                 if not req.blocks:
-                    got = self._admit(req, now, budget)
+                    got = self._admit(req, now, budget, thresh, defer)
                     if got is None:
                         break
                     if got == 0:  # loading from a lower tier
@@ -666,6 +682,8 @@ class Engine:
                     n = got
                 else:  # loaded from a lower tier: blocks and computed tokens in place
                     n = req.num_tokens - req.num_computed
+                    if defer and n > 1:
+                        break
                     if 0 < thresh < n:
                         n = thresh
                     n = min(n, budget)
@@ -679,6 +697,8 @@ class Engine:
                 scheduled.append((req, n))
                 budget -= n
             self.waiting.extendleft(reversed(skipped))
+            if not defer:
+                self.prefill_capacity_bound = len(self.waiting) > len(skipped)
         if not scheduled:
             return None
         c = self.coeffs

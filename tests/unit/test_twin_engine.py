@@ -300,3 +300,42 @@ def test_simulator_keys_without_tokens():
     t = drive(e, [a])
     drive(e, [b], t)
     assert b.cached_tokens == 10 * BS and e.take_events() == []
+
+
+def _step(e, t):
+    s = e.schedule(t)
+    e.complete(s, t + s.duration)
+    return s, t + s.duration
+
+
+def test_cadence_defers_in_progress_chunks_off_cadence_when_the_queue_drained():
+    e = Engine(
+        TINY.replace(prefill_interval_steps=4, max_num_batched_tokens=256), hasher=BlockHasher(BS)
+    )
+    e.add(req("a", toks(40, 120), max_tokens=100))
+    _s, t = _step(e, 0.0)  # step 0: a prefills (idle engine), then decodes
+    while e.step_count % 4 != 0:
+        _s, t = _step(e, t)
+    e.add(req("c", toks(600, 121), max_tokens=2))
+    s, t = _step(e, t)  # aligned: c takes the rest of the budget and the queue is drained
+    assert [(r.id, n) for r, n in s.scheduled] == [("a", 1), ("c", 255)]
+    assert not e.prefill_capacity_bound
+    s, t = _step(e, t)  # off cadence: c's next chunk waits, a decodes alone
+    assert [(r.id, n) for r, n in s.scheduled] == [("a", 1)]
+
+
+def test_cadence_capacity_guard_keeps_prefilling_when_the_queue_was_not_drained():
+    e = Engine(
+        TINY.replace(prefill_interval_steps=4, max_num_batched_tokens=256), hasher=BlockHasher(BS)
+    )
+    e.add(req("a", toks(40, 130), max_tokens=100))
+    _s, t = _step(e, 0.0)
+    while e.step_count % 4 != 0:
+        _s, t = _step(e, t)
+    e.add(req("c", toks(600, 131), max_tokens=2))
+    e.add(req("d", toks(100, 132), max_tokens=2))
+    s, t = _step(e, t)  # aligned: the budget runs out before d
+    assert [r.id for r, _ in s.scheduled] == ["a", "c"]
+    assert e.prefill_capacity_bound
+    s, t = _step(e, t)  # off cadence, but saturated: prefill continues
+    assert [(r.id, n) for r, n in s.scheduled] == [("a", 1), ("c", 255)]
