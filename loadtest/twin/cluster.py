@@ -59,13 +59,15 @@ async def start_cluster(
     served_model_name: str = "tiny",
     name_prefix: str = "twin",
     max_model_len: int | None = None,
+    int_hashes: bool = True,
     zmq_ctx: Any = None,
 ) -> AsyncIterator[Cluster]:
     """Start ``n`` twins (ports ``base_port + i``, or free ports when ``base_port`` is 0).
 
     ``kv_events``: the ZMQ endpoint every replica publishes to. With ``tcp://HOST:PORT`` the
     replicas connect (a subscriber binds it, as with vLLM); a binding endpoint (``*``/``::``)
-    is only possible for one replica.
+    is only possible for one replica. ``int_hashes=False`` publishes 32-byte digests, as vLLM
+    does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``.
     """
     if n < 1:
         raise ValueError("a cluster needs at least one replica")
@@ -96,6 +98,7 @@ async def start_cluster(
                 speedup=speedup,
                 kv_events_endpoint=kv_events,
                 max_model_len=max_model_len,
+                int_hashes=int_hashes,
             )
             twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx)
             runner = await serve(twin, host, base_port + i if base_port else 0)

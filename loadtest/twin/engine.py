@@ -40,7 +40,9 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -338,6 +340,7 @@ class Engine:
         hasher: BlockHasher | None = None,
         emit_events: bool = True,
         output_token: Callable[[Request, int], int] | None = None,
+        keep_digests: bool = False,
     ):
         self.profile = profile
         self.coeffs: StepCoefficients = coefficients(profile)
@@ -353,6 +356,8 @@ class Engine:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.output_token = output_token or _default_output_token
+        # key -> full digest, for publishers that send digests (VLLM_KV_EVENTS_USE_INT_...=0)
+        self.digests: dict[int, bytes] | None = {} if keep_digests else None
         self.step_count = 0
         self.prefill_capacity_bound = False
         # counters (vLLM metric names in the HTTP layer)
@@ -459,15 +464,40 @@ class Engine:
                 toks[start * bs : n_blocks * bs], parent=parent, start_block=start
             )
             req.digests.extend(new)
-            keys.extend(int.from_bytes(d, "big") & MASK64 for d in new)
+            new_keys = [int.from_bytes(d, "big") & MASK64 for d in new]
+            keys.extend(new_keys)
+            if self.digests is not None:
+                self.digests.update(zip(new_keys, new, strict=True))
+                if len(self.digests) > 4 * self._capacity_blocks():
+                    self._prune_digests()
             return keys
         # synthetic keys for blocks filled by generated tokens (simulator)
         prev = keys[-1] if keys else 0x9E3779B97F4A7C15
-        salt = hash(req.id) & MASK64
+        salt = int.from_bytes(hashlib.blake2b(req.id.encode(), digest_size=8).digest(), "big")
         while len(keys) < n_blocks:
             prev = (prev * 0x100000001B3 ^ salt ^ len(keys)) & MASK64
             keys.append(prev)
         return keys
+
+    def _capacity_blocks(self) -> int:
+        return (
+            self.pool.num_blocks
+            + (self.cpu.capacity if self.cpu else 0)
+            + (self.storage.capacity if self.storage else 0)
+        )
+
+    def _prune_digests(self) -> None:
+        """Keep digests of keys some tier or live request still holds."""
+        assert self.digests is not None
+        live = set(self.pool.cached)
+        for r in self.requests.values():
+            live.update(r.block_keys)
+        for t in (self.cpu, self.storage):
+            if t is not None:
+                live.update(t.keys)
+        for ev in self.events or ():  # not yet published
+            live.update(ev.get("block_hashes", ()))
+        self.digests = {k: d for k, d in self.digests.items() if k in live}
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Cache the request's blocks that ``num_tokens`` computed tokens fill; one
@@ -768,4 +798,4 @@ class Engine:
 
 def _default_output_token(req: Request, i: int) -> int:
     """A deterministic stand-in for sampling (the twin has no model)."""
-    return (hash((req.id, i)) & 0x7FFFFFFF) % 1000 + 100
+    return (zlib.crc32(f"{req.id}/{i}".encode()) & 0x7FFFFFFF) % 1000 + 100

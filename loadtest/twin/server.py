@@ -21,6 +21,7 @@ import contextlib
 import json
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,13 +90,15 @@ class KVEventPublisher:
         self.as_int = as_int
         self.dropped = 0
 
-    def publish(self, events: list[dict[str, Any]]) -> None:
+    def publish(
+        self, events: list[dict[str, Any]], digests: dict[int, bytes] | None = None
+    ) -> None:
         import zmq
 
         if not events:
             return
         if not self.as_int:
-            events = [_digest_form(e) for e in events]
+            events = [_digest_form(e, digests or {}) for e in events]
         parts = encode_message(self.topic, self.seq, time.time(), events)
         try:
             self.sock.send_multipart(parts, flags=zmq.NOBLOCK)
@@ -109,15 +112,18 @@ class KVEventPublisher:
             self.ctx.term()
 
 
-def _digest_form(ev: dict[str, Any]) -> dict[str, Any]:
-    """Events carry 8-byte big-endian hashes when int hashes are off (the twin only keeps
-    64-bit keys; a real engine would send the 32-byte digest)."""
+def _digest_form(ev: dict[str, Any], digests: dict[int, bytes]) -> dict[str, Any]:
+    """The event with 32-byte digests instead of 64-bit ints (what vLLM publishes when
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)."""
+
+    def conv(h: Any) -> Any:
+        return digests.get(h, h.to_bytes(8, "big")) if isinstance(h, int) else h
+
     out = dict(ev)
-    for f in ("block_hashes",):
-        if f in out:
-            out[f] = [h.to_bytes(8, "big") if isinstance(h, int) else h for h in out[f]]
-    if isinstance(out.get("parent_block_hash"), int):
-        out["parent_block_hash"] = out["parent_block_hash"].to_bytes(8, "big")
+    if "block_hashes" in out:
+        out["block_hashes"] = [conv(h) for h in out["block_hashes"]]
+    if out.get("parent_block_hash") is not None:
+        out["parent_block_hash"] = conv(out["parent_block_hash"])
     return out
 
 
@@ -166,7 +172,12 @@ class TwinReplica:
             self.profile = cfg.profile.replace(model=_with_len(cfg.profile, self.max_model_len))
         self.tokenizer = tokenizer or ModelTokenizer(cfg.model_dir)
         self.hasher = BlockHasher(self.profile.block_size, cfg.hash_algo, cfg.hash_seed)
-        self.engine = Engine(self.profile, hasher=self.hasher, output_token=self._output_token)
+        self.engine = Engine(
+            self.profile,
+            hasher=self.hasher,
+            output_token=self._output_token,
+            keep_digests=not cfg.int_hashes,
+        )
         self.topic = cfg.kv_events_topic or f"kv@{cfg.name}"
         self.publisher = (
             KVEventPublisher(cfg.kv_events_endpoint, self.topic, zmq_ctx, cfg.int_hashes)
@@ -213,7 +224,7 @@ class TwinReplica:
     def _publish(self) -> None:
         evs = self.engine.take_events()
         if evs and self.publisher is not None:
-            self.publisher.publish(evs)
+            self.publisher.publish(evs, self.engine.digests)
 
     async def _run(self) -> None:
         eng = self.engine
@@ -249,7 +260,7 @@ class TwinReplica:
                     st.queue.put_nowait(None)
 
     def _output_token(self, req: Request, i: int) -> int:
-        return self.tokenizer.plain_token(hash((req.id, i)) & 0x7FFFFFFF)
+        return self.tokenizer.plain_token(zlib.crc32(f"{req.id}/{i}".encode()))
 
     def submit(self, req: Request) -> _Stream:
         st = _Stream(req, t_arrival=time.monotonic())

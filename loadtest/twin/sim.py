@@ -7,6 +7,9 @@ steps ending, tier loads completing — and handing each arriving call to a plug
 Also a synthetic AgentX-like session generator for sweeps. No sockets, no asyncio; must not
 import aiohttp, zmq, torch or vllm.
 
+Timing: a call reaches its replica's engine ``request_overhead_s`` after it is issued (the
+API server's share, as in the HTTP twin); TTFT counts from the issue time.
+
 Speed: decode-only stretches are advanced as *bursts* (several steps in one event, each step's
 time still from the step model) whenever no block boundary, finish or waiting request can
 occur inside them; an arrival at a replica cuts its burst at the next step boundary, so the
@@ -21,6 +24,7 @@ across sessions when the workload says so.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import random
@@ -35,6 +39,11 @@ from costmodel.profiles import ReplicaProfile
 from loadtest.twin.engine import RUNNING, Engine, Request, Step
 
 MASK64 = (1 << 64) - 1
+
+
+def _stable64(text: str) -> int:
+    """A 64-bit hash of ``text`` that does not change between processes."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 # ---- workload -------------------------------------------------------------------------------
@@ -300,7 +309,7 @@ class SimResult:
         }  # fmt: skip
 
 
-_ARRIVE, _STEP, _WAKE = 0, 1, 2
+_ARRIVE, _STEP, _WAKE, _ENQUEUE = 0, 1, 2, 3
 
 
 class _Replica:
@@ -426,12 +435,24 @@ class Simulator:
         rep.version += 1  # the burst's own end event is now stale
         return self._apply_burst(rep, m + 1)
 
+    def _enqueue(self, i: int, req: Request, now: float) -> None:
+        rep = self.replicas[i]
+        start = now
+        if rep.burst is not None:
+            start = self._cut_burst(i, now)
+        rep.engine.add(req)
+        if start > now:
+            self._push(start, _WAKE, (i, rep.version))
+        else:
+            self._kick(i, now)
+
     # -- main loop --
 
     def run(self, sessions: Sequence[Session], until: float | None = None) -> SimResult:
         wall0 = time.perf_counter()
         bs = self.profile.block_size
         max_len = self.profile.max_model_len
+        overhead = self.profile.request_overhead_s
         shared_salt = 0x5EED
         state: dict[str, dict[str, Any]] = {}
         for s in sessions:
@@ -458,7 +479,7 @@ class Simulator:
                     continue
                 keys: list[int] = st["keys"]
                 shared = s.shared_prefix_tokens // bs
-                sid_salt = hash(s.id) & MASK64
+                sid_salt = _stable64(s.id)
                 while len(keys) < ctx // bs:
                     j = len(keys)
                     if j < shared:
@@ -470,18 +491,16 @@ class Simulator:
                 st["ctx"] = ctx
                 view = CallView(s.id, st["k"], ctx, keys, call.output_tokens, now)
                 i = self.route(view, self.views)
-                rep = self.replicas[i]
                 req = Request(f"{s.id}/{st['k']}", ctx, call.output_tokens,
                               block_keys=keys[: ctx // bs], arrival=now, session_id=s.id,
                               tag=i)  # fmt: skip
-                start = now
-                if rep.burst is not None:
-                    start = self._cut_burst(i, now)
-                rep.engine.add(req)
-                if start > now:
-                    self._push(start, _WAKE, (i, rep.version))
+                if overhead > 0:  # the API server's share of TTFT, before the engine
+                    self._push(now + overhead, _ENQUEUE, (i, req))
                 else:
-                    self._kick(i, now)
+                    self._enqueue(i, req, now)
+                continue
+            if kind == _ENQUEUE:
+                self._enqueue(payload[0], payload[1], now)
                 continue
             i, version = payload
             rep = self.replicas[i]

@@ -30,6 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model seconds per wall second; multiply measured times by it",
     )
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--digest-hashes",
+        action="store_true",
+        help="publish 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         kv_events_endpoint=args.kv_events,
         kv_events_topic=args.kv_events_topic,
         max_model_len=args.max_model_len,
+        int_hashes=not args.digest_hashes,
     )
 
     async def main() -> None:

@@ -335,3 +335,24 @@ def test_cluster_cli_serves_consecutive_ports():
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=10)
+
+
+async def test_digest_hash_form_publishes_full_sha256_digests(http, tok, collector):
+    async with start_cluster(
+        1, "cpu-tiny", kv_events=collector.endpoint, int_hashes=False, name_prefix="digest"
+    ) as c:
+        p = text(300, 9)
+        await complete(http, c.urls[0], p, max_tokens=1)
+        want = BlockHasher(32).hash_blocks(tok.encode(p))
+        batches = await asyncio.to_thread(
+            collector.wait_for,
+            c.topics[0],
+            lambda bs: (
+                sum(len(e.raw_hashes) for b in bs for e in b.events if isinstance(e, BlockStored))
+                >= len(want)
+            ),
+        )
+        raw = [
+            h for b in batches for e in b.events if isinstance(e, BlockStored) for h in e.raw_hashes
+        ]
+        assert raw == want and all(len(h) == 32 for h in raw)
