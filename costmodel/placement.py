@@ -1,0 +1,289 @@
+"""Placement cost: how many seconds a call costs on one replica, counting where its KV lives.
+
+Owns: the time models the router's ``kv_cost`` policy needs on top of
+:mod:`costmodel.steptime` (which owns step/prefill/decode/load time per profile — not
+duplicated here) and :func:`placement_cost`, one function that returns every term by name.
+Pure: numpy/scipy at most; must not import sockets, HTTP, redis, zmq or the router.
+
+All terms are seconds; an input that is not known is ``None`` and so is every term that needs
+it (the total then sums the known terms and lists the missing ones — never a magic value)::
+
+    total = queue_s                                   pending prefill work / prefill speed
+          + fetch_or_recompute_s                      Σ over prompt segments of
+                                                      min(load from its tier, recompute),
+                                                      then the uncached tail's prefill, with
+                                                      loads overlapping compute (``overlap``)
+          + decode_s                                  expected output × step time in the
+                                                      replica's current decode batch
+          + eviction_harm_s                           Σ over warm sessions this call would
+                                                      evict: P(return) × cost to bring back
+                                                      the evicted tail (reload or recompute)
+          + reserved_s                                paced agents between calls: P(return
+                                                      while this call runs) × their next
+                                                      prefill (in-flight counts read 0 then)
+
+Segments: the matched prefix is ``gpu`` blocks (free), then ``cpu`` and ``storage`` blocks
+(each loaded or recomputed, whichever is faster), then the uncached tail (prefilled).
+Calibration (:mod:`costmodel.calibration`) scales the prefill and decode terms per replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from costmodel.profiles import ReplicaProfile
+from costmodel.steptime import decode_step_time, load_time, request_prefill_time
+
+
+@dataclass(frozen=True, slots=True)
+class CallShape:
+    """The call being placed, as seen against one replica's cache.
+
+    ``gpu_blocks``/``cpu_blocks``/``storage_blocks``: the replica's matched prefix split by
+    fastest tier (:class:`router.index.TierDepth`), in blocks of the profile's block size.
+    """
+
+    prompt_tokens: int
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+    storage_blocks: int = 0
+    expected_output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if min(self.prompt_tokens, self.gpu_blocks, self.cpu_blocks, self.storage_blocks) < 0:
+            raise ValueError(f"negative sizes in {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class WarmSession:
+    """A session whose KV sits on the replica (in GPU) and could be evicted by this call.
+
+    ``idle_s``: since its last call ended (eviction order is least recently used first);
+    ``p_return``: probability it calls again (0 after its final call); ``tokens``: its cached
+    context (the evicted part is its tail); ``pinned``: a parent waiting on children or a call
+    in flight — never evicted, it only shrinks the free pool.
+    """
+
+    key: str
+    tokens: int
+    idle_s: float
+    p_return: float
+    pinned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A paced agent between calls: expected to return in ``expected_return_s`` (mean
+    remaining gap), then prefill ``next_tokens`` new tokens after ``context_tokens``."""
+
+    key: str
+    expected_return_s: float
+    next_tokens: int
+    context_tokens: int
+    p_return: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """What is known about one replica right now; ``None`` = unknown."""
+
+    queued_prefill_tokens: float | None = None  # prompt tokens waiting or mid-prefill
+    decode_batch: int | None = None  # running requests
+    decode_context_tokens: float | None = None  # their summed context
+    free_gpu_blocks: int | None = None
+    warm: Sequence[WarmSession] = ()
+    reserved: Sequence[Reservation] = ()
+    prefill_scale: float = 1.0  # calibration: observed / modelled
+    decode_scale: float = 1.0
+    ttft_offset_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    queue_s: float | None
+    fetch_or_recompute_s: float | None
+    decode_s: float | None
+    eviction_harm_s: float | None
+    reserved_s: float | None
+    # detail (for explain)
+    load_s: dict[str, float] = field(default_factory=dict)
+    recompute_s: dict[str, float] = field(default_factory=dict)
+    chose: dict[str, str] = field(default_factory=dict)  # tier -> "load" | "recompute"
+    tail_prefill_s: float = 0.0
+    evicted: dict[str, int] = field(default_factory=dict)  # session -> blocks
+
+    TERMS = ("queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s", "reserved_s")
+
+    @property
+    def total_s(self) -> float:
+        return sum(v for v in (getattr(self, t) for t in self.TERMS) if v is not None)
+
+    @property
+    def missing(self) -> list[str]:
+        return [t for t in self.TERMS if getattr(self, t) is None]
+
+    def as_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {t: _r(getattr(self, t)) for t in self.TERMS}
+        d["total_s"] = _r(self.total_s)
+        d["missing"] = self.missing
+        d["load_s"] = {k: _r(v) for k, v in self.load_s.items()}
+        d["recompute_s"] = {k: _r(v) for k, v in self.recompute_s.items()}
+        d["chose"] = dict(self.chose)
+        d["tail_prefill_s"] = _r(self.tail_prefill_s)
+        if self.evicted:
+            d["evicted_blocks"] = dict(self.evicted)
+        return d
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+# ---- the terms -------------------------------------------------------------------------------
+
+
+def prefill_throughput(profile: ReplicaProfile) -> float:
+    """Tokens/s of back-to-back full prefill chunks at the start of a context."""
+    chunk = profile.max_num_batched_tokens
+    if 0 < profile.long_prefill_token_threshold < chunk:
+        chunk = profile.long_prefill_token_threshold
+    return chunk / request_prefill_time(profile, chunk)
+
+
+def queue_time(profile: ReplicaProfile, queued_prefill_tokens: float | None,
+               scale: float = 1.0) -> float | None:
+    """Wait before this call's prefill starts: pending prefill tokens / prefill throughput."""
+    if queued_prefill_tokens is None:
+        return None
+    if queued_prefill_tokens < 0:
+        raise ValueError("queued_prefill_tokens must be >= 0")
+    return scale * queued_prefill_tokens / prefill_throughput(profile)
+
+
+def segment_costs(profile: ReplicaProfile, call: CallShape, *, overlap: float = 1.0,
+                  scale: float = 1.0) -> tuple[float, dict[str, float], dict[str, float],
+                                               dict[str, str], float]:
+    """Σ min(load, recompute) over the prompt's lower-tier segments plus the tail prefill.
+
+    Returns ``(seconds, load_s, recompute_s, chose, tail_prefill_s)``. Loads overlap the
+    compute that follows them: ``time = compute + max(0, loads − overlap·compute)``.
+    """
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError("overlap must be in [0, 1]")
+    bs = profile.block_size
+    pos = min(call.gpu_blocks * bs, call.prompt_tokens)
+    loads = compute = 0.0
+    load_s: dict[str, float] = {}
+    rec_s: dict[str, float] = {}
+    chose: dict[str, str] = {}
+    for tier, blocks in (("cpu", call.cpu_blocks), ("storage", call.storage_blocks)):
+        if blocks <= 0:
+            continue
+        n = min(blocks * bs, max(call.prompt_tokens - pos, 0))
+        lt = load_time(profile, blocks, tier)
+        rt = scale * request_prefill_time(profile, n, pos)
+        load_s[tier], rec_s[tier] = lt, rt
+        if lt <= rt:
+            loads += lt
+            chose[tier] = "load"
+        else:
+            compute += rt
+            chose[tier] = "recompute"
+        pos += n
+    # vLLM always recomputes at least the last prompt token
+    tail = max(call.prompt_tokens - pos, 1 if call.prompt_tokens else 0)
+    tail_s = scale * request_prefill_time(profile, tail, min(pos, call.prompt_tokens - tail))
+    compute += tail_s
+    return compute + max(0.0, loads - overlap * compute), load_s, rec_s, chose, tail_s
+
+
+def decode_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad) -> float | None:
+    """Expected output tokens × one decode step in the replica's batch (this call joined):
+    what this call pays for the replica's decode load (its own decode interference)."""
+    if call.expected_output_tokens is None or load.decode_batch is None \
+            or load.decode_context_tokens is None:
+        return None
+    b = load.decode_batch + 1
+    ctx = load.decode_context_tokens + call.prompt_tokens
+    return load.decode_scale * call.expected_output_tokens * decode_step_time(profile, b, int(ctx))
+
+
+def blocks_needed(profile: ReplicaProfile, call: CallShape) -> int:
+    """New GPU blocks the call allocates: prompt blocks not in GPU + its output."""
+    out = call.expected_output_tokens or 0
+    total = math.ceil((call.prompt_tokens + out) / profile.block_size)
+    return max(total - call.gpu_blocks, 0)
+
+
+def eviction_harm(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad,
+                  *, scale: float = 1.0) -> tuple[float | None, dict[str, int]]:
+    """Σ P(return) × cost to bring back what this call evicts, least recently used first.
+
+    A session loses its tail blocks first (vLLM frees a request's blocks tail first, so they
+    sit earlier in the free queue). Bringing ``n`` tokens back costs min(reload from the host
+    tier if the profile has one, recompute them at their position).
+    """
+    if load.free_gpu_blocks is None:
+        return None, {}
+    short = blocks_needed(profile, call) - load.free_gpu_blocks
+    if short <= 0:
+        return 0.0, {}
+    bs = profile.block_size
+    harm = 0.0
+    evicted: dict[str, int] = {}
+    for s in sorted((w for w in load.warm if not w.pinned), key=lambda w: -w.idle_s):
+        if short <= 0:
+            break
+        have = math.ceil(s.tokens / bs)
+        take = min(have, short)
+        short -= take
+        evicted[s.key] = take
+        n_tok = min(take * bs, s.tokens)
+        recompute = scale * request_prefill_time(profile, n_tok, s.tokens - n_tok)
+        back = min(recompute, load_time(profile, take, "cpu")) if profile.cpu_kv_blocks \
+            else recompute
+        harm += max(0.0, min(1.0, s.p_return)) * back
+    return harm, evicted
+
+
+def reserved_cost(profile: ReplicaProfile, call_duration_s: float, load: ReplicaLoad,
+                  *, scale: float = 1.0) -> float:
+    """Paced agents that will return while this call runs queue their prefill behind or
+    beside it: Σ p·(1 − exp(−D / expected_return)) × prefill(next_tokens after context)."""
+    total = 0.0
+    for r in load.reserved:
+        p_in = 1.0 if r.expected_return_s <= 0 else 1.0 - math.exp(
+            -max(call_duration_s, 0.0) / r.expected_return_s)
+        total += max(0.0, min(1.0, r.p_return)) * p_in * scale * request_prefill_time(
+            profile, r.next_tokens, r.context_tokens)
+    return total
+
+
+def placement_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad,
+                   *, overlap: float = 1.0) -> CostTerms:
+    """Every term of placing ``call`` on a replica of ``profile`` in state ``load``."""
+    queue = queue_time(profile, load.queued_prefill_tokens, load.prefill_scale)
+    fetch, load_s, rec_s, chose, tail_s = segment_costs(profile, call, overlap=overlap,
+                                                        scale=load.prefill_scale)
+    fetch += load.ttft_offset_s
+    decode = decode_cost(profile, call, load)
+    harm, evicted = eviction_harm(profile, call, load, scale=load.prefill_scale)
+    duration = (queue or 0.0) + fetch + (decode or 0.0)
+    reserved = reserved_cost(profile, duration, load, scale=load.prefill_scale)
+    return CostTerms(queue_s=queue, fetch_or_recompute_s=fetch, decode_s=decode,
+                     eviction_harm_s=harm, reserved_s=reserved, load_s=load_s,
+                     recompute_s=rec_s, chose=chose, tail_prefill_s=tail_s, evicted=evicted)
+
+
+def p_return_after(idle_s: float, mean_gap_s: float | None, final: bool) -> float:
+    """P(a session idle for ``idle_s`` calls again): 0 after its final call; otherwise a
+    survival curve with the session's mean gap (exponential tail: ``exp(−max(0, idle −
+    mean_gap) / mean_gap)``, 1 while within a typical gap)."""
+    if final:
+        return 0.0
+    if mean_gap_s is None or mean_gap_s <= 0:
+        return 1.0
+    over = max(0.0, idle_s - mean_gap_s)
+    return math.exp(-over / mean_gap_s)
