@@ -13,7 +13,7 @@ export KVROUTE_VLLM_PYTHON := $(VLLM_ENV)/bin/python
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: setup venv redis vllm-env model test test-fast test-vllm demo bench lint clean
+.PHONY: setup venv redis vllm-env model test test-fast test-vllm demo bench bench-peers lint clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -51,6 +51,11 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m loadtest.benchmarks
+
+# Peer routers (sglang-router, vllm-router from PyPI) in their own venvs under $(KVROUTE_CACHE),
+# for `kvroute bench --targets sglang:cache_aware,...` and the demo.
+bench-peers: venv
+	@bash scripts/setup_peers.sh all >/dev/null
 
 lint: venv
 	$(BIN)/ruff check .

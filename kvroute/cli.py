@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "twin": ("loadtest.twin.twin_cli", "run one simulated vLLM replica (the replica twin)"),
     "cluster": ("loadtest.twin.cluster_cli", "run N replica twins in one process"),
     "replay": ("loadtest.replay.cli", "replay an agentic trace, write AgentX metrics"),
+    "bench": ("loadtest.sweep.cli", "concurrency sweeps of routers on a twin cluster"),
+    "demo": ("loadtest.demo", "the quick start: twins + kvroute + a real-trace replay"),
 }
 
 

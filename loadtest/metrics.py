@@ -12,6 +12,7 @@ Definitions (AgentX vocabulary, DESIGN.md):
   / (GPUs × wall time).
 - TTFT p50/p90/p99; session completion p50/p90 over completed session plays (first call's
   start to last call's end).
+- Failures exclude calls cut off by the replay's own time bound (``requests_cancelled``).
 - Cache hit ratio = Σ cached_tokens / Σ prompt_tokens over successful calls that reported
   ``cached_tokens``; its bound is the same ratio for :class:`UnlimitedCache`.
 - Twins run ``speedup`` times faster than the hardware they model: every time is multiplied
@@ -28,6 +29,8 @@ from typing import Any
 import numpy as np
 
 from loadtest.replay.records import CallRecord, QueueSample, SessionRecord
+
+CANCELLED = "cancelled"  # CallRecord.error prefix for calls cut off by the run bound
 
 
 def _pct(xs: Sequence[float], q: float) -> float | None:
@@ -81,7 +84,9 @@ def summarize(
     if gpus <= 0 or speedup <= 0:
         raise ValueError("gpus and speedup must be positive")
     ok = [c for c in calls if c.ok]
-    failed = [c for c in calls if not c.ok]
+    # Calls cut off by the run's own time bound are not failures of the target.
+    cancelled = [c for c in calls if not c.ok and (c.error or "").startswith(CANCELLED)]
+    failed = [c for c in calls if not c.ok and c not in cancelled]
     ttft = [c.ttft_s * speedup for c in ok if c.ttft_s is not None]
     tpot_ms = [c.tpot_s * speedup * 1e3 for c in ok if c.tpot_s is not None
                and c.completion_tokens >= 2]
@@ -124,6 +129,7 @@ def summarize(
         "completion_tokens": sum(c.completion_tokens for c in ok),
         "requests_ok": len(ok),
         "requests_failed": len(failed),
+        "requests_cancelled": len(cancelled),
         "failures": errors,
         "queue_depth_p50": _pct(depth, 50),
         "queue_depth_max": max(depth) if depth else None,

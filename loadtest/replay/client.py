@@ -19,7 +19,7 @@ import orjson
 
 CONVENTIONS = ("claude", "codex", "opencode", "none")
 # Response headers that name the replica a router picked, in order of preference.
-REPLICA_HEADERS = ("x-kvroute-replica", "x-replica", "x-served-by")
+REPLICA_HEADERS = ("x-kvroute-replica", "x-twin-replica", "x-replica", "x-served-by")
 
 
 def session_headers(

@@ -13,7 +13,8 @@ folder.
 - **Open loop**: every session starts at its ``arrival_s / time_scale`` (Mooncake), however
   many are in flight.
 - **Bounded**: after ``duration_s`` no new session and no new call starts; calls still in
-  flight get ``grace_s`` to finish, then are cancelled (recorded as failed: ``cancelled``).
+  flight get ``grace_s`` to finish, then are cancelled (recorded with error ``cancelled``,
+  which the metrics count apart from failures).
 - Recorded delays are divided by ``time_scale`` (set it to a twin's ``speedup`` so idle gaps
   shrink with the simulated hardware).
 
@@ -161,12 +162,13 @@ class _Run:
         }
         headers = session_headers(self.cfg.convention, sid, c.agent, c.parent_agent)
         self.in_flight += 1
-        self.queue.append(QueueSample(self.now(), self.in_flight))
+        t_sent = self.now()
+        self.queue.append(QueueSample(t_sent, self.in_flight))
         try:
             res = await stream_chat(http, self.url, body, headers, clock=self.now,
                                     timeout_s=self.cfg.request_timeout_s)
         except asyncio.CancelledError:
-            res = CallResult(False, self.now(), self.now(), error="cancelled: run bound")
+            res = CallResult(False, t_sent, self.now(), error="cancelled: run bound")
             self._record(session, c, play, lane, prompt.n_tokens, bound, res)
             raise
         finally:

@@ -7,13 +7,13 @@ from typing import Any
 
 COLUMNS = [
     ("p90_interactivity_tok_s", "P90 tok/s/user", "{:.1f}"),
-    ("tokens_per_gpu_s", "tok/GPU-s", "{:,.0f}"),
-    ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
-    ("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
-    ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
-    ("session_completion_p90_s", "session p90 s", "{:.1f}"),
-    ("cache_hit_ratio", "hit", "{:.1%}"),
-    ("cache_hit_bound", "hit bound", "{:.1%}"),
+    ("tokens_per_gpu_s", "tok/GPU·s", "{:,.0f}"),
+    ("ttft_p50_s", "TTFT p50", "{:.2f}"),
+    ("ttft_p90_s", "TTFT p90", "{:.2f}"),
+    ("ttft_p99_s", "TTFT p99", "{:.2f}"),
+    ("session_completion_p90_s", "session p90", "{:.0f}"),
+    ("cache_hit_ratio", "hit", "{:.0%}"),
+    ("cache_hit_bound", "bound", "{:.0%}"),
     ("requests_ok", "ok", "{}"),
     ("requests_failed", "failed", "{}"),
 ]
@@ -32,10 +32,12 @@ def print_summary(rows: Mapping[str, Mapping[str, Any]], title: str = "AgentX me
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=title)
-    t.add_column("target")
+    t = Table(title=title, caption="times in modelled seconds")
+    t.add_column("target", no_wrap=True)
     for _, head, _ in COLUMNS:
         t.add_column(head, justify="right")
     for name, s in rows.items():
         t.add_row(name, *(fmt(s.get(k), spec) for k, _, spec in COLUMNS))
-    Console().print(t)
+    console = Console()
+    console.width = max(console.width, 140)  # never squeeze the table into 80 columns
+    console.print(t)

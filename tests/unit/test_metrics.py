@@ -22,6 +22,7 @@ RECORDS = [
     rec(3.0, 4.0, 0.4, 0.040, 4000, 11, 4000 - 32, bound=3968),
     rec(4.0, 4.5, None, None, 5000, 0, None, ok=False, status=503, error="http 503: busy"),
     rec(4.0, 9.0, 0.5, None, 900, 1, None),  # one output token: no TPOT, no cached field
+    rec(9.0, 10.0, None, None, 700, 0, None, ok=False, error="cancelled: run bound"),
 ]
 SESSIONS = [
     SessionRecord("s", 0, 0, 0.0, 10.0, 3, True),
@@ -50,6 +51,7 @@ def test_summary_by_hand():
     assert s["cache_hit_ratio"] == pytest.approx(5968 / 10_000)
     assert s["cache_hit_bound"] == pytest.approx((600 + 1800 + 2900 + 3968) / 10_900)
     assert s["requests_ok"] == 5 and s["requests_failed"] == 1
+    assert s["requests_cancelled"] == 1
     assert s["failures"] == {"http 503": 1}
     assert s["queue_depth_max"] == 3 and s["queue_depth_p50"] == 2
     assert s["replicas_used"] == ["a", "b"]

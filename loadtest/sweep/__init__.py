@@ -1,0 +1,1 @@
+"""``kvroute bench``: concurrency sweeps of several routers against the same twin cluster."""

@@ -1,0 +1,140 @@
+"""Concurrency sweeps of several routers over one trace, each point on a fresh twin cluster.
+
+Owns: :class:`SweepConfig` and :func:`run_sweep`. For every target (``kvroute:<policy>`` or a
+peer from :data:`loadtest.sweep.stack.PEERS`) and every concurrency, it restarts the twin
+cluster (cold caches, same profile and speedup), starts the router in front, replays the
+trace for ``duration_s`` on closed-loop lanes, stops both and keeps the point's records under
+``OUT/points/<target>/c<N>/``. A target that cannot start (a peer not installed) or a point
+that fails is recorded with its error; the sweep goes on. Writes ``OUT/results.json`` and the
+HTML report (:func:`loadtest.report.html.build_report`). Must not import the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.prompts import PromptBuilder
+from loadtest.replay.runner import ReplayConfig, replay
+from loadtest.sweep.stack import PEERS, Router, StackError, TwinCluster, cleanup
+from loadtest.traces import load_trace
+
+
+@dataclass
+class SweepConfig:
+    trace: str
+    targets: list[str] = field(default_factory=lambda: ["kvroute:round_robin",
+                                                        "kvroute:session_affinity"])
+    concurrency: list[int] = field(default_factory=lambda: [4, 8])
+    duration_s: float = 30.0
+    grace_s: float = 5.0
+    replicas: int = 4
+    profile: str = "h200-70b-fp8"
+    speedup: float = 10.0
+    max_sessions: int | None = None
+    max_calls: int | None = None
+    max_gap_s: float = 30.0
+    shared_prefix: bool = False
+    convention: str = "claude"
+    tokens_per_id: int | None = None
+    max_prompt_tokens: int | None = None
+    open_loop: bool = False
+    seed: int = 0
+    model: str = "tiny"  # the twins' served model name (peers may not list models)
+    progress: bool = True
+
+
+def machine() -> str:
+    import os
+
+    return (f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+            f"Python {platform.python_version()}")
+
+
+def _block_size(profile: str) -> int:
+    from costmodel.profiles import load_profile
+
+    return int(load_profile(profile).block_size)
+
+
+def notes_for(cfg: SweepConfig, trace_block: int, block: int, tpi: int) -> list[str]:
+    n = [
+        f"Each point restarts {cfg.replicas} twins ({cfg.profile}, speedup {cfg.speedup:g}): "
+        "caches start cold; times and throughput are scaled back to modelled seconds.",
+        f"Trace blocks of {trace_block} tokens become {tpi} tokens ({tpi // block} replica "
+        f"block(s) of {block}); token counts are "
+        + ("kept." if tpi == trace_block else f"scaled by {tpi / trace_block:g}."),
+        f"Idle gaps capped at {cfg.max_gap_s:g} s, then divided by the speedup; lanes recycle "
+        "sessions with a fresh per-play prompt namespace (no warm cache across plays).",
+        "Client and twins share this machine's CPUs: client-side latency is multiplied by the "
+        "speedup when scaled back, so compare targets within one run, not absolute numbers.",
+    ]
+    if cfg.shared_prefix:
+        n.append("Shared tools+system prefix ON: every session of an agent type shares it.")
+    return n
+
+
+def run_point(cfg: SweepConfig, target: str, conc: int, out: Path, trace: Any,
+              builder: PromptBuilder) -> dict[str, Any]:
+    point: dict[str, Any] = {"target": target, "concurrency": conc}
+    d = out / "points" / target.replace(":", "_") / f"c{conc}"
+    cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup)
+    try:
+        cluster.start()
+        router = Router(target, cluster.urls, cluster.workdir)
+        with router:
+            rcfg = ReplayConfig(
+                target=router.url, model=cfg.model, concurrency=conc, duration_s=cfg.duration_s,
+                grace_s=cfg.grace_s, time_scale=cfg.speedup, speedup=cfg.speedup,
+                gpus=cfg.replicas, open_loop=cfg.open_loop,
+                convention=PEERS[target][2] if target in PEERS else cfg.convention,
+                metrics_urls=cluster.metrics_urls, progress=cfg.progress,
+            )
+            summary = asyncio.run(replay(trace, builder, rcfg, d))
+        point["summary"] = summary
+        point["dir"] = str(d.relative_to(out))
+    except (StackError, RuntimeError, OSError) as e:
+        point["error"] = str(e).splitlines()[0][:300] if str(e) else repr(e)
+    finally:
+        cluster.stop()
+        cleanup(cluster.workdir)
+    return point
+
+
+def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> dict[str, Any]:
+    from loadtest import tinymodel
+    from loadtest.report.html import build_report
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = load_trace(cfg.trace, max_sessions=cfg.max_sessions, max_calls=cfg.max_calls,
+                       max_gap_s=cfg.max_gap_s, seed=cfg.seed)
+    block = _block_size(cfg.profile)
+    builder = PromptBuilder(tinymodel.ensure(), block_size=block,
+                            trace_block_size=trace.block_size, tokens_per_id=cfg.tokens_per_id,
+                            shared_prefix=cfg.shared_prefix,
+                            max_prompt_tokens=cfg.max_prompt_tokens)
+    results: dict[str, Any] = {
+        "config": asdict(cfg),
+        "machine": machine(),
+        "command": command or " ".join(shlex.quote(a) for a in sys.argv),
+        "trace_stats": trace.stats(),
+        "notes": notes_for(cfg, trace.block_size, block, builder.tokens_per_id),
+        "points": [],
+    }
+    t0 = time.monotonic()
+    for target in cfg.targets:
+        for conc in cfg.concurrency:
+            results["points"].append(run_point(cfg, target, conc, out, trace, builder))
+            results["elapsed_s"] = round(time.monotonic() - t0, 1)
+            (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    results["report"] = str(build_report(out))
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    return results

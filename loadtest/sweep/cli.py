@@ -1,0 +1,67 @@
+"""``kvroute bench TRACE --out DIR``: concurrency sweeps of routers on one twin cluster.
+
+Each target — ``kvroute:<policy>`` for any registered policy, or a peer router
+(``sglang:cache_aware``, ``sglang:consistent_hashing``, ``vllm-router:cache_aware``,
+``vllm-router:consistent_hash``, ``vllm-router:kv_aware``; install with ``make bench-peers``)
+— runs at each concurrency on a freshly restarted twin cluster. Writes ``DIR/results.json``,
+PNG plots (Pareto of tokens/GPU-s vs P90 interactivity with the 50 tok/s line, cache-hit bars,
+TTFT CDF) and a self-contained ``DIR/report.html``. See docs/replay.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace path or synthetic[:k=v,...]")
+    p.add_argument("--out", required=True)
+    p.add_argument("--targets", default="kvroute:round_robin,kvroute:session_affinity",
+                   help="comma-separated routers")
+    p.add_argument("--concurrency", default="4,8", help="comma-separated lane counts")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of replay per point")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--profile", default="h200-70b-fp8")
+    p.add_argument("--speedup", type=float, default=10.0)
+    p.add_argument("--max-sessions", type=int, default=None)
+    p.add_argument("--max-calls", type=int, default=None)
+    p.add_argument("--max-gap", type=float, default=30.0)
+    p.add_argument("--tokens-per-id", type=int, default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--shared-prefix", action="store_true")
+    p.add_argument("--open-loop", action="store_true")
+    p.add_argument("--convention", default="claude",
+                   choices=["claude", "codex", "opencode", "none"])
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from loadtest.prompts import PromptError
+    from loadtest.report.tables import print_summary
+    from loadtest.sweep.bench import SweepConfig, run_sweep
+    from loadtest.traces import TraceError
+
+    cfg = SweepConfig(
+        trace=args.trace, targets=[t for t in args.targets.split(",") if t],
+        concurrency=[int(c) for c in args.concurrency.split(",") if c],
+        duration_s=args.duration, replicas=args.replicas, profile=args.profile,
+        speedup=args.speedup, max_sessions=args.max_sessions, max_calls=args.max_calls,
+        max_gap_s=args.max_gap, tokens_per_id=args.tokens_per_id,
+        max_prompt_tokens=args.max_prompt_tokens, shared_prefix=args.shared_prefix,
+        open_loop=args.open_loop, convention=args.convention, progress=not args.no_progress,
+    )
+    try:
+        res = run_sweep(cfg, args.out, command="kvroute bench " + " ".join(sys.argv[2:]))
+    except (TraceError, PromptError, ValueError) as e:
+        print(f"kvroute bench: {e}", file=sys.stderr)
+        return 2
+    rows = {f"{p['target']} c={p['concurrency']}": p.get("summary") or {"error": p.get("error")}
+            for p in res["points"]}
+    print_summary(rows, title=f"kvroute bench: {res['config']['trace']}")
+    for p in res["points"]:
+        if p.get("error"):
+            print(f"  {p['target']} c={p['concurrency']}: {p['error']}")
+    print(f"report: {res['report']}")
+    return 0 if any(p.get("summary") for p in res["points"]) else 1

@@ -1,0 +1,209 @@
+"""Processes a sweep point needs: a twin cluster and a router in front of it.
+
+Owns: :class:`TwinCluster` (``kvroute cluster`` as a child process: replicas' URLs are read
+from its stdout) and :class:`Router` (one of :data:`ROUTERS`: kvroute with a policy, or a
+peer router from its own venv), each started, health-checked and stopped by process group
+under :mod:`loadtest.reaper` (children die with the harness). Everything listens on
+127.0.0.1, on free ports. Separate processes keep the client's clock off the cluster's and
+the router's CPU. Must not import the router package (routers are driven over HTTP).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from loadtest.vllmbed import BED_ENV, ManagedProcess, free_port
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def _kvroute_argv() -> list[str]:
+    return [sys.executable, "-m", "kvroute.cli"]
+
+
+def _wait_http(proc: ManagedProcess, url: str, deadline: float, what: str) -> None:
+    with httpx.Client(timeout=2.0) as c:
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise StackError(f"{what} exited:\n{proc.log_tail()}")
+            try:
+                if c.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+    raise StackError(f"{what} not healthy at {url} in time:\n{proc.log_tail()}")
+
+
+@dataclass
+class TwinCluster:
+    replicas: int = 4
+    profile: str = "h200-70b-fp8"
+    speedup: float = 10.0
+    kv_events: str | None = None
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvroute-sw-")))
+    urls: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    _proc: ManagedProcess | None = None
+
+    def start(self, timeout_s: float = 60.0) -> TwinCluster:
+        argv = [
+            *_kvroute_argv(),
+            "cluster",
+            "--replicas",
+            str(self.replicas),
+            "--profile",
+            self.profile,
+            "--speedup",
+            repr(self.speedup),
+        ]
+        if self.kv_events:
+            argv += ["--kv-events", self.kv_events]
+        env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
+        log = self.workdir / f"cluster-{uuid.uuid4().hex[:6]}.log"
+        self._proc = ManagedProcess(argv, env, log, Path.cwd())
+        self._proc.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and len(self.urls) < self.replicas:
+            if not self._proc.alive():
+                raise StackError(f"twin cluster exited:\n{self._proc.log_tail()}")
+            lines = [x.split() for x in log.read_text(errors="replace").splitlines()]
+            pairs = [x for x in lines if len(x) == 2 and x[1].startswith("http://")]
+            self.names, self.urls = [p[0] for p in pairs], [p[1] for p in pairs]
+            time.sleep(0.05)
+        if len(self.urls) < self.replicas:
+            self.stop()
+            raise StackError(f"twin cluster did not report {self.replicas} replicas")
+        for u in self.urls:
+            _wait_http(self._proc, u + "/health", deadline, "twin cluster")
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.stop(grace_s=5.0)
+            self._proc = None
+        self.urls, self.names = [], []
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        return [u + "/metrics" for u in self.urls]
+
+    def __enter__(self) -> TwinCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# Peer routers as installed by ``make bench-peers`` (versions in scripts/setup_peers.sh):
+# name -> (kind, policy, session convention its policy keys on). sglang-router 0.3.2 offers
+# random, round_robin, cache_aware, power_of_two, manual (no consistent_hashing: that is in
+# the later sgl-model-gateway); vllm-router 0.1.17's consistent_hash keys on x-session-id
+# (the OpenCode convention). vllm-router's kv_aware needs one ZMQ publisher endpoint per
+# worker that it can connect to (``--kv-event-source URL=ENDPOINT``); twins in one cluster
+# all connect to one subscriber-bound endpoint, and a bound ``tcp://*`` publisher would
+# listen beyond loopback, so kv_aware is not offered here.
+PEERS: dict[str, tuple[str, str, str]] = {
+    "sglang:cache_aware": ("sglang", "cache_aware", "claude"),
+    "sglang:round_robin": ("sglang", "round_robin", "claude"),
+    "vllm-router:cache_aware": ("vllm-router", "cache_aware", "opencode"),
+    "vllm-router:consistent_hash": ("vllm-router", "consistent_hash", "opencode"),
+    "vllm-router:round_robin": ("vllm-router", "round_robin", "opencode"),
+}
+
+
+def peer_python(kind: str) -> Path | None:
+    """The peer's venv interpreter (``make bench-peers``), or None when not installed."""
+    cache = Path(os.environ.get("KVROUTE_CACHE", Path.home() / ".cache" / "kvroute"))
+    for d in sorted(cache.glob(f"peers-{'sglang-router' if kind == 'sglang' else kind}-*")):
+        if (d / ".ready").exists():
+            return d / "bin" / "python"
+    return None
+
+
+@dataclass
+class Router:
+    """A router in front of ``replicas``: ``kvroute:<policy>`` or one of :data:`PEERS`."""
+
+    name: str
+    replicas: Sequence[str]
+    workdir: Path
+    kv_events: str | None = None
+    port: int = 0
+    _proc: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> tuple[list[str], str]:
+        """(argv, health path) for this router."""
+        self.port = self.port or free_port()
+        if self.name.startswith("kvroute:"):
+            policy = self.name.split(":", 1)[1]
+            argv = [
+                *_kvroute_argv(),
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--policy",
+                policy,
+                "--log-level",
+                "WARNING",
+            ]
+            for r in self.replicas:
+                argv += ["--replica", r]
+            return argv, "/ready"
+        if self.name not in PEERS:
+            raise StackError(f"unknown router {self.name!r}: kvroute:<policy> or {sorted(PEERS)}")
+        kind, policy, _ = PEERS[self.name]
+        py = peer_python(kind)
+        if py is None:
+            raise StackError(f"{self.name}: peer not installed (run `make bench-peers`)")
+        module = "sglang_router.launch_router" if kind == "sglang" else "vllm_router.launch_router"
+        argv = [str(py), "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
+                "--policy", policy, "--worker-urls", *self.replicas]  # fmt: skip
+        return argv, "/health"
+
+    def start(self, timeout_s: float = 60.0) -> Router:
+        argv, health = self.argv()
+        env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
+        log = self.workdir / f"router-{self.name.replace(':', '-')}-{self.port}.log"
+        self._proc = ManagedProcess(argv, env, log, Path.cwd())
+        self._proc.start()
+        try:
+            _wait_http(self._proc, self.url + health, time.monotonic() + timeout_s, self.name)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.stop(grace_s=5.0)
+            self._proc = None
+
+    def __enter__(self) -> Router:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def cleanup(workdir: Path) -> None:
+    if os.environ.get("KVROUTE_KEEP_BED_LOGS") != "1":
+        shutil.rmtree(workdir, ignore_errors=True)
