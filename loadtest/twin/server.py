@@ -81,7 +81,7 @@ class KVEventPublisher:
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         if publisher_binds(endpoint):
             self.sock.bind(endpoint)
-            self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.endpoint = str(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
         else:
             self.sock.connect(endpoint)
             self.endpoint = endpoint

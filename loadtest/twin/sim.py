@@ -455,9 +455,9 @@ class Simulator:
         overhead = self.profile.request_overhead_s
         shared_salt = 0x5EED
         state: dict[str, dict[str, Any]] = {}
-        for s in sessions:
-            state[s.id] = {"keys": [], "ctx": 0, "k": 0, "session": s}
-            self._push(s.start, _ARRIVE, s.id)
+        for sess in sessions:
+            state[sess.id] = {"keys": [], "ctx": 0, "k": 0, "session": sess}
+            self._push(sess.start, _ARRIVE, sess.id)
         records: list[CallRecord] = []
         done_sessions = 0
         tier_hits = {"gpu": 0, "cpu": 0, "storage": 0}
