@@ -91,6 +91,7 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
     replicas.set_source("static", cfg.replicas)
     mon = ReplicaMonitor(replicas, app[CLIENT], cfg)
     app[MONITOR] = mon
+    await mon.resolve_dns()
     await mon.check_all()  # know health and models before taking traffic
     metrics = app[METRICS]
 

@@ -296,27 +296,28 @@ class ReplicaMonitor:
             await asyncio.sleep(self.cfg.metrics_interval_s)
             await asyncio.gather(*(self.scrape_one(r) for r in self.replicas if r.healthy))
 
-    async def dns_loop(self) -> None:
+    async def resolve_dns(self) -> None:
+        """Re-resolve every ``replica_dns`` name; one replica per address (headless service)."""
         loop = asyncio.get_running_loop()
+        for i, base in enumerate(self.cfg.replica_dns):
+            u = urlsplit(base)
+            port = u.port or (443 if u.scheme == "https" else 80)
+            try:
+                infos = await loop.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM)
+            except OSError as e:
+                log.warning("cannot resolve %s: %s (keeping the last answer)", base, e)
+                continue
+            urls = set()
+            for fam, *_rest, addr in infos:
+                host = f"[{addr[0]}]" if fam == socket.AF_INET6 else addr[0]
+                urls.add(urlunsplit((u.scheme, f"{host}:{port}", u.path, "", "")))
+            added, _ = self.replicas.set_source(f"dns:{i}", urls)
+            await asyncio.gather(*(self.check_one(r) for n in added if (r := self.replicas.get(n))))
+
+    async def dns_loop(self) -> None:
         while True:
-            for i, base in enumerate(self.cfg.replica_dns):
-                u = urlsplit(base)
-                port = u.port or (443 if u.scheme == "https" else 80)
-                try:
-                    infos = await loop.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM)
-                except OSError as e:
-                    log.warning("cannot resolve %s: %s (keeping the last answer)", base, e)
-                    continue
-                urls = set()
-                for fam, *_rest, addr in infos:
-                    host = f"[{addr[0]}]" if fam == socket.AF_INET6 else addr[0]
-                    urls.add(urlunsplit((u.scheme, f"{host}:{port}", u.path, "", "")))
-                added, _ = self.replicas.set_source(f"dns:{i}", urls)
-                for n in added:
-                    r = self.replicas.get(n)
-                    if r:
-                        await self.check_one(r)
             await asyncio.sleep(self.cfg.dns_interval_s)
+            await self.resolve_dns()
 
     async def k8s_loop(self) -> None:
         """Poll EndpointSlices of one Service through the in-cluster API (service account)."""

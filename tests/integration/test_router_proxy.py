@@ -372,3 +372,78 @@ async def test_upstream_key_is_injected_and_never_echoed_or_logged(fakes, router
     async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 401
     assert secret not in echoed and secret not in caplog.text and secret not in repr(app[REPLICAS])
+
+
+async def test_dns_name_is_resolved_into_replicas(fakes, router, http):
+    (f,) = await fakes(1)
+    port = f.url.rsplit(":", 1)[1]
+    url, app = await router([], replica_dns=[f"http://localhost:{port}"], dns_interval_s=30)
+    # the first resolution and health check run before the app takes traffic
+    assert any(r.url == f"http://127.0.0.1:{port}" and r.healthy for r in app[REPLICAS])
+    assert {r.source for r in app[REPLICAS]} == {"dns:0"}
+    async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200 and await r.read() == b"".join(SSE_CHUNKS)
+
+
+async def test_prompt_analyzer_state_providers_and_observers_are_wired(fakes, http):
+    reps = await fakes(4)
+    seen_outcomes: list[dict[str, Any]] = []
+
+    def analyzer(ctx):  # what the KV-aware engineer plugs in: token ids and block keys
+        ctx.token_ids = [1, 2, 3]
+        ctx.block_keys = [int(ctx.body["messages"][0]["content"])] * 4
+
+    app = build_app(
+        RouterConfig(
+            replicas=[r.url for r in reps],
+            admin_key="adm",
+            health_interval_s=30,
+            scheduling={
+                "scorers": [
+                    {"type": "prefix_hash", "weight": 1.0},
+                    {"type": "test_index_reader", "weight": 0.0},
+                ]
+            },
+        ),
+        analyzer=analyzer,
+        state_providers={"block_index": lambda: {"version": 7}},
+        observers=[lambda ctx, out: seen_outcomes.append({**out, "keys": ctx.block_keys})],
+    )
+    runner, url = await start_site(app)
+    try:
+        picks = {}
+        for key in ("5", "5", "9"):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": key}]}
+            async with http.post(
+                url + "/admin/route?explain=1", json=body, headers={"X-Admin-Key": "adm"}
+            ) as r:
+                picks.setdefault(key, set()).add((await r.json())["winner"])
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+        assert len(picks["5"]) == 1
+        assert [o["keys"] for o in seen_outcomes] == [[5] * 4, [5] * 4, [9] * 4]
+        assert all(o["status"] == "200" and o["bytes"] > 0 for o in seen_outcomes)
+        assert INDEX_SEEN and all(s == {"version": 7} for s in INDEX_SEEN)
+    finally:
+        await runner.cleanup()
+
+
+INDEX_SEEN: list[Any] = []
+
+
+def _register_index_reader() -> None:
+    from router.scheduling.registry import register
+
+    @register("scorer", "test_index_reader")
+    def _make() -> Any:
+        class IndexReader:
+            name = "test_index_reader"
+
+            def score(self, ctx, snap, endpoints):
+                INDEX_SEEN.append(snap.state("block_index"))
+                return {}
+
+        return IndexReader()
+
+
+_register_index_reader()
