@@ -98,6 +98,7 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
     def refresh() -> None:
         for r in replicas:
             metrics.breaker.labels(r.name).set(BREAKER_CODE[r.breaker.state])
+            metrics.inflight.labels(r.name).set(r.inflight)
 
     metrics.on_scrape(refresh)
     tasks = mon.tasks()

@@ -192,8 +192,7 @@ async def forward(
         if attempt == 0:
             metrics.added_latency.observe(time.perf_counter() - t0)
         replica.breaker.on_send()
-        replica.inflight += 1
-        metrics.inflight.labels(name).inc()
+        replica.inflight += 1  # exported as kvroute_inflight at scrape time
         try:
             return await _stream_from(request, ctx, raw, headers, path, replica, t0, route_label,
                                       last_attempt=attempt == cfg.retries)  # fmt: skip
@@ -204,7 +203,6 @@ async def forward(
                         e.reason, name)  # fmt: skip
         finally:
             replica.inflight -= 1
-            metrics.inflight.labels(name).dec()
     metrics.requests.labels(route_label, "-", "503").inc()
     return error_response(
         route, 503, f"no replica could take the request ({last_problem})", "service_unavailable",

@@ -350,6 +350,8 @@ async def test_models_union_ready_metrics_and_passthrough(fakes, router, http):
         text = await r.text()
     assert 'kvroute_requests_total{replica="' + b.url in text
     assert 'route="/v1/*"' in text and "kvroute_added_latency_seconds_count" in text
+    assert f'kvroute_inflight{{replica="{a.url}"}} 0.0' in text
+    assert "kvroute_active_sessions 2.0" in text  # 'u1' + the embeddings call's prefix
 
 
 async def test_upstream_key_is_injected_and_never_echoed_or_logged(fakes, router, http, caplog):
