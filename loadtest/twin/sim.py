@@ -346,6 +346,7 @@ class Simulator:
         self._seq = 0
         self.steps = 0
         self.events = 0
+        self.cuts = 0  # bursts cut short by an arrival
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -426,25 +427,26 @@ class Simulator:
         self.steps += n_steps
         return ends[n_steps - 1]
 
-    def _cut_burst(self, i: int, now: float) -> float:
-        """An arrival at ``now`` during a burst: finish the step in progress, stop there."""
+    def _cut_burst(self, i: int, now: float) -> None:
+        """An arrival at ``now`` during a burst: the burst now ends with the step in
+        progress (applied when that step ends, like any step)."""
         rep = self.replicas[i]
         assert rep.burst is not None
-        ends = rep.burst[1]
+        start, ends, b = rep.burst
         m = next(j for j, e in enumerate(ends) if e >= now)
-        rep.version += 1  # the burst's own end event is now stale
-        return self._apply_burst(rep, m + 1)
+        self.cuts += 1
+        if m + 1 == len(ends):
+            return
+        rep.burst = (start, ends[: m + 1], b)
+        rep.version += 1  # the burst's old end event is now stale
+        self._push(ends[m], _STEP, (i, rep.version))
 
     def _enqueue(self, i: int, req: Request, now: float) -> None:
         rep = self.replicas[i]
-        start = now
         if rep.burst is not None:
-            start = self._cut_burst(i, now)
+            self._cut_burst(i, now)
         rep.engine.add(req)
-        if start > now:
-            self._push(start, _WAKE, (i, rep.version))
-        else:
-            self._kick(i, now)
+        self._kick(i, now)  # no-op unless the replica is idle
 
     # -- main loop --
 

@@ -5,27 +5,38 @@ from __future__ import annotations
 import pytest
 
 from costmodel.profiles import load_profile
-from loadtest.twin.sim import Call, Session, Simulator, simulate, synthetic_agentx
+from loadtest.twin.sim import (
+    Call,
+    Session,
+    Simulator,
+    route_least_loaded,
+    simulate,
+    synthetic_agentx,
+)
 
 P70 = load_profile("h200-70b-fp8")
 
 
 def test_bursts_are_step_exact():
-    sessions = synthetic_agentx(12, 300, seed=5)
-    a = simulate(P70, 3, sessions, "least_loaded", burst=False)
-    b = simulate(P70, 3, sessions, "least_loaded", burst=True)
+    # short think times: many calls arrive while replicas are in the middle of a burst
+    sessions = synthetic_agentx(16, 200, seed=5, think_median_s=2.0, think_p90_s=6.0)
+    a = Simulator(P70, 2, route_least_loaded(), burst=False)
+    b = Simulator(P70, 2, route_least_loaded(), burst=True)
+    ra_, rb_ = a.run(sessions[:8]), b.run(sessions[:8])
+    assert b.cuts > 20
     key = lambda r: (r.session_id, r.call_index)  # noqa: E731
-    ra, rb = sorted(a.records, key=key), sorted(b.records, key=key)
+    ra, rb = sorted(ra_.records, key=key), sorted(rb_.records, key=key)
     assert len(ra) == len(rb) > 50
     for x, y in zip(ra, rb, strict=True):
-        assert (x.replica, x.cached_tokens, x.output_tokens) == (
+        assert (x.replica, x.cached_tokens, x.output_tokens, x.arrival) == (
             y.replica,
             y.cached_tokens,
             y.output_tokens,
+            y.arrival,
         )
         assert x.first_token == pytest.approx(y.first_token, abs=1e-9)
         assert x.finish == pytest.approx(y.finish, abs=1e-9)
-    assert a.steps == b.steps and b.events < a.events / 3
+    assert ra_.steps == rb_.steps and rb_.events < ra_.events / 3
 
 
 def test_closed_loop_next_call_waits_think_time_after_the_previous_finishes():
@@ -87,3 +98,19 @@ def test_bad_configuration_is_refused():
         Simulator(P70, 0, lambda c, r: 0)
     with pytest.raises(KeyError):
         simulate(P70, 1, [], "no-such-policy")
+
+
+def test_two_arrivals_within_one_step_of_a_burst_do_not_overlap_steps():
+    sessions = [Session("a", 0.0, [Call(3000, 2000)])] + [
+        Session(f"b{i}", 5.0 + 0.002 * i, [Call(1000 + i, 50)]) for i in range(4)
+    ]
+    runs = [Simulator(P70, 1, route_least_loaded(), burst=flag) for flag in (False, True)]
+    step, fast = (sim.run(sessions) for sim in runs)
+    assert runs[1].cuts >= 1
+    by = {r.session_id: r for r in step.records}
+    for r in fast.records:
+        assert r.first_token == pytest.approx(by[r.session_id].first_token, abs=1e-9)
+        assert r.finish == pytest.approx(by[r.session_id].finish, abs=1e-9)
+    assert step.steps == fast.steps
+    busy = sum(fast.engine_busy_s)
+    assert busy == pytest.approx(sum(step.engine_busy_s)) and busy <= fast.sim_time_s
