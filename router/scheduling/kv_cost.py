@@ -1,0 +1,156 @@
+"""Scorer and policy ``kv_cost``: send each call where fetching-or-recomputing its KV is cheapest.
+
+Algorithm, per candidate replica r (all in seconds, :func:`costmodel.placement.placement_cost`):
+
+1. match the prompt's block keys against r: the exact block index when r's KV event stream is
+   fresh, else approximate mode (r's predicted cache from routing history) — giving the
+   matched prefix split by tier (GPU / CPU / STORAGE);
+2. cost(r) = queue + Σ min(load, recompute) over the prompt's segments + decode in r's batch
+   + eviction harm (sessions whose warm KV this call would evict × their P(return) × the
+   cost to bring it back; parents with children in flight are pinned, never evicted)
+   + reserved load of paced agents (sessions between calls whose KV lives on r);
+3. session prior with hysteresis: the replica that holds the session (``snap.session.replica``)
+   gets ``margin = hysteresis_s + hysteresis_frac · cost`` taken off, so the session moves
+   only when another replica is cheaper by more than that;
+4. score(r) = min_cost / cost(r) ∈ (0, 1]: the cheapest replica scores 1.
+
+Queue and decode inputs come from the replica's load (router in-flight, engine running and
+waiting) times its recent mean uncached/prompt tokens per call; free GPU blocks from the
+profile's pool minus the blocks the index (or the approximate cache) holds. Unknown inputs
+stay ``None`` and their terms drop out of the sum (listed under ``missing``). Without the
+``kv`` state provider (no KV layer installed) the scorer degrades to load + affinity.
+
+Subagents (``identity.parent``) are placed by the same cost: the shared system/tool prefix
+shows up in the match, and the parent's footprint on its replica is pinned while it waits.
+
+The per-replica terms are written to ``ctx.extra["kv_cost"]`` (request-scoped scratch, read by
+the observer for calibration and by explain). Parameters: ``hysteresis_s`` (default 0.25),
+``hysteresis_frac`` (0.1), ``overlap`` (1.0: tier loads hide behind compute),
+``expected_output_tokens`` (None: the session's mean, else the KV layer's default).
+
+.. code-block:: yaml
+
+    scheduling:
+      scorers: [{type: kv_cost, weight: 1.0, params: {hysteresis_s: 0.25}}]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from costmodel.placement import CallShape, CostTerms, ReplicaLoad, placement_cost
+from router.replicas import EndpointView
+from router.scheduling import RequestContext, Snapshot
+from router.scheduling.registry import register, register_policy
+
+EPS = 1e-6
+
+
+def expected_output(ctx: RequestContext, view: Any, fallback: int) -> int:
+    body = ctx.body
+    cap = body.get("max_completion_tokens") or body.get("max_tokens")
+    fp = view.session(ctx.identity.key) if view is not None else None
+    mean = fp.mean_output() if fp is not None else None
+    guess = int(mean) if mean else fallback
+    if isinstance(cap, int) and cap > 0:
+        guess = min(guess, cap)
+    return guess
+
+
+def replica_load(view: Any, e: EndpointView, exclude: str | None) -> ReplicaLoad:
+    """The cost model's inputs for one replica, from the endpoint view and the KV view."""
+    st = view.replica_stat(e.name)
+    prof = view.profile(e.name)
+    running = e.running if e.running is not None else None
+    waiting = e.waiting if e.waiting is not None else None
+    # calls that have not finished their prefill: waiting in the engine, or sent by this
+    # router and not yet running there
+    pending = max(float(waiting or 0.0), float(e.inflight) - float(running or 0.0), 0.0)
+    uncached = st.uncached_ewma if st is not None else None
+    context = st.context_ewma if st is not None else None
+    queued = pending * uncached if uncached is not None else (0.0 if pending == 0 else None)
+    batch = int(running) if running is not None else int(e.inflight)
+    dctx = batch * context if context is not None else (0.0 if batch == 0 else None)
+    used = view.gpu_blocks_used(e.name)
+    free = None if used is None else max(prof.gpu_kv_blocks - used, 0)
+    warm, reserved = view.warm_and_reserved(e.name, exclude)
+    cal = view.calibration(e.name)
+    return ReplicaLoad(queued_prefill_tokens=queued, decode_batch=batch,
+                       decode_context_tokens=dctx, free_gpu_blocks=free, warm=warm,
+                       reserved=reserved, prefill_scale=cal.prefill_scale,
+                       decode_scale=cal.decode_scale, ttft_offset_s=cal.ttft_offset_s)
+
+
+class KVCost:
+    name = "kv_cost"
+
+    def __init__(self, hysteresis_s: float = 0.25, hysteresis_frac: float = 0.1,
+                 overlap: float = 1.0, expected_output_tokens: int | None = None):
+        if hysteresis_s < 0 or not 0 <= hysteresis_frac < 1 or not 0 <= overlap <= 1:
+            raise TypeError("hysteresis_s >= 0, 0 <= hysteresis_frac < 1, 0 <= overlap <= 1")
+        self.hysteresis_s = hysteresis_s
+        self.hysteresis_frac = hysteresis_frac
+        self.overlap = overlap
+        self.expected_output_tokens = expected_output_tokens
+
+    def costs(self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
+              ) -> dict[str, tuple[CostTerms, dict[str, Any]]]:
+        """Per replica: the cost terms and the facts they came from (pure)."""
+        view = snap.state("kv")
+        if view is None:
+            return {}
+        keys = ctx.block_keys or []
+        n_tok = int(ctx.extra.get("kv_prompt_tokens") or len(keys) * view.block_size)
+        names = [e.name for e in endpoints]
+        matches = view.match(keys, names) if keys else {}
+        out_tok = self.expected_output_tokens or expected_output(
+            ctx, view, view.expected_output_tokens)
+        res = {}
+        for e in endpoints:
+            prof = view.profile(e.name)
+            m = matches.get(e.name)
+            ratio = view.block_size / prof.block_size  # index blocks -> profile blocks
+            g = int((m.gpu if m else 0) * ratio)
+            c = int((m.cpu if m else 0) * ratio)
+            s = int((m.storage if m else 0) * ratio)
+            call = CallShape(n_tok, g, c, s, out_tok)
+            load = replica_load(view, e, ctx.identity.key)
+            terms = placement_cost(prof, call, load, overlap=self.overlap)
+            res[e.name] = (terms, {"match_blocks": m.depth if m else 0,
+                                   "tiers": {"gpu": g, "cpu": c, "storage": s},
+                                   "source": view.source(e.name),
+                                   "free_gpu_blocks": load.free_gpu_blocks,
+                                   "queued_prefill_tokens": load.queued_prefill_tokens})
+        return res
+
+    def score(self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
+              ) -> Mapping[str, float]:
+        sticky = snap.session.replica if snap.session is not None else None
+        costs = self.costs(ctx, snap, endpoints)
+        if not costs:  # no KV layer: load + affinity
+            peak = max((e.load for e in endpoints), default=0.0)
+            return {e.name: 1.0 if e.name == sticky else
+                    (0.9 if peak <= 0 else 0.9 * (1.0 - e.load / (peak + 1))) for e in endpoints}
+        eff: dict[str, float] = {}
+        explain: dict[str, Any] = {}
+        for name, (terms, facts) in costs.items():
+            c = terms.total_s
+            prior = 0.0
+            if name == sticky:
+                prior = min(self.hysteresis_s + self.hysteresis_frac * c, c)
+            eff[name] = max(c - prior, EPS)
+            explain[name] = {**terms.as_dict(), **facts, "session_prior_s": round(prior, 6),
+                             "effective_s": round(eff[name], 6)}
+        ctx.extra["kv_cost"] = explain
+        best = min(eff.values())
+        return {n: best / c for n, c in eff.items()}
+
+
+@register("scorer", "kv_cost")
+def _kv_cost(hysteresis_s: float = 0.25, hysteresis_frac: float = 0.1, overlap: float = 1.0,
+             expected_output_tokens: int | None = None) -> KVCost:
+    return KVCost(hysteresis_s, hysteresis_frac, overlap, expected_output_tokens)
+
+
+register_policy("kv_cost", {"scorers": [{"type": "kv_cost", "weight": 1.0}]})

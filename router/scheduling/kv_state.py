@@ -1,0 +1,387 @@
+"""KV-aware state for the scheduling pipeline: block index, event ingestion, tokens, sessions.
+
+Owns: :class:`KVState`, which plugs into the router core's three seams (see
+:mod:`router.scheduling`) — a *prompt analyzer* (render + tokenize incrementally per session
+and fill ``ctx.block_keys``), a *state provider* ``"kv"`` (a read-only :class:`KVView` for
+scorers) and an *observer* (after each call: session footprints, approximate-mode history,
+calibration from observed TTFT) — plus the lifetime of the ZMQ subscribers feeding the block
+index (:meth:`start` / :meth:`close`; the caller pairs them in a cleanup context). Also
+:class:`KVConfig`. Must not import aiohttp, the proxy, torch or vllm.
+
+Per-session footprints (what the cost model's eviction-harm and reserved terms need) live
+here, keyed by the session table key: the replica holding the session's KV, its context
+size, when its last call ended, its gaps, its parent and in-flight children. A parent with a
+child call in flight is *pinned* (kept warm: never counted as evictable). A session's state
+is released after its final call (``final`` flag) or ``session_idle_ttl_s`` without calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from costmodel.calibration import Calibration, Calibrator
+from costmodel.placement import Reservation, WarmSession, p_return_after
+from costmodel.profiles import ReplicaProfile, load_profile
+from router.approx import ApproxCache
+from router.hashing import BlockHasher
+from router.index import BlockIndex, BlockIndexView, TierDepth
+from router.tokens import ChatTemplateError, ModelTokenizer, SessionTokenizer
+
+log = logging.getLogger("kvroute.kv")
+
+
+@dataclass
+class KVConfig:
+    """Settings of the KV layer (YAML/env keys of the same names, see docs/kv-routing.md)."""
+
+    tokenizer: str | None = None  # model dir the replicas serve (tokenizer.json + template)
+    block_size: int = 16
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str | None = None  # the engines' PYTHONHASHSEED
+    profile: str = "h200-70b-fp8"  # costmodel profile of every replica ...
+    profiles: dict[str, str] = field(default_factory=dict)  # ... unless named here (url->name)
+    events_bind: str | None = None  # SUB binds here; replicas connect (topic -> replica)
+    events_connect: dict[str, str] = field(default_factory=dict)  # replica url -> PUB endpoint
+    replay: dict[str, str] = field(default_factory=dict)  # replica url -> replay endpoint
+    topics: dict[str, str] = field(default_factory=dict)  # topic -> replica url (bind mode)
+    session_idle_ttl_s: float = 1800.0
+    expected_output_tokens: int = 400  # until a session has shown its own
+    max_cached_tokens: int = 16_000_000  # incremental tokenizer cache bound
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+
+
+@dataclass
+class SessionFootprint:
+    key: str
+    replica: str | None = None
+    tokens: int = 0  # cached context after its last call (prompt + output)
+    last_end: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    turn_tokens: int = 0  # new tokens its last call added
+    outputs: list[int] = field(default_factory=list)
+    parent: str | None = None
+    inflight: int = 0
+    children_inflight: int = 0
+    final: bool = False
+
+    def mean_gap(self) -> float | None:
+        return sum(self.gaps) / len(self.gaps) if self.gaps else None
+
+    def mean_output(self) -> float | None:
+        return sum(self.outputs) / len(self.outputs) if self.outputs else None
+
+
+@dataclass
+class ReplicaStat:
+    uncached_ewma: float = 0.0  # prompt tokens a call had to prefill (EWMA)
+    context_ewma: float = 0.0  # prompt tokens per call (EWMA)
+    calls: int = 0
+
+    def add(self, uncached: float, context: float, alpha: float = 0.2) -> None:
+        if self.calls == 0:
+            self.uncached_ewma, self.context_ewma = uncached, context
+        else:
+            self.uncached_ewma += alpha * (uncached - self.uncached_ewma)
+            self.context_ewma += alpha * (context - self.context_ewma)
+        self.calls += 1
+
+
+def usage_from_tail(tail: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a response from its last bytes (SSE or JSON), if present."""
+    import orjson
+
+    if not tail or b'"usage"' not in tail:
+        return None
+    for line in reversed(tail.split(b"\n")):
+        line = line.strip()
+        if line.startswith(b"data: "):
+            line = line[6:]
+        if b'"usage"' not in line or not line.startswith(b"{"):
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        u = obj.get("usage") if isinstance(obj, dict) else None
+        if isinstance(u, dict):
+            return u
+    return None
+
+
+def _text_of_anthropic(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An Anthropic ``/v1/messages`` body as OpenAI chat messages (text parts only)."""
+
+    def text(c: Any) -> str:
+        if isinstance(c, str):
+            return c
+        if isinstance(c, list):
+            return "".join(p.get("text", "") for p in c if isinstance(p, dict)
+                           and p.get("type") == "text")
+        return ""
+
+    msgs: list[dict[str, Any]] = []
+    if body.get("system"):
+        msgs.append({"role": "system", "content": text(body["system"])})
+    for m in body.get("messages") or []:
+        if isinstance(m, dict):
+            msgs.append({"role": m.get("role", "user"), "content": text(m.get("content"))})
+    return msgs
+
+
+class KVState:
+    """See the module docstring. One per router process."""
+
+    def __init__(self, cfg: KVConfig, tokenizer: ModelTokenizer | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.clock = clock
+        self.index = BlockIndex()
+        self.approx = ApproxCache()
+        self.hasher = BlockHasher(cfg.block_size, cfg.hash_algo, cfg.hash_seed)
+        if tokenizer is None and cfg.tokenizer:
+            tokenizer = ModelTokenizer.from_dir(cfg.tokenizer)
+        self.tokenizer = tokenizer
+        self.tokens = (SessionTokenizer(tokenizer, self.hasher, max_tokens=cfg.max_cached_tokens)
+                       if tokenizer is not None else None)
+        self.sessions: dict[str, SessionFootprint] = {}
+        self.stats: dict[str, ReplicaStat] = {}
+        self.calibrators: dict[str, Calibrator] = {}
+        self._profiles: dict[str, ReplicaProfile] = {}
+        self.subscriber: Any = None
+        self._calls = 0
+
+    # ---- lifetime (the caller pairs these in an aiohttp cleanup context) --------------------
+
+    async def start(self) -> None:
+        if not (self.cfg.events_bind or self.cfg.events_connect):
+            return
+        from router.events import KVEventSubscriber, topic_to_replica
+
+        topics = dict(self.cfg.topics)
+
+        def replica_for(topic: str) -> str | None:
+            return topics.get(topic) or topic_to_replica(topic)
+
+        sub = KVEventSubscriber(self.index, replica_for_topic=replica_for)
+        if self.cfg.events_bind:
+            bound = sub.bind(self.cfg.events_bind)
+            log.info("kv events: bound %s", bound)
+        for url, ep in self.cfg.events_connect.items():
+            sub.connect(ep, url, self.cfg.replay.get(url))
+        for url, ep in self.cfg.replay.items():
+            if url not in self.cfg.events_connect:
+                sub.add_replica(url, ep)
+        self.subscriber = sub
+
+    async def close(self) -> None:
+        if self.subscriber is not None:
+            await self.subscriber.close()
+            self.subscriber = None
+
+    def app_kwargs(self) -> dict[str, Any]:
+        """``build_app(cfg, **state.app_kwargs())`` wires the analyzer, provider and observer."""
+        return {"analyzer": self.analyze, "state_providers": {"kv": self.view},
+                "observers": [self.observe]}
+
+    # ---- profiles and calibration -------------------------------------------------------------
+
+    def profile(self, replica: str) -> ReplicaProfile:
+        p = self._profiles.get(replica)
+        if p is None:
+            p = load_profile(self.cfg.profiles.get(replica, self.cfg.profile))
+            self._profiles[replica] = p
+            if self.approx.capacity(replica) == 0:
+                self.approx.set_capacity(replica, p.gpu_kv_blocks)
+        return p
+
+    def calibration(self, replica: str) -> Calibration:
+        c = self.calibrators.get(replica)
+        return c.current() if c is not None else Calibration()
+
+    # ---- the analyzer: tokens + block keys ----------------------------------------------------
+
+    def analyze(self, ctx: Any) -> None:
+        """Fill ``ctx.block_keys`` and ``ctx.extra['kv_prompt_tokens']`` from the body."""
+        self._calls += 1
+        if self._calls % 256 == 0:
+            self.sweep()
+        ident = ctx.identity
+        fp = self.sessions.get(ident.key)
+        if fp is None:
+            fp = self.sessions[ident.key] = SessionFootprint(ident.key, parent=ident.parent)
+        if self.tokens is None:
+            return
+        body = ctx.body
+        route = ctx.route
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        try:
+            if "messages" in body and route != "/v1/messages":
+                text = self.tokenizer.render(  # type: ignore[union-attr]
+                    body["messages"], tools=body.get("tools"),
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                    continue_final_message=bool(body.get("continue_final_message", False)),
+                    chat_template_kwargs=body.get("chat_template_kwargs"))
+                special = bool(body.get("add_special_tokens", False))
+            elif route == "/v1/messages":
+                text = self.tokenizer.render(_text_of_anthropic(body))  # type: ignore[union-attr]
+                special = False
+                ctx.extra["kv_approximate_tokens"] = True
+            elif isinstance(body.get("prompt"), str):
+                text, special = body["prompt"], True
+            else:
+                return
+        except ChatTemplateError as e:
+            log.debug("kv: cannot render %s: %s", ctx.request_id, e)
+            return
+        p = self.tokens.prompt(text, session=ident.key, add_special_tokens=special,
+                               cache_salt=salt)
+        ctx.block_keys = p.keys
+        ctx.extra["kv_prompt_tokens"] = p.n_tokens
+        ctx.extra["kv_reused_tokens"] = p.reused_tokens
+        if fp.tokens:
+            fp.turn_tokens = max(p.n_tokens - fp.tokens, 0)
+        fp.inflight += 1
+        if ident.parent and ident.parent in self.sessions:
+            self.sessions[ident.parent].children_inflight += 1
+        ctx.extra["kv_counted"] = True
+
+    # ---- the observer: what happened ----------------------------------------------------------
+
+    def observe(self, ctx: Any, outcome: Mapping[str, Any]) -> None:
+        replica = outcome.get("replica")
+        now = self.clock()
+        ident = ctx.identity
+        fp = self.sessions.get(ident.key)
+        if ctx.extra.pop("kv_counted", False):
+            if fp is not None:
+                fp.inflight = max(fp.inflight - 1, 0)
+            parent = self.sessions.get(ident.parent) if ident.parent else None
+            if parent is not None:
+                parent.children_inflight = max(parent.children_inflight - 1, 0)
+        if replica is None or fp is None:
+            return
+        keys = ctx.block_keys or []
+        n_tok = int(ctx.extra.get("kv_prompt_tokens") or len(keys) * self.cfg.block_size)
+        usage = usage_from_tail(outcome.get("tail") or b"")
+        out_tokens = None
+        if usage is not None:
+            out_tokens = usage.get("completion_tokens") or usage.get("output_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                ctx.extra["kv_cached_tokens"] = int(details["cached_tokens"])
+        elif outcome.get("events"):
+            out_tokens = max(int(outcome["events"]) - 2, 0) or None  # SSE chunks ~ tokens
+        if keys:
+            # routing history (approximate mode, and the SGLang-style baseline's tree)
+            self.profile(replica)
+            self.approx.record(replica, keys)
+            predicted = ctx.extra.get("kv_cost", {}).get(replica)
+            depth = predicted["match_blocks"] if predicted else 0
+            self.stats.setdefault(replica, ReplicaStat()).add(
+                max(n_tok - depth * self.cfg.block_size, 0), n_tok)
+            ttft = outcome.get("ttft_s")
+            if predicted and ttft and outcome.get("status") == "200":
+                modelled = (predicted.get("queue_s") or 0.0) + predicted["fetch_or_recompute_s"]
+                self.calibrators.setdefault(replica, Calibrator()).observe_ttft(modelled, ttft)
+        if fp.last_end is not None and fp.inflight == 0:
+            start = now - float(outcome.get("duration_s") or 0.0)
+            fp.gaps = [*fp.gaps[-19:], max(start - fp.last_end, 0.0)]
+        fp.replica = replica
+        fp.tokens = n_tok + (out_tokens or 0)
+        if out_tokens:
+            fp.outputs = [*fp.outputs[-19:], out_tokens]
+        fp.last_end = now
+        if ident.final:
+            self.release(ident.key)
+
+    def release(self, key: str) -> None:
+        """A session ended: forget its footprint and its incremental-tokenizer state."""
+        self.sessions.pop(key, None)
+        if self.tokens is not None:
+            self.tokens.forget(key)
+
+    def sweep(self) -> None:
+        now = self.clock()
+        ttl = self.cfg.session_idle_ttl_s
+        for k in [k for k, s in self.sessions.items()
+                  if s.inflight == 0 and s.last_end is not None and now - s.last_end > ttl]:
+            self.release(k)
+
+    # ---- the read-only view -------------------------------------------------------------------
+
+    def view(self) -> KVView:
+        return KVView(self)
+
+
+class KVView:
+    """What KV-aware scorers may read (no mutation): matches, profiles, footprints."""
+
+    def __init__(self, st: KVState):
+        self._st = st
+        self.index: BlockIndexView = st.index.view()
+        self.now = st.clock()
+        self.block_size = st.cfg.block_size
+        self.expected_output_tokens = st.cfg.expected_output_tokens
+
+    def source(self, replica: str) -> str:
+        """``"events"`` when the index is fresh for ``replica``, else ``"approx"``."""
+        s = self._st.index.state(replica)
+        return "events" if s is not None and not s.stale else "approx"
+
+    def match(self, keys: list[int], replicas: list[str]) -> dict[str, TierDepth]:
+        fresh = [r for r in replicas if self.source(r) == "events"]
+        rest = [r for r in replicas if r not in fresh]
+        out = self._st.index.match(keys, fresh) if fresh else {}
+        if rest:
+            out.update(self._st.approx.match(keys, rest))
+        return out
+
+    def approx_match(self, keys: list[int], replicas: list[str]) -> dict[str, TierDepth]:
+        """Approximate mode only (routing history), whatever the event streams say."""
+        return self._st.approx.match(keys, replicas)
+
+    def approx_blocks(self, replica: str) -> int:
+        return self._st.approx.blocks(replica)
+
+    def profile(self, replica: str) -> ReplicaProfile:
+        return self._st.profile(replica)
+
+    def calibration(self, replica: str) -> Calibration:
+        return self._st.calibration(replica)
+
+    def gpu_blocks_used(self, replica: str) -> int | None:
+        if self.source(replica) == "events":
+            return self.index.blocks(replica)["GPU"]
+        return self._st.approx.blocks(replica) if self._st.approx.capacity(replica) else None
+
+    def replica_stat(self, replica: str) -> ReplicaStat | None:
+        return self._st.stats.get(replica)
+
+    def session(self, key: str) -> SessionFootprint | None:
+        return self._st.sessions.get(key)
+
+    def warm_and_reserved(self, replica: str, exclude: str | None
+                          ) -> tuple[list[WarmSession], list[Reservation]]:
+        """Sessions whose KV sits on ``replica`` (evictable or pinned) and paced agents
+        between calls that will come back to it."""
+        warm: list[WarmSession] = []
+        res: list[Reservation] = []
+        for s in self._st.sessions.values():
+            if s.replica != replica or s.key == exclude or not s.tokens:
+                continue
+            idle = 0.0 if s.last_end is None else max(self.now - s.last_end, 0.0)
+            gap = s.mean_gap()
+            p = p_return_after(idle, gap, s.final)
+            pinned = s.inflight > 0 or s.children_inflight > 0
+            warm.append(WarmSession(s.key, s.tokens, idle, p, pinned))
+            if s.inflight == 0 and not s.final and p > 0:
+                expect = max((gap if gap is not None else 18.0) - idle, 0.0)
+                res.append(Reservation(s.key, expect, max(s.turn_tokens, 1), s.tokens, p))
+        return warm, res

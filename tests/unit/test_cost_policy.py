@@ -1,0 +1,185 @@
+"""kv_cost and the peers' KV policies: tables of cases over fake endpoints and a real KVState."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodel.profiles import load_profile
+from router.replicas import EndpointView
+from router.scheduling import RequestContext, Snapshot
+from router.scheduling.kv_cost import KVCost
+from router.scheduling.kv_peers import KVPrefix, KVQueue, SGLangTree
+from router.scheduling.kv_state import KVConfig, KVState, ReplicaStat, SessionFootprint
+from router.scheduling.registry import build_pipeline
+from router.sessions import SessionIdentity
+from router.state import SessionRecord
+
+PROF = load_profile("h200-70b-fp8-offload")
+BS = PROF.block_size
+N = 2000  # prompt blocks (128k tokens)
+KEYS = list(range(1_000_000, 1_000_000 + N))
+
+
+def ep(name, inflight=0, running=0.0, waiting=0.0, kv=0.1):
+    return EndpointView(name, name, True, frozenset({"m"}), inflight, running, waiting, kv,
+                        "closed")
+
+
+def ctx_for(session="s", parent=None, keys=KEYS, final=False):
+    ident = SessionIdentity("t", session, parent, None, final, "test")
+    c = RequestContext("r1", "/v1/chat/completions", "m", ident, {"max_tokens": 300})
+    c.block_keys = list(keys)
+    c.extra["kv_prompt_tokens"] = len(keys) * BS
+    return c
+
+
+def state(now=1000.0):
+    st = KVState(KVConfig(block_size=BS, profile="h200-70b-fp8-offload"), clock=lambda: now)
+    for r in ("A", "B"):
+        st.index.add_replica(r)
+    return st
+
+
+def snap(st, eps, sticky=None, session="s"):
+    rec = SessionRecord(f"t/{session}", "t", replica=sticky) if sticky else None
+    return Snapshot(tuple(eps), rec, 0, {"kv": st.view()})
+
+
+def pick(st, eps, ctx, sticky=None, scorer=None):
+    scorer = scorer or KVCost()
+    s = scorer.score(ctx, snap(st, eps, sticky, ctx.identity.session), list(eps))
+    return max(s, key=s.get), s
+
+
+def test_blocks_on_gpu_win():
+    st = state()
+    st.index.store("A", KEYS)
+    winner, s = pick(st, [ep("A"), ep("B")], ctx := ctx_for())
+    assert winner == "A" and s["B"] < 0.2
+    assert ctx.extra["kv_cost"]["A"]["tiers"] == {"gpu": N, "cpu": 0, "storage": 0}
+    assert ctx.extra["kv_cost"]["A"]["source"] == "events"
+
+
+def test_dram_blocks_win_when_cheaper_than_recompute_and_lose_when_saturated():
+    st = state()
+    st.index.store("A", KEYS, "CPU")
+    winner, _ = pick(st, [ep("A"), ep("B")], ctx := ctx_for())
+    assert winner == "A"
+    a = ctx.extra["kv_cost"]["A"]
+    assert a["chose"] == {"cpu": "load"} and a["load_s"]["cpu"] < 1.0
+    # A saturated: 12 calls of ~100k uncached tokens waiting in its queue
+    st.stats["A"] = ReplicaStat(uncached_ewma=100_000, context_ewma=120_000, calls=10)
+    st.stats["B"] = ReplicaStat(uncached_ewma=2_000, context_ewma=100_000, calls=10)
+    winner, _ = pick(st, [ep("A", inflight=12, running=0, waiting=12), ep("B")], ctx := ctx_for())
+    assert winner == "B"
+    assert ctx.extra["kv_cost"]["A"]["queue_s"] > ctx.extra["kv_cost"]["B"]["total_s"]
+
+
+@pytest.mark.parametrize(("b_share", "expect"), [(0.9, "B"), (0.2, "A")])
+def test_session_prior_with_hysteresis(b_share, expect):
+    """The session lives on B. A holds the whole prompt on GPU; B holds ``b_share`` of it.
+    The session stays on B while B is close enough and moves when A is far cheaper."""
+    st = state()
+    st.index.store("A", KEYS)
+    st.index.store("B", KEYS[: int(N * b_share)])
+    winner, _ = pick(st, [ep("A"), ep("B")], ctx_for(), sticky="B",
+                     scorer=KVCost(hysteresis_s=0.25, hysteresis_frac=0.5))
+    assert winner == expect
+
+
+def test_eviction_harm_keeps_a_new_session_off_a_full_replica():
+    st = state()
+    full = PROF.gpu_kv_blocks
+    other = list(range(5_000_000, 5_000_000 + full))
+    st.index.store("A", other)  # A's GPU is full of another session's KV ...
+    st.sessions["t/other"] = SessionFootprint("t/other", "A", tokens=full * BS, last_end=995.0,
+                                              gaps=[18.0])  # ... which will be back soon
+    st.index.store("B", list(range(9_000_000, 9_000_000 + 100)))
+    winner, _ = pick(st, [ep("A"), ep("B")], ctx := ctx_for(session="new"))
+    assert winner == "B"
+    a = ctx.extra["kv_cost"]["A"]
+    # with a host tier the evicted tail is reloaded (not recomputed): harm is the reload time
+    assert a["eviction_harm_s"] > 0.1 and "t/other" in a["evicted_blocks"]
+    assert a["reserved_s"] > 0  # the paced agent's next call is expected during this one
+
+
+def test_parent_waiting_on_children_is_pinned():
+    st = state()
+    full = PROF.gpu_kv_blocks
+    st.index.store("A", list(range(5_000_000, 5_000_000 + full)))
+    st.sessions["t/parent"] = SessionFootprint("t/parent", "A", tokens=full * BS, last_end=999.0,
+                                               children_inflight=2)
+    c = ctx_for(session="child", parent="t/parent")
+    pick(st, [ep("A"), ep("B")], c)
+    assert c.extra["kv_cost"]["A"]["eviction_harm_s"] == 0.0  # pinned: not evictable
+    assert "evicted_blocks" not in c.extra["kv_cost"]["A"]
+
+
+def test_stale_replica_falls_back_to_approximate_mode():
+    st = state()
+    st.index.store("A", KEYS)  # what events said before the gap: no longer trusted
+    st.index.mark_stale("A", "seq gap")
+    st.approx.set_capacity("A", 10_000)
+    st.approx.record("A", KEYS[:1500])  # what the router itself sent there
+    winner, _ = pick(st, [ep("A"), ep("B")], ctx := ctx_for())
+    a = ctx.extra["kv_cost"]["A"]
+    assert winner == "A" and a["source"] == "approx" and a["match_blocks"] == 1500
+    assert ctx.extra["kv_cost"]["B"]["source"] == "events"
+
+
+def test_without_the_kv_layer_it_degrades_to_affinity_and_load():
+    c = ctx_for()
+    s = KVCost().score(c, Snapshot((ep("A", inflight=3), ep("B")), None, 0, {}),
+                       [ep("A", inflight=3), ep("B")])
+    assert s["B"] > s["A"]
+    rec = SessionRecord("t/s", "t", replica="A")
+    s = KVCost().score(c, Snapshot((ep("A", inflight=3), ep("B")), rec, 0, {}),
+                       [ep("A", inflight=3), ep("B")])
+    assert max(s, key=s.get) == "A"
+
+
+def test_explain_names_every_term_through_the_pipeline():
+    st = state()
+    st.index.store("A", KEYS[:10], "STORAGE")
+    pipe = build_pipeline("kv_cost")
+    c = ctx_for()
+    d = pipe.schedule(c, snap(st, [ep("A"), ep("B")]), explain=True)
+    assert d.explain["policy"] == "kv_cost"
+    for r in ("A", "B"):
+        terms = c.extra["kv_cost"][r]
+        assert {"queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s", "reserved_s",
+                "total_s", "missing", "session_prior_s"} <= set(terms)
+
+
+@pytest.mark.parametrize(("waiting", "expect"), [((0, 0), {"A": 1.0, "B": 1.0}),
+                                                 ((4, 0), {"A": 0.0, "B": 1.0}),
+                                                 ((2, 4), {"A": 1.0, "B": 0.0})])
+def test_llmd_queue_scorer(waiting, expect):
+    eps = [ep("A", waiting=waiting[0]), ep("B", waiting=waiting[1])]
+    assert KVQueue().score(ctx_for(), snap(state(), eps), eps) == expect
+
+
+def test_llmd_prefix_scorer_and_policy():
+    st = state()
+    st.index.store("A", KEYS[: N // 4])
+    st.index.store("B", KEYS[: N // 2])
+    eps = [ep("A"), ep("B")]
+    assert KVPrefix().score(ctx_for(), snap(st, eps), eps) == {"A": 0.25, "B": 0.5}
+    d = build_pipeline("llmd").schedule(ctx_for(), snap(st, eps))
+    assert d.endpoint.name == "B"
+
+
+@pytest.mark.parametrize(("loads", "history", "expect"), [
+    ((0, 40), {}, "A"),                       # imbalanced: least loaded wins
+    ((1, 0), {"A": N}, "A"),                  # balanced, A's tree matches: cache wins
+    ((0, 1), {"A": 10, "B": 50}, "A"),        # low match everywhere: smallest tree wins
+])
+def test_sglang_tree_rules(loads, history, expect):
+    st = state()
+    other = list(range(7_000_000, 7_000_000 + 1000))
+    for r, n in history.items():
+        st.approx.set_capacity(r, 100_000)
+        st.approx.record(r, KEYS[:n] if n == N else other[:n])
+    eps = [ep("A", inflight=loads[0]), ep("B", inflight=loads[1])]
+    s = SGLangTree().score(ctx_for(), snap(st, eps), eps)
+    assert max(s, key=s.get) == expect
