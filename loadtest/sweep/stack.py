@@ -142,6 +142,7 @@ class Router:
     workdir: Path
     kv_events: str | None = None
     port: int = 0
+    extra_args: list[str] = field(default_factory=list)  # appended to the router's argv
     _proc: ManagedProcess | None = None
 
     @property
@@ -181,6 +182,7 @@ class Router:
 
     def start(self, timeout_s: float = 60.0) -> Router:
         argv, health = self.argv()
+        argv += self.extra_args
         env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
         log = self.workdir / f"router-{self.name.replace(':', '-')}-{self.port}.log"
         self._proc = ManagedProcess(argv, env, log, Path.cwd())
