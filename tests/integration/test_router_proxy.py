@@ -449,3 +449,41 @@ def _register_index_reader() -> None:
 
 
 _register_index_reader()
+
+
+async def test_open_breaker_lets_a_half_open_probe_through_after_cooldown(fakes, router, http):
+    a, b = await fakes(2)
+    url, app = await router([a.url, b.url], policy="round_robin", breaker_failures=1,
+                            breaker_cooldown_s=3600)  # fmt: skip
+    a.fail_status = 503
+    for _ in range(4):
+        async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+    brk = app[REPLICAS].get(a.url).breaker  # type: ignore[union-attr]
+    assert brk.state == "open" and len(a.seen) == 1  # no traffic while open
+    a.fail_status = None  # the replica recovers; pretend the cooldown has passed
+    brk.opened_at -= 7200
+    for _ in range(4):
+        async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+    assert brk.state == "closed" and len(a.seen) >= 2  # the probe succeeded: traffic is back
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert f'kvroute_breaker_state{{replica="{a.url}"}} 0.0' in text
+    assert "kvroute_ttft_seconds_count" in text and "kvroute_tpot_seconds_count" in text
+
+
+async def test_responses_and_messages_routes_proxy_non_streaming(fakes, router, http):
+    (f,) = await fakes(1)
+    url, _ = await router([f.url], admin_key="adm")
+    for path, body in [
+        ("/v1/responses", {"model": "tiny", "input": "hi"}),
+        ("/v1/messages", {"model": "tiny", "max_tokens": 4, "system": "s", "messages": []}),
+    ]:
+        async with http.post(url + path, json=body) as r:
+            assert r.status == 200 and (await r.json())["replica"] == f.name
+        assert f.seen[-1].path == path
+    async with http.get(url + "/admin/replicas", headers={"X-Admin-Key": "adm"}) as r:
+        (rep,) = await r.json()
+    assert rep["url"] == f.url and rep["healthy"] and rep["models"] == ["tiny"]
+    assert rep["breaker"] == "closed" and rep["inflight"] == 0
