@@ -262,8 +262,10 @@ class TwinReplica:
     def _output_token(self, req: Request, i: int) -> int:
         return self.tokenizer.plain_token(zlib.crc32(f"{req.id}/{i}".encode()))
 
-    def submit(self, req: Request) -> _Stream:
-        st = _Stream(req, t_arrival=time.monotonic())
+    def submit(self, req: Request, t_arrival: float | None = None) -> _Stream:
+        """Hand ``req`` to the engine; ``t_arrival`` (monotonic) is when the HTTP request came
+        in, so TTFT in /metrics includes the API overhead, as vLLM's does."""
+        st = _Stream(req, t_arrival=time.monotonic() if t_arrival is None else t_arrival)
         self.engine.add(req)
         self.streams[req.id] = st
         self._wake.set()
@@ -413,6 +415,7 @@ def _usage(req: Request) -> dict[str, Any]:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     twin = request.app[APP_TWIN]
+    t_arrival = time.monotonic()
     try:
         body = await _json_body(request)
         model = _check_model(twin, body)
@@ -433,7 +436,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         overhead = twin.profile.request_overhead_s / twin.speedup
         if overhead > 0:
             await asyncio.sleep(overhead)
-        st = twin.submit(req)
+        st = twin.submit(req, t_arrival)
         if stream:
             return await _stream(request, twin, st, chat, rid, model, created, include_usage)
         toks: list[int] = []
@@ -443,7 +446,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length",
                                   "stop_reason": None}  # fmt: skip
         if chat:
-            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None,
+                                 "annotations": None, "audio": None, "function_call": None,
+                                 "reasoning": None}  # fmt: skip
         else:
             choice["text"] = text
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion",
