@@ -5,7 +5,8 @@ concurrency (1, 32), path; throughput (req/s), median and p90 latency, the proxy
 CPU per request (user+sys from ``/proc/<pid>/stat``) and ratios against direct and against
 sglang-router measured in the same run. The backend is a small aiohttp server in its own
 process that reads the whole body and streams 8 SSE events back; the load generator is this
-process. All three share this machine's cores, so read the ratios, not absolute numbers.
+process. All three share this machine's cores, so read the ratios, not absolute numbers; the
+paths take turns over three rounds per case and each row is the median round.
 
 sglang-router (PyPI ``sglang-router``, Rust) comes from ``scripts/setup_peers.sh`` (a venv
 under ``$KVROUTE_CACHE``); when it is missing its rows say so instead of failing the run.
@@ -213,17 +214,27 @@ async def _load(
 def _body(size: int, stream: bool = True) -> bytes:
     import orjson
 
-    base = {
+    system: dict[str, str] = {"role": "system", "content": ""}
+    base: dict[str, Any] = {
         "stream": stream,
         "model": "tiny",
         "max_tokens": 8,
-        "messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hello"}],
+        "messages": [system, {"role": "user", "content": "hello"}],
     }
     pad = size - len(orjson.dumps(base))
-    base["messages"][0]["content"] = ("lorem ipsum dolor sit amet " * (pad // 27 + 1))[:pad]
+    system["content"] = ("lorem ipsum dolor sit amet " * (pad // 27 + 1))[:pad]
     out = orjson.dumps(base)
     assert abs(len(out) - size) <= 1
     return out
+
+
+ROUNDS = 3
+
+
+def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The round with the median throughput; errors and n summed over all rounds."""
+    med = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
+    return {**med, "errors": sum(r["errors"] for r in runs), "n": sum(r["n"] for r in runs)}
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
@@ -310,9 +321,13 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         ]:
             body = _body(size, stream=mode == "sse")
             n = (150 if conc == 1 else 600) if quick else (400 if conc == 1 else 2000)
-            case: dict[str, dict[str, Any]] = {}
-            for name, (url, pid) in paths.items():
-                case[name] = asyncio.run(_load(url, body, conc, n, pid))
+            # Paths take turns for ROUNDS rounds (n/ROUNDS calls each) and report the median
+            # round, so load from other processes on this shared machine hits all of them alike.
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+            for _ in range(ROUNDS):
+                for name, (url, pid) in paths.items():
+                    runs[name].append(asyncio.run(_load(url, body, conc, n // ROUNDS, pid)))
+            case = {name: _median_run(rs) for name, rs in runs.items()}
             for name, res in case.items():
                 row: dict[str, Any] = {
                     "name": f"{mode}_{size // 1000}KB_c{conc}_{name}",
