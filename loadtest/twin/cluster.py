@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from costmodel.profiles import ReplicaProfile, load_profile
-from loadtest.twin.server import TwinConfig, TwinReplica, runner_port, serve
+from loadtest.twin.server import TwinConfig, TwinReplica, publisher_binds, runner_port, serve
 from loadtest.twin.tokenize import ModelTokenizer
 
 
@@ -37,6 +37,12 @@ class Cluster:
     @property
     def topics(self) -> list[str]:
         return [r.topic for r in self.replicas]
+
+    @property
+    def event_endpoints(self) -> list[str | None]:
+        """Where each replica publishes: the shared endpoint it connects to, or the address
+        it bound (``tcp://127.0.0.1:*`` gives every replica its own port)."""
+        return [r.publisher.endpoint if r.publisher else None for r in self.replicas]
 
     @property
     def names(self) -> list[str]:
@@ -65,16 +71,18 @@ async def start_cluster(
     """Start ``n`` twins (ports ``base_port + i``, or free ports when ``base_port`` is 0).
 
     ``kv_events``: the ZMQ endpoint every replica publishes to. With ``tcp://HOST:PORT`` the
-    replicas connect (a subscriber binds it, as with vLLM); a binding endpoint (``*``/``::``)
-    is only possible for one replica. ``int_hashes=False`` publishes 32-byte digests, as vLLM
-    does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``.
+    replicas connect (a subscriber binds it, as with vLLM); with ``tcp://127.0.0.1:*`` each
+    replica binds its own free port (see :attr:`Cluster.event_endpoints`), for subscribers
+    that connect to one publisher per worker. ``int_hashes=False`` publishes 32-byte
+    digests, as vLLM does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``.
     """
     if n < 1:
         raise ValueError("a cluster needs at least one replica")
-    if kv_events and n > 1 and ("*" in kv_events or "::" in kv_events):
+    if kv_events and n > 1 and publisher_binds(kv_events) and not kv_events.endswith(":*"):
         raise ValueError(
-            "n replicas cannot all bind one endpoint; let a subscriber bind and "
-            "give its address (the replicas connect)"
+            "n replicas cannot all bind one endpoint: let a subscriber bind and give its "
+            "address (the replicas connect), or bind each replica to its own port with "
+            "tcp://127.0.0.1:*"
         )
     prof = load_profile(profile) if isinstance(profile, str) else profile
     if model_dir is None:

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-events",
         default=None,
         metavar="ENDPOINT",
-        help="ZMQ endpoint the replicas connect to (a subscriber binds it)",
+        help="ZMQ endpoint the replicas connect to (a subscriber binds it); "
+        "tcp://127.0.0.1:* makes each replica bind its own port (printed)",
     )
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--name-prefix", default="twin")
@@ -46,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         ) as c:
             for name, url in zip(c.names, c.urls, strict=True):
                 print(f"{name} {url}", flush=True)
+            if args.kv_events:
+                for name, topic, ep in zip(c.names, c.topics, c.event_endpoints, strict=True):
+                    print(f"kv-events {name} {topic} {ep}", flush=True)
             await asyncio.Event().wait()
 
     try:

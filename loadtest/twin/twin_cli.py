@@ -70,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
             f"http://{args.host}:{runner_port(runner)}",
             flush=True,
         )
+        if twin.publisher is not None:
+            print(f"kv-events {twin.topic} {twin.publisher.endpoint}", flush=True)
         try:
             await asyncio.Event().wait()
         finally:

@@ -235,28 +235,39 @@ async def test_kv_events_carry_vllm_hashes_in_order_and_reset_clears(cluster, ht
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-async def test_publisher_binds_when_the_endpoint_has_a_wildcard(http, tok):
+async def test_each_replica_binds_its_own_port_with_a_wildcard_endpoint(http, tok):
     import zmq
     import zmq.asyncio
 
-    async with start_cluster(1, "cpu-tiny", kv_events="tcp://127.0.0.1:*") as c:
+    async with start_cluster(2, "cpu-tiny", kv_events="tcp://127.0.0.1:*") as c:
+        eps = c.event_endpoints
+        assert len(set(eps)) == 2 and all(e.startswith("tcp://127.0.0.1:") for e in eps)
         ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(c.replicas[0].publisher.endpoint)
+        for ep in eps:  # a subscriber that connects to one publisher per worker
+            sub.connect(ep)
         try:
-            # a SUB that connects late misses earlier messages: retry until one arrives
-            got = None
+            # a SUB that connects late misses earlier messages: retry until both arrive
+            topics: set[str] = set()
             for i in range(50):
-                await complete(http, c.urls[0], text(100, 100 + i), max_tokens=1)
-                if await sub.poll(100):
+                for url in c.urls:
+                    await complete(http, url, text(100, 100 + i), max_tokens=1)
+                while await sub.poll(100):
                     got = decode_message(await sub.recv_multipart())
+                    assert any(isinstance(e, BlockStored) for e in got.events)
+                    topics.add(got.topic)
+                if len(topics) == 2:
                     break
-            assert got is not None and got.topic == "kv@twin-0"
-            assert any(isinstance(e, BlockStored) for e in got.events)
+            assert topics == {"kv@twin-0", "kv@twin-1"}
         finally:
             sub.close(0)
             ctx.term()
+    with pytest.raises(ValueError, match="cannot all bind"):
+        async with start_cluster(
+            2, "cpu-tiny", kv_events="tcp://127.0.0.1:5999".replace("127.0.0.1", "*")
+        ):
+            pass
 
 
 async def test_speedup_compresses_time_and_scales_back_to_model_time(http):
