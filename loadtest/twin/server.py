@@ -337,9 +337,14 @@ def _prompt_ids(twin: TwinReplica, body: dict[str, Any], chat: bool) -> list[int
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise _bad("messages must be a non-empty list", "messages")
+        kwargs = body.get("chat_template_kwargs")
         try:
             return tk.encode_chat(
-                msgs, body.get("tools"), bool(body.get("add_generation_prompt", True))
+                msgs,
+                body.get("tools"),
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+                chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
             )
         except TemplateError as e:
             raise _bad(str(e), "messages") from e
