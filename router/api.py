@@ -127,6 +127,10 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_models(request: web.Request) -> web.Response:
+    try:
+        _tenant(request, "/v1/models")
+    except _Reject as r:
+        return r.response
     seen: dict[str, dict[str, Any]] = {}
     for r in request.app[REPLICAS]:
         if r.healthy:
@@ -170,8 +174,8 @@ def _admin(request: web.Request) -> None:
                                      "not_found"))  # fmt: skip
     given = request.headers.get("x-admin-key", "")
     auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        given = auth[7:].strip()
+    if not given and auth[:7].lower() == "bearer ":  # X-Admin-Key wins: Authorization may
+        given = auth[7:].strip()  # carry the client key of the request being explained
     if not hmac.compare_digest(given.encode(), key.encode()):
         raise _Reject(error_response("/admin", 401, "invalid admin key", "authentication_error"))
 

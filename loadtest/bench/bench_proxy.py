@@ -8,7 +8,7 @@ process that reads the whole body and streams 8 SSE events back; the load genera
 process. All three share this machine's cores, so read the ratios, not absolute numbers; the
 paths take turns over three rounds per case and each row is the median round.
 
-sglang-router (PyPI ``sglang-router``, Rust) comes from ``scripts/setup_peers.sh`` (a venv
+sglang-router (PyPI ``sglang-router``, Rust) comes from ``make bench-peers`` (a venv
 under ``$KVROUTE_CACHE``); when it is missing its rows say so instead of failing the run.
 Both routers run ``round_robin`` over the one backend; kvroute also runs its default
 ``session_affinity`` policy (a session table write per call).
@@ -312,9 +312,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 tail = (work / "sglang-router.log").read_text(errors="replace")[-800:]
                 rows.append({"name": "sglang-router", "error": f"{e}: {tail}"})
         else:
-            rows.append(
-                {"name": "sglang-router", "error": "not installed: run scripts/setup_peers.sh"}
-            )
+            rows.append({"name": "sglang-router", "error": "not installed: run `make bench-peers`"})
 
         for mode, size, conc in [
             (m, s, c) for m in ("sse", "json") for s in (2_000, 200_000) for c in (1, 32)

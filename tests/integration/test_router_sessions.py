@@ -88,6 +88,15 @@ async def test_tenants_with_the_same_session_id_never_collide(fakes, router, htt
     assert {"alpha/shared", "beta/shared"} <= keys
     async with http.get(url + "/admin/sessions") as r:
         assert r.status == 401
+    async with http.get(url + "/v1/models") as r:
+        assert r.status == 401
+    # explaining a tenant's call: client key in Authorization, admin key in X-Admin-Key
+    async with http.post(
+        url + "/admin/route?explain=1",
+        json={"model": "tiny", "messages": []},
+        headers={"Authorization": "Bearer key-b", "X-Admin-Key": "adm", "x-session-id": "shared"},
+    ) as r:
+        assert r.status == 200 and (await r.json())["identity"]["key"] == "beta/shared"
 
 
 async def test_lineage_and_timing_are_recorded(fakes, router, http):
