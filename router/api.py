@@ -129,8 +129,8 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
 async def handle_models(request: web.Request) -> web.Response:
     try:
         _tenant(request, "/v1/models")
-    except _Reject as r:
-        return r.response
+    except _Reject as rej:
+        return rej.response
     seen: dict[str, dict[str, Any]] = {}
     for r in request.app[REPLICAS]:
         if r.healthy:

@@ -46,6 +46,7 @@ HOP_BY_HOP = frozenset({
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })  # fmt: skip
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+BUFFERED_MAX = 4 << 20  # sized non-SSE responses up to this are read whole, then sent
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
@@ -248,6 +249,9 @@ async def _stream_from(
             replica.breaker.on_failure()
         else:
             replica.breaker.on_success()
+        if resp.content_length is not None and resp.content_length <= BUFFERED_MAX:
+            # a sized, non-streaming body: one read, one write (cheaper than chunk streaming)
+            return await _buffered(request, ctx, resp, replica.name, t0, route_label)
         out = web.StreamResponse(
             status=resp.status,
             reason=resp.reason,
@@ -309,6 +313,41 @@ async def _stream_from(
         return out
     finally:
         resp.release()
+
+
+async def _buffered(
+    request: web.Request,
+    ctx: RequestContext,
+    resp: aiohttp.ClientResponse,
+    name: str,
+    t0: float,
+    route_label: str,
+) -> web.StreamResponse:
+    app = request.app
+    metrics = app[METRICS]
+    try:
+        body = await resp.read()
+    except UPSTREAM_ERRORS as e:
+        resp.close()
+        log.warning("request %s: replica %s failed mid-body: %r", ctx.request_id, name, e)
+        metrics.requests.labels(route_label, name, "upstream_error").inc()
+        return error_response(
+            ctx.route,
+            502,
+            f"replica failed mid-response: {type(e).__name__}",
+            "upstream_error",
+            headers={"X-Request-Id": ctx.request_id},
+        )
+    first = time.perf_counter()
+    metrics.ttft.labels(name).observe(first - t0)
+    headers = response_headers(resp.headers, ctx.request_id)
+    headers.popall("Content-Length", None)
+    out = web.Response(status=resp.status, reason=resp.reason, body=body, headers=headers)
+    metrics.requests.labels(route_label, name, str(resp.status)).inc()
+    _observe(app, ctx, {"replica": name, "status": str(resp.status), "bytes": len(body),
+                        "events": 0, "ttft_s": first - t0, "duration_s": first - t0,
+                        "tail": body[-4096:]})  # fmt: skip
+    return out
 
 
 def _observe(app: web.Application, ctx: RequestContext, outcome: dict[str, Any]) -> None:
