@@ -18,6 +18,7 @@ Errors (unknown plugin, missing or negative weight, bad params) raise
 from __future__ import annotations
 
 import importlib
+import logging
 import pkgutil
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,6 +36,8 @@ _BUILTIN_MODULES = (
     "router.scheduling.prefix_hash",
 )
 _discovered = False
+IMPORT_ERRORS: dict[str, str] = {}  # optional plugin module -> why it failed to import
+log = logging.getLogger("kvroute.scheduling")
 
 
 def register(kind: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -62,17 +65,29 @@ def discover() -> None:
         importlib.import_module(m)
     import router.scheduling as pkg
 
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("kv_"):
-            importlib.import_module(f"router.scheduling.{info.name}")
-    try:
-        scorers = importlib.import_module("router.scheduling.scorers")
-    except ImportError:
-        scorers = None
+    optional = [f"router.scheduling.{i.name}" for i in pkgutil.iter_modules(pkg.__path__)
+                if i.name.startswith("kv_")]  # fmt: skip
+    scorers = _optional_import("router.scheduling.scorers")
     if scorers is not None and hasattr(scorers, "__path__"):
-        for info in pkgutil.walk_packages(scorers.__path__, "router.scheduling.scorers."):
-            importlib.import_module(info.name)
+        optional += [
+            i.name for i in pkgutil.iter_modules(scorers.__path__, "router.scheduling.scorers.")
+        ]
+    for name in optional:  # a broken optional plugin must not take the router down
+        _optional_import(name)
     _discovered = True
+
+
+def _optional_import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            return None
+        IMPORT_ERRORS[name] = repr(e)
+    except Exception as e:
+        IMPORT_ERRORS[name] = repr(e)
+    log.error("scheduling plugin module %s failed to import: %s", name, IMPORT_ERRORS[name])
+    return None
 
 
 def names(kind: str) -> list[str]:
@@ -88,7 +103,10 @@ def _make(kind: str, item: Any) -> tuple[Any, Mapping[str, Any]]:
     name = item["type"]
     factory = _TABLE[kind].get(name)
     if factory is None:
-        raise ConfigError(f"unknown {kind} {name!r}; known: {sorted(_TABLE[kind])}")
+        raise ConfigError(
+            f"unknown {kind} {name!r}; known: {sorted(_TABLE[kind])}"
+            + (f"; plugin import errors: {IMPORT_ERRORS}" if IMPORT_ERRORS else "")
+        )
     params = item.get("params") or {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{kind} {name}: params must be a mapping")
@@ -102,7 +120,10 @@ def policy_spec(name: str) -> dict[str, Any]:
     discover()
     f = _TABLE["policy"].get(name)
     if f is None:
-        raise ConfigError(f"unknown policy {name!r}; known: {sorted(_TABLE['policy'])}")
+        raise ConfigError(
+            f"unknown policy {name!r}; known: {sorted(_TABLE['policy'])}"
+            + (f"; plugin import errors: {IMPORT_ERRORS}" if IMPORT_ERRORS else "")
+        )
     return dict(f())
 
 

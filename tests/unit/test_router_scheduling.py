@@ -272,3 +272,17 @@ def test_docs_config_example_builds():
     block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     cfg = yaml.safe_load(block)
     assert build_pipeline(cfg["scheduling"]).name == "custom"
+
+
+def test_a_broken_optional_plugin_is_reported_not_fatal(tmp_path, monkeypatch):
+    from router.scheduling import registry
+
+    (tmp_path / "kvroute_broken_plugin.py").write_text("raise RuntimeError('half-written')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "IMPORT_ERRORS", {})
+    assert registry._optional_import("kvroute_broken_plugin") is None
+    assert registry._optional_import("kvroute_absent_plugin") is None  # absent: silent
+    assert list(registry.IMPORT_ERRORS) == ["kvroute_broken_plugin"]
+    with pytest.raises(ConfigError, match="half-written"):
+        build_pipeline({"scorers": [{"type": "from_the_broken_module", "weight": 1}]})
+    assert build_pipeline("least_load").name == "least_load"  # the rest still works
