@@ -66,6 +66,7 @@ async def start_cluster(
     name_prefix: str = "twin",
     max_model_len: int | None = None,
     int_hashes: bool = True,
+    enable_auto_tool_choice: bool = False,
     zmq_ctx: Any = None,
 ) -> AsyncIterator[Cluster]:
     """Start ``n`` twins (ports ``base_port + i``, or free ports when ``base_port`` is 0).
@@ -107,6 +108,7 @@ async def start_cluster(
                 kv_events_endpoint=kv_events,
                 max_model_len=max_model_len,
                 int_hashes=int_hashes,
+                enable_auto_tool_choice=enable_auto_tool_choice,
             )
             twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx)
             runner = await serve(twin, host, base_port + i if base_port else 0)

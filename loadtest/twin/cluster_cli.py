@@ -25,6 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--name-prefix", default="twin")
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accept tools with tool_choice auto/required (vLLM needs this flag and a parser)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             model_dir=args.model,
             served_model_name=args.served_model_name,
             name_prefix=args.name_prefix,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
         ) as c:
             for name, url in zip(c.names, c.urls, strict=True):
                 print(f"{name} {url}", flush=True)

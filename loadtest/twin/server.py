@@ -57,6 +57,10 @@ class TwinConfig:
     hash_seed: str | None = None  # the engine's PYTHONHASHSEED
     int_hashes: bool = True  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
     max_model_len: int | None = None  # default: the profile's
+    # vLLM's --enable-auto-tool-choice (with a --tool-call-parser): without it, a chat request
+    # with tools and tool_choice "auto" (the default when tools are given) or "required" is
+    # refused, as real vLLM refuses it. The twin never parses tool calls either way.
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not self.speedup > 0:
@@ -331,6 +335,26 @@ def _check_model(twin: TwinReplica, body: dict[str, Any]) -> str:
     return served
 
 
+def _check_tool_choice(twin: TwinReplica, body: dict[str, Any]) -> None:
+    """vLLM 0.32 without ``--enable-auto-tool-choice --tool-call-parser``: tools with
+    tool_choice "auto" (also when absent) or "required" are a 400; "none" and named
+    functions render the tools into the prompt."""
+    if not body.get("tools") or twin.cfg.enable_auto_tool_choice:
+        return
+    choice = body.get("tool_choice", "auto")
+    if choice is None or choice == "auto":
+        raise ApiError(
+            400,
+            '"auto" tool choice requires --enable-auto-tool-choice and '
+            "--tool-call-parser to be set",
+            "BadRequestError",
+        )
+    if choice == "required":
+        raise ApiError(
+            400, 'tool_choice="required" requires --tool-call-parser to be set', "BadRequestError"
+        )
+
+
 def _prompt_ids(twin: TwinReplica, body: dict[str, Any], chat: bool) -> list[int]:
     tk = twin.tokenizer
     if chat:
@@ -408,11 +432,22 @@ def _session_id(request: web.Request, body: dict[str, Any]) -> str | None:
     return str(sid) if sid is not None else None
 
 
-def _usage(req: Request) -> dict[str, Any]:
+def _usage(req: Request, block_size: int, chat: bool, stream: bool) -> dict[str, Any]:
+    """vLLM 0.32's usage: ``created_cache_tokens`` (prompt tokens this request newly wrote
+    into full cached blocks) is reported by the chat endpoint only; non-streaming responses
+    also carry ``multimodal_tokens: null`` (and completions ``created_cache_tokens: null``)."""
+    cached = req.cached_tokens or 0
+    details: dict[str, Any] = {"cached_tokens": cached}
+    if chat:
+        details["created_cache_tokens"] = max(0, req.prompt_len // block_size * block_size - cached)
+    elif not stream:
+        details["created_cache_tokens"] = None
+    if not stream:
+        details["multimodal_tokens"] = None
     return {"prompt_tokens": req.prompt_len,
             "total_tokens": req.prompt_len + req.num_output,
             "completion_tokens": req.num_output,
-            "prompt_tokens_details": {"cached_tokens": req.cached_tokens or 0}}  # fmt: skip
+            "prompt_tokens_details": details}  # fmt: skip
 
 
 # ---- handlers -------------------------------------------------------------------------------
@@ -424,6 +459,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         body = await _json_body(request)
         model = _check_model(twin, body)
+        if chat:
+            _check_tool_choice(twin, body)
         ids = _prompt_ids(twin, body, chat)
         max_tokens = _limits(twin, body, len(ids))
         if body.get("n", 1) != 1:
@@ -458,7 +495,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             choice["text"] = text
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": model, "choices": [choice],
-                "system_fingerprint": "kvroute-twin", "usage": _usage(req)}  # fmt: skip
+                "system_fingerprint": "kvroute-twin",
+                "usage": _usage(req, twin.profile.block_size, chat, stream=False)}  # fmt: skip
         return web.json_response(resp, dumps=_dumps, headers=_headers(twin))
     finally:
         twin.in_flight -= 1
@@ -532,7 +570,8 @@ async def _stream(
             c["stop_reason"] = None
         await resp.write(chunk([c]))
     if include_usage:
-        await resp.write(chunk([], usage=_usage(req), system_fingerprint="kvroute-twin"))
+        usage = _usage(req, twin.profile.block_size, chat, stream=True)
+        await resp.write(chunk([], usage=usage, system_fingerprint="kvroute-twin"))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

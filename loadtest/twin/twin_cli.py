@@ -31,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accept tools with tool_choice auto/required (vLLM needs this flag and a parser)",
+    )
+    p.add_argument(
         "--digest-hashes",
         action="store_true",
         help="publish 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
@@ -60,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         kv_events_topic=args.kv_events_topic,
         max_model_len=args.max_model_len,
         int_hashes=not args.digest_hashes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 
     async def main() -> None:

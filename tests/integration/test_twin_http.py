@@ -71,7 +71,11 @@ async def test_completion_usage_reports_cached_tokens_like_vllm(cluster, http, t
     again = await complete(http, url, p)
     assert first["object"] == "text_completion" and first["model"] == "tiny"
     assert first["usage"]["prompt_tokens"] == n and first["usage"]["completion_tokens"] == 2
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert first["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 0,
+        "created_cache_tokens": None,
+        "multimodal_tokens": None,
+    }
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 32 * 32
     other = await complete(http, cluster.urls[1], p)  # replicas do not share a cache
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -193,6 +197,49 @@ async def test_bad_input_gets_vllm_status_and_error_shape(
     err = r.json()["error"]
     assert (err["type"], err["param"], err["code"]) == (etype, param, status)
     assert err["message"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+
+
+@pytest.mark.parametrize(
+    ("choice", "status", "message"),
+    [
+        (
+            None,
+            400,
+            '"auto" tool choice requires --enable-auto-tool-choice and '
+            "--tool-call-parser to be set",
+        ),
+        (
+            "auto",
+            400,
+            '"auto" tool choice requires --enable-auto-tool-choice and '
+            "--tool-call-parser to be set",
+        ),
+        ("required", 400, 'tool_choice="required" requires --tool-call-parser to be set'),
+        ("none", 200, None),
+    ],
+)
+async def test_tool_choice_needs_auto_tool_choice_like_vllm(
+    cluster, http, tok, choice, status, message
+):
+    msgs = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "messages": msgs, "tools": TOOLS, "max_tokens": 1}
+    if choice is not None:
+        body["tool_choice"] = choice
+    r = await http.post(cluster.urls[0] + "/v1/chat/completions", json=body)
+    assert r.status_code == status
+    if message:
+        assert r.json()["error"] == {
+            "message": message,
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    else:  # the tools are rendered into the prompt
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode_chat(msgs, TOOLS))
+        assert len(tok.encode_chat(msgs, TOOLS)) > len(tok.encode_chat(msgs))
 
 
 async def test_too_long_prompt_message_matches_vllm(cluster, http):

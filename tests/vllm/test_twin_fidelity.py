@@ -152,6 +152,34 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
         n_twin_before = len(collector.snapshot(twin.topic))
         real = _run(client, replica.url, prompts)
         sim = _run(client, twin.url, prompts)
+        chat = {
+            "model": "tiny",
+            "max_tokens": 1,
+            "tool_choice": "none",  # "auto" (the default with tools) needs a tool parser
+            "messages": [
+                {"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": [{"type": "text", "text": prompts[0][:2000]}]},
+                {"role": "assistant", "content": "reading the file"},
+                {"role": "user", "content": "go on"},
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "read_file",
+                        "description": "read a file",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"path": {"type": "string"}},
+                        },
+                    },
+                }
+            ],
+        }
+        chat_usage = [
+            client.post(u + "/v1/chat/completions", json=chat).json()["usage"]
+            for u in (replica.url, twin.url)
+        ]
         real_metrics = client.get(replica.url + "/metrics").text
         twin_metrics = client.get(twin.url + "/metrics").text
         tokens = [
@@ -160,6 +188,8 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
             ]
             for p in prompts
         ]
+        tok_chat = {k: chat[k] for k in ("model", "messages", "tools")}
+        chat_tokens = client.post(replica.url + "/tokenize", json=tok_chat).json()["tokens"]
 
     # same tokenization, so the same prompt sizes
     assert [r[1] for r in real] == [s[1] for s in sim] == [len(t) for t in tokens]
@@ -170,9 +200,15 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
     )
     assert any(r[2] > 0 for r in real) and any(r[2] == 0 for r in real[1:])  # hits and misses
 
+    # a chat request with tools and content parts renders to the same tokens
+    assert chat_usage[0]["prompt_tokens"] == chat_usage[1]["prompt_tokens"] == len(chat_tokens)
+    assert chat_usage[0]["prompt_tokens_details"] == chat_usage[1]["prompt_tokens_details"], (
+        chat_usage
+    )  # cached_tokens, created_cache_tokens, multimodal_tokens
+
     # the KV event streams agree on stored and removed hashes
     h = BlockHasher(BLOCK_SIZE)
-    want = {k for t in tokens for k in h.hash_keys(t)}
+    want = {k for t in [*tokens, chat_tokens] for k in h.hash_keys(t)}
     rb = collector.wait_for(
         replica.topic, lambda bs: want <= set(_keys(bs, BlockStored)), timeout=30
     )[n_real_before:]
