@@ -67,6 +67,10 @@ class CircuitBreaker:
     def on_success(self) -> None:
         self.state, self.failures, self.probe_inflight = CLOSED, 0, False
 
+    def on_abandon(self) -> None:
+        """The call ended without a verdict (client went away): free the probe slot."""
+        self.probe_inflight = False
+
     def on_failure(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.failures += 1

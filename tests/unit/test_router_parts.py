@@ -261,3 +261,12 @@ def test_discovery_diff_and_replica_set_sources():
     added, removed = rs.set_source("k8s", new)
     assert (added, removed) == ({"http://10.1.0.6:8000"}, {"http://[fd00::9]:8000"})
     assert {r.url for r in rs} == new | {"http://s:1"}  # other sources untouched
+
+
+def test_breaker_probe_abandoned_by_the_client_frees_the_slot():
+    b = CircuitBreaker(failures=1, cooldown_s=10)
+    b.on_failure(now=0)
+    b.on_send(now=11)
+    assert not b.allows(now=11)
+    b.on_abandon()  # the probing client disconnected: no verdict
+    assert b.state == "half_open" and b.allows(now=12)
