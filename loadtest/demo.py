@@ -16,7 +16,7 @@ from pathlib import Path
 DATA = Path(__file__).parent / "data"
 TRACE = DATA / "weka-dev-slice.tar.gz"
 # Best first: the KV-aware policies of later issues, then the session-affinity baseline.
-PREFERRED_POLICIES = ("kv_aware", "cache_aware", "kvroute", "session_affinity")
+PREFERRED_POLICIES = ("kv_cost", "llmd", "session_affinity")
 DEMO_PEERS = ("sglang:cache_aware", "vllm-router:cache_aware")
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.runner import ReplayConfig, replay
-from loadtest.sweep.stack import PEERS, Router, StackError, TwinCluster, cleanup
+from loadtest.sweep.stack import NEEDS_EVENTS, PEERS, Router, StackError, TwinCluster, cleanup
 from loadtest.traces import load_trace
 
 
@@ -64,6 +64,12 @@ def _block_size(profile: str) -> int:
     return int(load_profile(profile).block_size)
 
 
+def _max_model_len(profile: str) -> int:
+    from costmodel.profiles import load_profile
+
+    return int(load_profile(profile).model.max_model_len)
+
+
 def notes_for(cfg: SweepConfig, trace_block: int, block: int, tpi: int) -> list[str]:
     n = [
         f"Each point restarts {cfg.replicas} twins ({cfg.profile}, speedup {cfg.speedup:g}): "
@@ -85,10 +91,13 @@ def run_point(cfg: SweepConfig, target: str, conc: int, out: Path, trace: Any,
               builder: PromptBuilder) -> dict[str, Any]:
     point: dict[str, Any] = {"target": target, "concurrency": conc}
     d = out / "points" / target.replace(":", "_") / f"c{conc}"
-    cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup)
+    events = "tcp://127.0.0.1:*" if target in NEEDS_EVENTS else None
+    cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup, kv_events=events)
     try:
         cluster.start()
-        router = Router(target, cluster.urls, cluster.workdir)
+        router = Router(target, cluster.urls, cluster.workdir,
+                        event_endpoints=cluster.event_endpoints,
+                        block_size=_block_size(cfg.profile), model=cfg.model)
         with router:
             rcfg = ReplayConfig(
                 target=router.url, model=cfg.model, concurrency=conc, duration_s=cfg.duration_s,
@@ -101,7 +110,9 @@ def run_point(cfg: SweepConfig, target: str, conc: int, out: Path, trace: Any,
         point["summary"] = summary
         point["dir"] = str(d.relative_to(out))
     except (StackError, RuntimeError, OSError) as e:
-        point["error"] = str(e).splitlines()[0][:300] if str(e) else repr(e)
+        lines = [x for x in str(e).splitlines() if x.strip()]
+        point["error"] = " | ".join([lines[0], *lines[-3:]] if len(lines) > 1 else lines)[:600] \
+            if lines else repr(e)
     finally:
         cluster.stop()
         cleanup(cluster.workdir)
@@ -117,16 +128,19 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
     trace = load_trace(cfg.trace, max_sessions=cfg.max_sessions, max_calls=cfg.max_calls,
                        max_gap_s=cfg.max_gap_s, seed=cfg.seed)
     block = _block_size(cfg.profile)
+    # Prompts longer than the profile's context are cut (from the end) to fit with the output.
+    max_prompt = cfg.max_prompt_tokens or _max_model_len(cfg.profile) - 8192
     builder = PromptBuilder(tinymodel.ensure(), block_size=block,
                             trace_block_size=trace.block_size, tokens_per_id=cfg.tokens_per_id,
-                            shared_prefix=cfg.shared_prefix,
-                            max_prompt_tokens=cfg.max_prompt_tokens)
+                            shared_prefix=cfg.shared_prefix, max_prompt_tokens=max_prompt)
     results: dict[str, Any] = {
         "config": asdict(cfg),
         "machine": machine(),
         "command": command or " ".join(shlex.quote(a) for a in sys.argv),
         "trace_stats": trace.stats(),
-        "notes": notes_for(cfg, trace.block_size, block, builder.tokens_per_id),
+        "notes": [*notes_for(cfg, trace.block_size, block, builder.tokens_per_id),
+                  f"Prompts longer than {max_prompt:,} tokens (the profile's context minus "
+                  "8k for output) are truncated from the end."],
         "points": [],
     }
     t0 = time.monotonic()

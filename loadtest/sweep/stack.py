@@ -56,6 +56,7 @@ class TwinCluster:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvroute-sw-")))
     urls: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    event_endpoints: dict[str, str] = field(default_factory=dict)  # url -> bound ZMQ endpoint
     _proc: ManagedProcess | None = None
 
     def start(self, timeout_s: float = 60.0) -> TwinCluster:
@@ -82,6 +83,12 @@ class TwinCluster:
             lines = [x.split() for x in log.read_text(errors="replace").splitlines()]
             pairs = [x for x in lines if len(x) == 2 and x[1].startswith("http://")]
             self.names, self.urls = [p[0] for p in pairs], [p[1] for p in pairs]
+            bound = {x[1]: x[3] for x in lines if len(x) == 4 and x[0] == "kv-events"}
+            if self.kv_events and "*" in self.kv_events and len(bound) < self.replicas:
+                self.urls = []  # wait for every replica's bound endpoint
+            else:
+                self.event_endpoints = {u: bound[n] for n, u in zip(self.names, self.urls,
+                                                                     strict=True) if n in bound}
             time.sleep(0.05)
         if len(self.urls) < self.replicas:
             self.stop()
@@ -112,16 +119,17 @@ class TwinCluster:
 # random, round_robin, cache_aware, power_of_two, manual (no consistent_hashing: that is in
 # the later sgl-model-gateway); vllm-router 0.1.17's consistent_hash keys on x-session-id
 # (the OpenCode convention). vllm-router's kv_aware needs one ZMQ publisher endpoint per
-# worker that it can connect to (``--kv-event-source URL=ENDPOINT``); twins in one cluster
-# all connect to one subscriber-bound endpoint, and a bound ``tcp://*`` publisher would
-# listen beyond loopback, so kv_aware is not offered here.
+# worker that it can connect to (``--kv-event-source URL=ENDPOINT``): the bench starts the
+# twins with ``--kv-events tcp://127.0.0.1:*`` (each twin binds its own loopback port) for it.
 PEERS: dict[str, tuple[str, str, str]] = {
     "sglang:cache_aware": ("sglang", "cache_aware", "claude"),
     "sglang:round_robin": ("sglang", "round_robin", "claude"),
     "vllm-router:cache_aware": ("vllm-router", "cache_aware", "opencode"),
     "vllm-router:consistent_hash": ("vllm-router", "consistent_hash", "opencode"),
     "vllm-router:round_robin": ("vllm-router", "round_robin", "opencode"),
+    "vllm-router:kv_aware": ("vllm-router", "kv_aware", "opencode"),
 }
+NEEDS_EVENTS = {"vllm-router:kv_aware"}  # routers fed by the twins' KV events
 
 
 def peer_python(kind: str) -> Path | None:
@@ -140,7 +148,9 @@ class Router:
     name: str
     replicas: Sequence[str]
     workdir: Path
-    kv_events: str | None = None
+    event_endpoints: dict[str, str] = field(default_factory=dict)  # replica url -> endpoint
+    block_size: int = 64
+    model: str = "tiny"
     port: int = 0
     extra_args: list[str] = field(default_factory=list)  # appended to the router's argv
     _proc: ManagedProcess | None = None
@@ -178,6 +188,12 @@ class Router:
         module = "sglang_router.launch_router" if kind == "sglang" else "vllm_router.launch_router"
         argv = [str(py), "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
                 "--policy", policy, "--worker-urls", *self.replicas]  # fmt: skip
+        if self.name in NEEDS_EVENTS:
+            if not self.event_endpoints:
+                raise StackError(f"{self.name} needs the twins' KV event endpoints")
+            argv += ["--kv-event-block-size", str(self.block_size), "--kv-event-model", self.model]
+            for url, ep in self.event_endpoints.items():
+                argv += ["--kv-event-source", f"{url}={ep}"]
         return argv, "/health"
 
     def start(self, timeout_s: float = 60.0) -> Router:
