@@ -129,7 +129,8 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
                        max_gap_s=cfg.max_gap_s, seed=cfg.seed)
     block = _block_size(cfg.profile)
     # Prompts longer than the profile's context are cut (from the end) to fit with the output.
-    max_prompt = cfg.max_prompt_tokens or _max_model_len(cfg.profile) - 8192
+    mml = _max_model_len(cfg.profile)
+    max_prompt = cfg.max_prompt_tokens or mml - min(8192, mml // 4)
     builder = PromptBuilder(tinymodel.ensure(), block_size=block,
                             trace_block_size=trace.block_size, tokens_per_id=cfg.tokens_per_id,
                             shared_prefix=cfg.shared_prefix, max_prompt_tokens=max_prompt)
@@ -140,7 +141,7 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
         "trace_stats": trace.stats(),
         "notes": [*notes_for(cfg, trace.block_size, block, builder.tokens_per_id),
                   f"Prompts longer than {max_prompt:,} tokens (the profile's context minus "
-                  "8k for output) are truncated from the end."],
+                  "room for output) are truncated from the end."],
         "points": [],
     }
     t0 = time.monotonic()
