@@ -459,7 +459,7 @@ async def test_open_breaker_lets_a_half_open_probe_through_after_cooldown(fakes,
     for _ in range(4):
         async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
             assert r.status == 200
-    brk = app[REPLICAS].get(a.url).breaker  # type: ignore[union-attr]
+    brk = app[REPLICAS].get(a.url).breaker
     assert brk.state == "open" and len(a.seen) == 1  # no traffic while open
     a.fail_status = None  # the replica recovers; pretend the cooldown has passed
     brk.opened_at -= 7200

@@ -115,7 +115,7 @@ class ServeProc:
 
     async def stop(self) -> int:
         if self.proc is None or self.proc.returncode is not None:
-            return self.proc.returncode if self.proc else 0
+            return (self.proc.returncode or 0) if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)
         try:
             async with asyncio.timeout(15):
@@ -233,3 +233,35 @@ async def test_sigterm_drains_in_flight_streams_then_exits(fakes, http, serve):
     assert first + rest == b"data: {}\n\n" * 50  # the in-flight stream finished intact
     async with asyncio.timeout(15):
         assert await p.proc.wait() == 0
+
+
+async def test_a_hung_redis_costs_one_timeout_then_calls_skip_it(fakes, http, redis_server):
+    """SIGSTOP: Redis accepts nothing and answers nothing (a partition, not a refusal)."""
+    from router.app import STORE, build_app, start_site
+    from router.config import RouterConfig
+
+    reps = await fakes(2)
+    app = build_app(RouterConfig(replicas=[r.url for r in reps], redis_url=redis_server.url,
+                                 redis_timeout_s=0.2, redis_reconcile_interval_s=0.1,
+                                 health_interval_s=30))  # fmt: skip
+    runner, url = await start_site(app)
+    try:
+        assert (await _call(http, url, "h0"))[0] == 200
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        results = [await _call(http, url, f"h{i % 3}") for i in range(20)]
+        elapsed = loop.time() - t0
+        assert all(status == 200 for status, _ in results)
+        assert not app[STORE].up
+        assert elapsed < 2.0, elapsed  # one ~0.4 s timeout, not one per call
+        redis_server.proc.send_signal(signal.SIGCONT)
+        assert await app[STORE].reconcile()  # what the background reconciler runs
+        assert app[STORE].up
+        rdb = redis.Redis(port=redis_server.port, decode_responses=True)
+        assert int(rdb.hget("kvroute:s:-/h1", "calls") or 0) >= 6  # written back
+    finally:
+        if redis_server.proc is not None:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        await runner.cleanup()

@@ -32,7 +32,8 @@ async def _stream_chat(
         assert r.status == 200, await r.text()
         assert r.headers["Content-Type"].startswith("text/event-stream")
         raw = await r.read()
-    text, usage = "", {}
+    text = ""
+    usage: dict = {}
     events = [e for e in raw.split(b"\n\n") if e.strip()]
     assert events[-1] == b"data: [DONE]"
     for ev in events[:-1]:
@@ -115,6 +116,6 @@ async def test_client_disconnect_aborts_the_request_in_vllm(vllm_bed, kv_events)
                     await asyncio.sleep(0.1)
             grown = last - before
             assert 1 <= grown < (max_tokens // BLOCK_SIZE) // 2, grown
-            assert app[REPLICAS].get(replica.url).inflight == 0  # type: ignore[union-attr]
+            assert app[REPLICAS].get(replica.url).inflight == 0
     finally:
         await runner.cleanup()
