@@ -295,10 +295,13 @@ class ReplicaMonitor:
             await asyncio.sleep(self.cfg.health_interval_s)
             await self.check_all()
 
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape_one(r) for r in self.replicas if r.healthy))
+
     async def metrics_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.metrics_interval_s)
-            await asyncio.gather(*(self.scrape_one(r) for r in self.replicas if r.healthy))
+            await self.scrape_all()
 
     async def resolve_dns(self) -> None:
         """Re-resolve every ``replica_dns`` name; one replica per address (headless service)."""

@@ -19,7 +19,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from router.app import REPLICAS, build_app, start_site
+from router.app import MONITOR, REPLICAS, build_app, start_site
 from router.config import RouterConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -475,7 +475,7 @@ async def test_open_breaker_lets_a_half_open_probe_through_after_cooldown(fakes,
 
 async def test_responses_and_messages_routes_proxy_non_streaming(fakes, router, http):
     (f,) = await fakes(1)
-    url, _ = await router([f.url], admin_key="adm")
+    url, app = await router([f.url], admin_key="adm")
     for path, body in [
         ("/v1/responses", {"model": "tiny", "input": "hi"}),
         ("/v1/messages", {"model": "tiny", "max_tokens": 4, "system": "s", "messages": []}),
@@ -487,3 +487,9 @@ async def test_responses_and_messages_routes_proxy_non_streaming(fakes, router, 
         (rep,) = await r.json()
     assert rep["url"] == f.url and rep["healthy"] and rep["models"] == ["tiny"]
     assert rep["breaker"] == "closed" and rep["inflight"] == 0
+    # the async /metrics scrape (what metrics_loop runs every metrics_interval_s)
+    f.running, f.waiting = 2.0, 5.0
+    await app[MONITOR].scrape_all()
+    async with http.get(url + "/admin/replicas", headers={"X-Admin-Key": "adm"}) as r:
+        (rep,) = await r.json()
+    assert (rep["running"], rep["waiting"], rep["kv_usage"]) == (2.0, 5.0, 0.25)
