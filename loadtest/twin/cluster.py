@@ -90,7 +90,7 @@ async def start_cluster(
         from loadtest import tinymodel
 
         model_dir = tinymodel.ensure()
-    tok = ModelTokenizer(model_dir)
+    tok = ModelTokenizer(model_dir, prof.block_size)
     own_ctx = None
     if kv_events and zmq_ctx is None:
         import zmq

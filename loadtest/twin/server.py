@@ -36,6 +36,7 @@ from loadtest.twin.tokenize import ModelTokenizer, TemplateError
 from router.hashing import BlockHasher
 from router.kvevents import encode_message
 
+MAX_LAG_WALL_S = 0.01  # how far (wall seconds) the model clock may trail the wall clock
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -174,7 +175,7 @@ class TwinReplica:
         self.max_model_len = cfg.max_model_len or cfg.profile.max_model_len
         if self.max_model_len != cfg.profile.max_model_len:
             self.profile = cfg.profile.replace(model=_with_len(cfg.profile, self.max_model_len))
-        self.tokenizer = tokenizer or ModelTokenizer(cfg.model_dir)
+        self.tokenizer = tokenizer or ModelTokenizer(cfg.model_dir, self.profile.block_size)
         self.hasher = BlockHasher(self.profile.block_size, cfg.hash_algo, cfg.hash_seed)
         self.engine = Engine(
             self.profile,
@@ -193,6 +194,7 @@ class TwinReplica:
         self.in_flight = 0
         self._wake = asyncio.Event()
         self._t0 = time.monotonic()
+        self.lagged_s = 0.0  # wall seconds the engine trailed its schedule at the last step
         self._task: asyncio.Task[None] | None = None
         self.created = int(time.time())
         self.metrics = _Metrics(self)
@@ -202,10 +204,13 @@ class TwinReplica:
     def model_now(self) -> float:
         return (time.monotonic() - self._t0) * self.speedup
 
-    async def _sleep_until(self, t_model: float) -> None:
+    async def _sleep_until(self, t_model: float) -> bool:
+        """Sleep until model time ``t_model``; False when it has passed already."""
         delay = (t_model - self.model_now()) / self.speedup
         if delay > 0:
             await asyncio.sleep(delay)
+            return True
+        return False
 
     # ---- engine loop --------------------------------------------------------------------
 
@@ -231,24 +236,37 @@ class TwinReplica:
             self.publisher.publish(evs, self.engine.digests)
 
     async def _run(self) -> None:
+        """Step the engine in model time. Back-to-back steps chain on the model clock (a
+        step starts when the previous one ended), so the event loop's timer jitter and the
+        twin's own CPU time do not accumulate — up to ``MAX_LAG_WALL_S`` behind the wall
+        clock, after which the model clock is pulled forward (the twin is then too slow for
+        its speedup)."""
         eng = self.engine
+        free_at: float | None = None  # model time the last step ended (None: was idle)
         while True:
             if not eng.has_work:
+                free_at = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            now = self.model_now()
+            real = self.model_now()
+            now = real if free_at is None else max(free_at, real - MAX_LAG_WALL_S * self.speedup)
+            self.lagged_s = max(0.0, real - now) / self.speedup
             step = eng.schedule(now)
             if step is None:
                 self._publish()
+                free_at = None
                 nxt = eng.next_ready()
                 self._wake.clear()
-                timeout = None if nxt is None else max(0.0, (nxt - now) / self.speedup)
+                timeout = None if nxt is None else max(0.0, (nxt - real) / self.speedup)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 continue
-            await self._sleep_until(now + step.duration)
-            res = eng.complete(step, now + step.duration)
+            end = now + step.duration
+            if not await self._sleep_until(end):
+                await asyncio.sleep(0)  # behind schedule: still let handlers run
+            free_at = end
+            res = eng.complete(step, end)
             self._publish()
             wall = time.monotonic()
             for req in res.tokens:
@@ -355,7 +373,9 @@ def _check_tool_choice(twin: TwinReplica, body: dict[str, Any]) -> None:
         )
 
 
-def _prompt_ids(twin: TwinReplica, body: dict[str, Any], chat: bool) -> list[int]:
+def _prompt_ids(
+    twin: TwinReplica, body: dict[str, Any], chat: bool, session: str | None = None
+) -> list[int]:
     tk = twin.tokenizer
     if chat:
         msgs = body.get("messages")
@@ -369,6 +389,7 @@ def _prompt_ids(twin: TwinReplica, body: dict[str, Any], chat: bool) -> list[int
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
                 chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+                session=session,
             )
         except TemplateError as e:
             raise _bad(str(e), "messages") from e
@@ -376,7 +397,7 @@ def _prompt_ids(twin: TwinReplica, body: dict[str, Any], chat: bool) -> list[int
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return tk.encode(prompt)
+        return tk.encode(prompt, session)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < tk.vocab_size]
         if bad:
@@ -461,7 +482,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         model = _check_model(twin, body)
         if chat:
             _check_tool_choice(twin, body)
-        ids = _prompt_ids(twin, body, chat)
+        session = _session_id(request, body)
+        ids = _prompt_ids(twin, body, chat, session)
         max_tokens = _limits(twin, body, len(ids))
         if body.get("n", 1) != 1:
             raise _bad("the twin supports n=1 only", "n", body.get("n"))
@@ -471,7 +493,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     so = body.get("stream_options") or {}
     include_usage = bool(so.get("include_usage")) if isinstance(so, dict) else False
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-    req = Request(rid, len(ids), max_tokens, token_ids=ids, session_id=_session_id(request, body))
+    req = Request(rid, len(ids), max_tokens, token_ids=ids, session_id=session)
     created = int(time.time())
     twin.in_flight += 1
     try:
@@ -769,6 +791,12 @@ class _Metrics:
         )
         gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1, info)
         gauge("kvroute:twin_speedup", "Model seconds per wall second of this twin.", twin.speedup)
+        gauge(
+            "kvroute:twin_lag_seconds",
+            "Wall seconds the engine trailed its model-time "
+            "schedule at its last step (> 0.01: too slow for its speedup).",
+            twin.lagged_s,
+        )
         text = "\n".join(lines) + "\n"
         return text.encode() + generate_latest(self.registry)
 

@@ -416,3 +416,18 @@ async def test_digest_hash_form_publishes_full_sha256_digests(http, tok, collect
             h for b in batches for e in b.events if isinstance(e, BlockStored) for h in e.raw_hashes
         ]
         assert raw == want and all(len(h) == 32 for h in raw)
+
+
+async def test_sped_up_decode_keeps_model_time_without_drift(http):
+    speedup = 20.0
+    async with start_cluster(1, "h200-70b-fp8", speedup=speedup) as c:
+        twin = c.replicas[0]
+        t0 = time.perf_counter()
+        r = await http.post(
+            c.urls[0] + "/v1/completions",
+            json={"model": "tiny", "prompt": text(200, 11), "max_tokens": 200},
+        )
+        wall = time.perf_counter() - t0
+        assert r.json()["usage"]["completion_tokens"] == 200
+        model = twin.profile.request_overhead_s + twin.engine.busy_time  # 200 steps, ~5 s
+        assert 0.9 < wall * speedup / model < 1.25, (wall * speedup, model)
