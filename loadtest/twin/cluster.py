@@ -45,6 +45,11 @@ class Cluster:
         return [r.publisher.endpoint if r.publisher else None for r in self.replicas]
 
     @property
+    def replay_endpoints(self) -> list[str | None]:
+        """Each replica's KV-event replay endpoint (``kv_events_replay=True``), else None."""
+        return [r.publisher.replay_endpoint if r.publisher else None for r in self.replicas]
+
+    @property
     def names(self) -> list[str]:
         return [r.cfg.name for r in self.replicas]
 
@@ -66,6 +71,7 @@ async def start_cluster(
     name_prefix: str = "twin",
     max_model_len: int | None = None,
     int_hashes: bool = True,
+    kv_events_replay: bool = False,
     enable_auto_tool_choice: bool = False,
     zmq_ctx: Any = None,
 ) -> AsyncIterator[Cluster]:
@@ -76,6 +82,8 @@ async def start_cluster(
     replica binds its own free port (see :attr:`Cluster.event_endpoints`), for subscribers
     that connect to one publisher per worker. ``int_hashes=False`` publishes 32-byte
     digests, as vLLM does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``.
+    ``kv_events_replay=True`` gives every replica vLLM's replay service on its own loopback
+    port (see :attr:`Cluster.replay_endpoints`).
     """
     if n < 1:
         raise ValueError("a cluster needs at least one replica")
@@ -108,6 +116,7 @@ async def start_cluster(
                 kv_events_endpoint=kv_events,
                 max_model_len=max_model_len,
                 int_hashes=int_hashes,
+                kv_events_replay=f"tcp://{host}:*" if kv_events_replay else None,
                 enable_auto_tool_choice=enable_auto_tool_choice,
             )
             twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx)

@@ -26,6 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--name-prefix", default="twin")
     p.add_argument(
+        "--kv-events-replay",
+        action="store_true",
+        help="give every replica vLLM's replay service on its own loopback port",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accept tools with tool_choice auto/required (vLLM needs this flag and a parser)",
@@ -50,12 +55,14 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             name_prefix=args.name_prefix,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
+            kv_events_replay=args.kv_events_replay,
         ) as c:
             for name, url in zip(c.names, c.urls, strict=True):
                 print(f"{name} {url}", flush=True)
             if args.kv_events:
-                for name, topic, ep in zip(c.names, c.topics, c.event_endpoints, strict=True):
-                    print(f"kv-events {name} {topic} {ep}", flush=True)
+                rows = zip(c.names, c.topics, c.event_endpoints, c.replay_endpoints, strict=True)
+                for name, topic, ep, replay in rows:
+                    print(f"kv-events {name} {topic} {ep} {replay or '-'}", flush=True)
             await asyncio.Event().wait()
 
     try:

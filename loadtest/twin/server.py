@@ -22,6 +22,7 @@ import json
 import time
 import uuid
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ class TwinConfig:
     speedup: float = 1.0
     kv_events_endpoint: str | None = None  # vLLM semantics: bind if "*"/"::"/ipc/inproc
     kv_events_topic: str | None = None  # default "kv@<name>"
+    kv_events_replay: str | None = None  # ROUTER endpoint for replays (binds; "...:*" ok)
     hash_algo: str = "sha256_cbor"
     hash_seed: str | None = None  # the engine's PYTHONHASHSEED
     int_hashes: bool = True  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
@@ -74,9 +76,23 @@ def publisher_binds(endpoint: str) -> bool:
 
 
 class KVEventPublisher:
-    """A ZMQ PUB socket sending ``[topic, seq, msgpack([ts, events, dp_rank])]`` batches."""
+    """A ZMQ PUB socket sending ``[topic, seq, msgpack([ts, events, dp_rank])]`` batches, and
+    optionally vLLM's replay service: a ROUTER socket on ``replay_endpoint`` that answers
+    ``[b"", start_seq(8B BE)]`` with ``[b"", topic, seq, payload]`` for every buffered batch
+    from ``start_seq`` on, then ``[b"", b"", -1 (8B signed), b""]`` (``ZmqEventPublisher``,
+    last ``buffer_steps`` batches kept)."""
 
-    def __init__(self, endpoint: str, topic: str, zmq_ctx: Any = None, as_int: bool = True):
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str,
+        zmq_ctx: Any = None,
+        as_int: bool = True,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+    ):
         import zmq
 
         self._own_ctx = zmq_ctx is None
@@ -94,6 +110,17 @@ class KVEventPublisher:
         self.seq = 0
         self.as_int = as_int
         self.dropped = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.replay_endpoint: str | None = None
+        self._replay: Any = None
+        if replay_endpoint:
+            import zmq.asyncio
+
+            self._actx = zmq.asyncio.Context.shadow(self.ctx)
+            self._replay = self._actx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            self.replay_endpoint = str(self._replay.getsockopt_string(zmq.LAST_ENDPOINT))
 
     def publish(
         self, events: list[dict[str, Any]], digests: dict[int, bytes] | None = None
@@ -105,14 +132,36 @@ class KVEventPublisher:
         if not self.as_int:
             events = [_digest_form(e, digests or {}) for e in events]
         parts = encode_message(self.topic, self.seq, time.time(), events)
+        if self._replay is not None:
+            self.buffer.append((self.seq, parts[2]))
         try:
             self.sock.send_multipart(parts, flags=zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1  # PUB semantics: never block the engine
         self.seq += 1
 
+    async def serve_replay(self) -> None:
+        """Answer replay requests until cancelled (no-op without a replay endpoint)."""
+        if self._replay is None:
+            return
+        topic = self.topic.encode()
+        while True:
+            frames = await self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue  # vLLM logs and ignores malformed requests
+            client, _, start_b = frames
+            start = int.from_bytes(start_b, "big")
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    await self._replay.send_multipart(
+                        [client, b"", topic, seq.to_bytes(8, "big"), payload]
+                    )
+            await self._replay.send_multipart([client, b"", b"", self.END_SEQ, b""])
+
     def close(self) -> None:
         self.sock.close(0)
+        if self._replay is not None:
+            self._replay.close(0)
         if self._own_ctx:
             self.ctx.term()
 
@@ -185,7 +234,13 @@ class TwinReplica:
         )
         self.topic = cfg.kv_events_topic or f"kv@{cfg.name}"
         self.publisher = (
-            KVEventPublisher(cfg.kv_events_endpoint, self.topic, zmq_ctx, cfg.int_hashes)
+            KVEventPublisher(
+                cfg.kv_events_endpoint,
+                self.topic,
+                zmq_ctx,
+                cfg.int_hashes,
+                replay_endpoint=cfg.kv_events_replay,
+            )
             if cfg.kv_events_endpoint
             else None
         )
@@ -196,6 +251,7 @@ class TwinReplica:
         self._t0 = time.monotonic()
         self.lagged_s = 0.0  # wall seconds the engine trailed its schedule at the last step
         self._task: asyncio.Task[None] | None = None
+        self._replay_task: asyncio.Task[None] | None = None
         self.created = int(time.time())
         self.metrics = _Metrics(self)
 
@@ -216,14 +272,18 @@ class TwinReplica:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.cfg.name)
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run(), name=self.cfg.name)
+            if self.publisher is not None and self.publisher.replay_endpoint:
+                self._replay_task = loop.create_task(self.publisher.serve_replay())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._replay_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._replay_task = None
         for st in self.streams.values():
             st.queue.put_nowait(None)
         if self.publisher is not None:

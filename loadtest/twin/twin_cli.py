@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--kv-events-replay",
+        default=None,
+        metavar="ENDPOINT",
+        help="bind vLLM's KV-event replay service here (e.g. tcp://127.0.0.1:5558)",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accept tools with tool_choice auto/required (vLLM needs this flag and a parser)",
@@ -65,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         kv_events_topic=args.kv_events_topic,
         max_model_len=args.max_model_len,
         int_hashes=not args.digest_hashes,
+        kv_events_replay=args.kv_events_replay,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 
@@ -77,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         if twin.publisher is not None:
-            print(f"kv-events {twin.topic} {twin.publisher.endpoint}", flush=True)
+            replay = twin.publisher.replay_endpoint or "-"
+            print(f"kv-events {twin.topic} {twin.publisher.endpoint} {replay}", flush=True)
         try:
             await asyncio.Event().wait()
         finally:

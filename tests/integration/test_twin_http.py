@@ -431,3 +431,34 @@ async def test_sped_up_decode_keeps_model_time_without_drift(http):
         assert r.json()["usage"]["completion_tokens"] == 200
         model = twin.profile.request_overhead_s + twin.engine.busy_time  # 200 steps, ~5 s
         assert 0.9 < wall * speedup / model < 1.25, (wall * speedup, model)
+
+
+async def test_replay_service_resends_missed_batches_like_vllm(http, collector):
+    import zmq
+    import zmq.asyncio
+
+    async with start_cluster(
+        1, "cpu-tiny", kv_events=collector.endpoint, kv_events_replay=True, name_prefix="replay"
+    ) as c:
+        for i in range(3):
+            await complete(http, c.urls[0], text(100, 200 + i), max_tokens=1)
+        live = await asyncio.to_thread(collector.wait_for, c.topics[0], lambda bs: len(bs) >= 3)
+        ctx = zmq.asyncio.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.connect(c.replay_endpoints[0])
+        try:
+            await s.send_multipart([b"", (1).to_bytes(8, "big")])
+            got = []
+            while True:
+                frames = await asyncio.wait_for(s.recv_multipart(), 5)
+                assert frames[0] == b""
+                if frames[2] == (-1).to_bytes(8, "big", signed=True):
+                    assert frames[1] == b"" and frames[3] == b""
+                    break
+                got.append(decode_message(frames[1:]))
+        finally:
+            s.close(0)
+            ctx.term()
+        assert [b.seq for b in got] == [b.seq for b in live][1:]
+        assert [b.events for b in got] == [b.events for b in live][1:]
+        assert all(b.topic == "kv@replay-0" for b in got)
