@@ -58,8 +58,11 @@ async def _read_json(request: web.Request, route: str) -> tuple[bytes, dict[str,
         raise _Reject(error_response(route, 413, f"body over {cfg.max_body_bytes} bytes",
                                      "request_too_large"))  # fmt: skip
     try:
-        async with asyncio.timeout(cfg.client_body_timeout_s):
+        if request.content.is_eof():  # the whole body has arrived already: no timer needed
             raw = await request.read()
+        else:
+            async with asyncio.timeout(cfg.client_body_timeout_s):
+                raw = await request.read()
     except TimeoutError:
         raise _Reject(error_response(route, 408, "client sent the body too slowly",
                                      "timeout")) from None  # fmt: skip

@@ -45,8 +45,7 @@ class RouterConfig:
     metrics_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
-    first_byte_timeout_s: float = 600.0  # waiting for upstream headers (long prefills)
-    read_timeout_s: float = 300.0  # longest silence between upstream chunks
+    read_timeout_s: float = 600.0  # longest upstream silence, incl. the first byte (prefill)
     client_body_timeout_s: float = 30.0  # a client must finish sending its body by then
     max_body_bytes: int = 32 << 20
     max_header_bytes: int = 8190

@@ -231,17 +231,16 @@ async def _stream_from(
     last_attempt: bool,
 ) -> web.StreamResponse:
     app = request.app
-    cfg = app[CONFIG]
     metrics = app[METRICS]
     name = replica.name
     try:
-        async with asyncio.timeout(cfg.first_byte_timeout_s):
-            resp = await app[CLIENT].request(
-                request.method, replica.url + path, data=raw, headers=headers
-            )
+        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts
+        resp = await app[CLIENT].request(
+            request.method, replica.url + path, data=raw, headers=headers
+        )
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
-        raise _RetryElsewhere("connect", f"{type(e).__name__}") from None
+        raise _RetryElsewhere("no_response", f"{type(e).__name__}") from None
     try:
         if resp.status in RETRYABLE_STATUS and not last_attempt:
             replica.breaker.on_failure()

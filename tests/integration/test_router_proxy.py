@@ -493,3 +493,15 @@ async def test_responses_and_messages_routes_proxy_non_streaming(fakes, router, 
     async with http.get(url + "/admin/replicas", headers={"X-Admin-Key": "adm"}) as r:
         (rep,) = await r.json()
     assert (rep["running"], rep["waiting"], rep["kv_usage"]) == (2.0, 5.0, 0.25)
+
+
+async def test_a_replica_silent_past_read_timeout_is_retried_elsewhere(fakes, router, http):
+    slow, fast = await fakes(2)
+    slow.delay_s = 5.0  # never answers within the router's read timeout
+    url, _ = await router([slow.url, fast.url], policy="round_robin", read_timeout_s=0.3)
+    for _ in range(3):
+        async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200 and await r.read() == b"".join(SSE_CHUNKS)
+    assert fast.completed == 3 and len(slow.seen) >= 1
+    async with http.get(url + "/metrics") as r:
+        assert 'kvroute_retries_total{reason="no_response"}' in await r.text()
