@@ -5,7 +5,7 @@ an embedded-default cluster (4 replica twins of an H200 serving a 70B-class fp8 
 up 10×), kvroute's best available policy against round-robin (and the peer routers when
 ``make bench-peers`` installed them), on the bundled slice of real Claude Code sessions
 (``loadtest/data/weka-dev-slice.tar.gz``), then prints a table and the HTML report's path.
-Takes about 2 minutes on a warm 2-core machine.
+Takes 2-3 minutes on a warm 2-core machine.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def best_policy() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out/demo", help="results and report folder")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of replay per target")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of replay per target (default: ~130 s shared by the targets, "
+                        "25-45 s each, so the demo stays under 3 minutes)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--speedup", type=float, default=10.0)
     p.add_argument("--no-peers", action="store_true", help="skip installed peer routers")
@@ -51,15 +53,16 @@ def run(args: argparse.Namespace) -> int:
     targets = ["kvroute:round_robin", f"kvroute:{best}"]
     if not args.no_peers:
         targets += [p for p in DEMO_PEERS if peer_python(PEERS[p][0]) is not None]
+    duration = args.duration or min(45.0, max(25.0, 130.0 / len(targets)))
     console.print(
         f"[bold]kvroute demo[/]: 4 replica twins (H200, 70B-class fp8, speedup "
         f"{args.speedup:g}×) behind {', '.join(targets)}; replaying {TRACE.name} "
-        f"(real Claude Code sessions) for {args.duration:g} s per target at "
+        f"(real Claude Code sessions) for {duration:g} s per target at "
         f"{args.concurrency} concurrent sessions"
     )
     cfg = SweepConfig(
         trace=str(TRACE), targets=targets, concurrency=[args.concurrency],
-        duration_s=args.duration, replicas=4, profile="h200-70b-fp8", speedup=args.speedup,
+        duration_s=duration, replicas=4, profile="h200-70b-fp8", speedup=args.speedup,
         max_calls=12, max_gap_s=30.0, progress=True,
     )
     res = run_sweep(cfg, args.out, command="kvroute demo")

@@ -83,7 +83,7 @@ class TwinCluster:
             lines = [x.split() for x in log.read_text(errors="replace").splitlines()]
             pairs = [x for x in lines if len(x) == 2 and x[1].startswith("http://")]
             self.names, self.urls = [p[0] for p in pairs], [p[1] for p in pairs]
-            bound = {x[1]: x[3] for x in lines if len(x) == 4 and x[0] == "kv-events"}
+            bound = {x[1]: x[3] for x in lines if len(x) >= 4 and x[0] == "kv-events"}
             if self.kv_events and "*" in self.kv_events and len(bound) < self.replicas:
                 self.urls = []  # wait for every replica's bound endpoint
             else:
