@@ -92,6 +92,8 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
     mon = ReplicaMonitor(replicas, app[CLIENT], cfg)
     app[MONITOR] = mon
     await mon.resolve_dns()
+    if cfg.k8s_service:
+        await mon.poll_k8s()
     await mon.check_all()  # know health and models before taking traffic
     metrics = app[METRICS]
 

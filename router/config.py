@@ -35,6 +35,8 @@ class RouterConfig:
     k8s_namespace: str = "default"
     k8s_port_name: str | None = None
     k8s_interval_s: float = 5.0
+    k8s_api_url: str | None = None  # default: https://$KUBERNETES_SERVICE_HOST:$..._PORT
+    k8s_sa_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"  # token + ca.crt
     policy: str = "session_affinity"
     scheduling: dict[str, Any] | None = None  # explicit pipeline (overrides policy)
     redis_url: str | None = None

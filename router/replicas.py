@@ -18,10 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import ssl
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -326,46 +329,56 @@ class ReplicaMonitor:
             await asyncio.sleep(self.cfg.dns_interval_s)
             await self.resolve_dns()
 
-    async def k8s_loop(self) -> None:
-        """Poll EndpointSlices of one Service through the in-cluster API (service account)."""
-        from pathlib import Path
-
-        sa = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-        import os
-        import ssl
-
-        host = os.environ.get("KUBERNETES_SERVICE_HOST")
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host:
-            log.error("--k8s-service needs a cluster (KUBERNETES_SERVICE_HOST is not set)")
-            return
-        ctx = ssl.create_default_context(cafile=str(sa / "ca.crt"))
+    def _k8s_target(self) -> tuple[str, Any, Path | None] | None:
+        """(EndpointSlice list URL, ssl arg, token file) from config or the in-cluster env."""
+        api = self.cfg.k8s_api_url
+        sa = Path(self.cfg.k8s_sa_dir)
+        if not api:
+            host = os.environ.get("KUBERNETES_SERVICE_HOST")
+            if not host:
+                return None
+            api = f"https://{host}:{os.environ.get('KUBERNETES_SERVICE_PORT', '443')}"
+        ssl_arg: Any = None
+        if api.startswith("https://"):
+            ca = sa / "ca.crt"
+            ssl_arg = ssl.create_default_context(cafile=str(ca)) if ca.exists() else True
         url = (
-            f"https://{host}:{port}/apis/discovery.k8s.io/v1/namespaces/"
+            f"{api.rstrip('/')}/apis/discovery.k8s.io/v1/namespaces/"
             f"{self.cfg.k8s_namespace}/endpointslices"
         )
+        token = sa / "token"
+        return url, ssl_arg, token if token.exists() else None
+
+    async def poll_k8s(self) -> bool:
+        """One EndpointSlice poll: replace the ``k8s`` source; False (and keep the last
+        answer) when the API cannot be read."""
+        target = self._k8s_target()
+        if target is None:
+            log.error("--k8s-service needs a cluster (KUBERNETES_SERVICE_HOST is not set)")
+            return False
+        url, ssl_arg, token_file = target
         params = {"labelSelector": f"kubernetes.io/service-name={self.cfg.k8s_service}"}
+        try:
+            headers = {}
+            if token_file is not None:  # re-read each time: the kubelet rotates it
+                headers["Authorization"] = f"Bearer {token_file.read_text().strip()}"
+            async with self.session.get(
+                url, params=params, ssl=ssl_arg, timeout=self._probe_timeout, headers=headers
+            ) as resp:
+                resp.raise_for_status()
+                data = orjson.loads(await resp.read())
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+            log.warning("EndpointSlice poll failed: %r (keeping the last answer)", e)
+            return False
+        urls = endpoints_from_slices(data, self.cfg.k8s_port_name)
+        added, _ = self.replicas.set_source("k8s", urls)
+        await asyncio.gather(*(self.check_one(r) for n in added if (r := self.replicas.get(n))))
+        return True
+
+    async def k8s_loop(self) -> None:
         while True:
-            try:
-                token = (sa / "token").read_text().strip()  # rotated by the kubelet
-                async with self.session.get(
-                    url,
-                    params=params,
-                    ssl=ctx,
-                    timeout=self._probe_timeout,
-                    headers={"Authorization": f"Bearer {token}"},
-                ) as resp:
-                    resp.raise_for_status()
-                    data = orjson.loads(await resp.read())
-                urls = endpoints_from_slices(data, self.cfg.k8s_port_name)
-                added, _ = self.replicas.set_source("k8s", urls)
-                for n in added:
-                    r = self.replicas.get(n)
-                    if r:
-                        await self.check_one(r)
-            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
-                log.warning("EndpointSlice poll failed: %r (keeping the last answer)", e)
             await asyncio.sleep(self.cfg.k8s_interval_s)
+            await self.poll_k8s()
 
     def tasks(self) -> list[asyncio.Task[None]]:
         t = [

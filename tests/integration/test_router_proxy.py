@@ -505,3 +505,67 @@ async def test_a_replica_silent_past_read_timeout_is_retried_elsewhere(fakes, ro
     assert fast.completed == 3 and len(slow.seen) >= 1
     async with http.get(url + "/metrics") as r:
         assert 'kvroute_retries_total{reason="no_response"}' in await r.text()
+
+
+async def test_kubernetes_endpointslice_discovery_against_a_loopback_api(fakes, router, http,
+                                                                         tmp_path):  # fmt: skip
+    reps = await fakes(2)
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    (sa / "token").write_text("tok-1\n")
+    state: dict[str, Any] = {"ready": [True, True], "fail": False, "seen": []}
+
+    def slices() -> dict[str, Any]:
+        items = []
+        for rep, ready in zip(reps, state["ready"], strict=True):
+            port = int(rep.url.rsplit(":", 1)[1])
+            items.append({
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready}}],
+                "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            })  # fmt: skip
+        return {"kind": "EndpointSliceList", "items": items}
+
+    async def list_slices(request: web.Request) -> web.Response:
+        state["seen"].append((request.path, request.query.get("labelSelector"),
+                              request.headers.get("Authorization")))  # fmt: skip
+        if state["fail"]:
+            return web.Response(status=500)
+        return web.json_response(slices())
+
+    api = web.Application()
+    api.router.add_get("/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices", list_slices)
+    api_runner = web.AppRunner(api, access_log=None)
+    await api_runner.setup()
+    site = web.TCPSite(api_runner, "127.0.0.1", 0)
+    await site.start()
+    api_url = f"http://127.0.0.1:{api_runner.addresses[0][1]}"
+    try:
+        url, app = await router(
+            [],
+            k8s_service="vllm",
+            k8s_namespace="llm",
+            k8s_port_name="http",
+            k8s_api_url=api_url,
+            k8s_sa_dir=str(sa),
+            k8s_interval_s=3600,
+        )
+        assert {r.url for r in app[REPLICAS]} == {r.url for r in reps}  # before any traffic
+        assert all(r.healthy and r.source == "k8s" for r in app[REPLICAS])
+        assert state["seen"][0] == (
+            "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices",
+            "kubernetes.io/service-name=vllm",
+            "Bearer tok-1",
+        )
+        async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+        state["ready"] = [True, False]  # the second pod is not ready any more
+        (sa / "token").write_text("tok-2\n")  # rotated by the kubelet
+        assert await app[MONITOR].poll_k8s()
+        assert {r.url for r in app[REPLICAS]} == {reps[0].url}
+        assert state["seen"][-1][2] == "Bearer tok-2"
+        state["fail"] = True  # the API server has a bad moment: keep the last answer
+        assert not await app[MONITOR].poll_k8s()
+        assert {r.url for r in app[REPLICAS]} == {reps[0].url}
+    finally:
+        await api_runner.cleanup()
