@@ -58,8 +58,14 @@ def expected_output(ctx: RequestContext, view: Any, fallback: int) -> int:
     return guess
 
 
-def replica_load(view: Any, e: EndpointView, exclude: str | None) -> ReplicaLoad:
-    """The cost model's inputs for one replica, from the endpoint view and the KV view."""
+def replica_load(view: Any, e: EndpointView, exclude: str | None, prior_tokens: int
+                 ) -> ReplicaLoad:
+    """The cost model's inputs for one replica, from the endpoint view and the KV view.
+
+    Calls queued or running there are sized by the replica's recent means (uncached tokens
+    to prefill, prompt tokens held) as observed by this router; before it has observed any,
+    by ``prior_tokens`` (this call's prompt: a pending call counts as a cold call this big).
+    """
     st = view.replica_stat(e.name)
     prof = view.profile(e.name)
     running = e.running if e.running is not None else None
@@ -67,11 +73,11 @@ def replica_load(view: Any, e: EndpointView, exclude: str | None) -> ReplicaLoad
     # calls that have not finished their prefill: waiting in the engine, or sent by this
     # router and not yet running there
     pending = max(float(waiting or 0.0), float(e.inflight) - float(running or 0.0), 0.0)
-    uncached = st.uncached_ewma if st is not None else None
-    context = st.context_ewma if st is not None else None
-    queued = pending * uncached if uncached is not None else (0.0 if pending == 0 else None)
-    batch = int(running) if running is not None else int(e.inflight)
-    dctx = batch * context if context is not None else (0.0 if batch == 0 else None)
+    uncached = st.uncached_ewma if st is not None else float(prior_tokens)
+    context = st.context_ewma if st is not None else float(prior_tokens)
+    queued = pending * uncached
+    batch = max(int(running) if running is not None else 0, int(e.inflight) - int(pending))
+    dctx = batch * context
     used = view.gpu_blocks_used(e.name)
     free = None if used is None else max(prof.gpu_kv_blocks - used, 0)
     warm, reserved = view.warm_and_reserved(e.name, exclude)
@@ -115,7 +121,7 @@ class KVCost:
             c = int((m.cpu if m else 0) * ratio)
             s = int((m.storage if m else 0) * ratio)
             call = CallShape(n_tok, g, c, s, out_tok)
-            load = replica_load(view, e, ctx.identity.key)
+            load = replica_load(view, e, ctx.identity.key, n_tok)
             terms = placement_cost(prof, call, load, overlap=self.overlap)
             res[e.name] = (terms, {"match_blocks": m.depth if m else 0,
                                    "tiers": {"gpu": g, "cpu": c, "storage": s},

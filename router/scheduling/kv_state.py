@@ -139,7 +139,8 @@ class KVState:
     """See the module docstring. One per router process."""
 
     def __init__(self, cfg: KVConfig, tokenizer: ModelTokenizer | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 profile: ReplicaProfile | None = None):
         self.cfg = cfg
         self.clock = clock
         self.index = BlockIndex()
@@ -154,7 +155,9 @@ class KVState:
         self.stats: dict[str, ReplicaStat] = {}
         self.calibrators: dict[str, Calibrator] = {}
         self._profiles: dict[str, ReplicaProfile] = {}
+        self._profile_override = profile  # one profile object for every replica (tests, twins)
         self.subscriber: Any = None
+        self.events_endpoint: str | None = None
         self._calls = 0
 
     # ---- lifetime (the caller pairs these in an aiohttp cleanup context) --------------------
@@ -164,15 +167,13 @@ class KVState:
             return
         from router.events import KVEventSubscriber, topic_to_replica
 
-        topics = dict(self.cfg.topics)
-
         def replica_for(topic: str) -> str | None:
-            return topics.get(topic) or topic_to_replica(topic)
+            return self.cfg.topics.get(topic) or topic_to_replica(topic)
 
         sub = KVEventSubscriber(self.index, replica_for_topic=replica_for)
         if self.cfg.events_bind:
-            bound = sub.bind(self.cfg.events_bind)
-            log.info("kv events: bound %s", bound)
+            self.events_endpoint = sub.bind(self.cfg.events_bind)
+            log.info("kv events: bound %s", self.events_endpoint)
         for url, ep in self.cfg.events_connect.items():
             sub.connect(ep, url, self.cfg.replay.get(url))
         for url, ep in self.cfg.replay.items():
@@ -195,7 +196,8 @@ class KVState:
     def profile(self, replica: str) -> ReplicaProfile:
         p = self._profiles.get(replica)
         if p is None:
-            p = load_profile(self.cfg.profiles.get(replica, self.cfg.profile))
+            p = self._profile_override or load_profile(
+                self.cfg.profiles.get(replica, self.cfg.profile))
             self._profiles[replica] = p
             if self.approx.capacity(replica) == 0:
                 self.approx.set_capacity(replica, p.gpu_kv_blocks)
