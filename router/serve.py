@@ -59,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(RouterConfig)}
     try:
         cfg = load_config(args.config, overrides=overrides)
+        from router.scheduling.registry import build_pipeline
+
+        build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)  # fail before binding
     except ConfigError as e:
         print(f"kvroute serve: {e}", file=sys.stderr)
         return 2

@@ -265,3 +265,14 @@ async def test_a_hung_redis_costs_one_timeout_then_calls_skip_it(fakes, http, re
         if redis_server.proc is not None:
             redis_server.proc.send_signal(signal.SIGCONT)
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replica", "http://127.0.0.1:9", "--policy", "nope"], "unknown policy 'nope'"),
+    (["--port", "80"], "no replicas"),
+    (["--replica", "ftp://x"], "must start with http"),
+])  # fmt: skip
+def test_serve_rejects_bad_config_before_binding(args, message):
+    p = subprocess.run([sys.executable, "-m", "router.serve", *args], capture_output=True,
+                       text=True, timeout=30, env={**os.environ, "KVROUTE_PORT": "0"})  # fmt: skip
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
