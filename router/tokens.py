@@ -239,7 +239,7 @@ class ModelTokenizer:
         self.special_tokens = dict(special_tokens or {})
         self._template = compile_template(chat_template) if chat_template else None
         self.content_format = detect_content_format(chat_template) if chat_template else "string"
-        self.developer_ok = bool(chat_template) and (
+        self.developer_ok = chat_template is not None and (
             '"developer"' in chat_template or "'developer'" in chat_template)
         probe = "kvroute probe"
         with_sp = tokenizer.encode(probe, add_special_tokens=True).ids
@@ -410,7 +410,8 @@ class SessionTokenizer:
         tag = (add_special_tokens, cache_salt, lora)
         prev = self._sessions.get(session) if session is not None else None
         reused = 0
-        ids = ends = None
+        ids: np.ndarray | None = None
+        ends: np.ndarray | None = None
         keep_blocks = 0
         digests: list[bytes] = []
         keys: list[int] = []
@@ -427,7 +428,7 @@ class SessionTokenizer:
                 self.stats["incremental"] += 1
             else:
                 self.stats["fallback"] += 1
-        if ids is None:
+        if ids is None or ends is None:
             ids, ends = self.tokenizer.encode_body(text)
             self.stats["full"] += 1
         all_ids = np.concatenate([np.asarray(prefix, dtype=np.int64), ids,

@@ -56,6 +56,36 @@ class KVConfig:
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
 
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> KVConfig:
+        """From a YAML mapping (unknown keys are an error)."""
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown kv settings: {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> KVConfig | None:
+        """``KVROUTE_KV_<KEY>`` variables (mappings as YAML text); ``None`` when none is set."""
+        import yaml
+
+        vals: dict[str, Any] = {}
+        for name, f in cls.__dataclass_fields__.items():
+            raw = env.get("KVROUTE_KV_" + name.upper())
+            if raw is None:
+                continue
+            t = str(f.type)
+            if t.startswith("dict"):
+                vals[name] = yaml.safe_load(raw) or {}
+            elif t.startswith("int"):
+                vals[name] = int(raw)
+            elif t.startswith("float"):
+                vals[name] = float(raw)
+            else:
+                vals[name] = raw
+        return cls(**vals) if vals else None
+
 
 @dataclass
 class SessionFootprint:
@@ -185,6 +215,12 @@ class KVState:
         if self.subscriber is not None:
             await self.subscriber.close()
             self.subscriber = None
+
+    async def lifespan(self, app: Any) -> Any:
+        """An aiohttp cleanup context (``app.cleanup_ctx.append(state.lifespan)``)."""
+        await self.start()
+        yield
+        await self.close()
 
     def app_kwargs(self) -> dict[str, Any]:
         """``build_app(cfg, **state.app_kwargs())`` wires the analyzer, provider and observer."""

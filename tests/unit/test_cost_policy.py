@@ -183,3 +183,14 @@ def test_sglang_tree_rules(loads, history, expect):
     eps = [ep("A", inflight=loads[0]), ep("B", inflight=loads[1])]
     s = SGLangTree().score(ctx_for(), snap(st, eps), eps)
     assert max(s, key=s.get) == expect
+
+
+def test_kv_config_from_env_and_mapping():
+    assert KVConfig.from_env({}) is None
+    cfg = KVConfig.from_env({"KVROUTE_KV_BLOCK_SIZE": "32", "KVROUTE_KV_PROFILE": "cpu-tiny",
+                             "KVROUTE_KV_TOPICS": "{kv@a: 'http://h:1'}"})
+    assert (cfg.block_size, cfg.profile, cfg.topics) == (32, "cpu-tiny", {"kv@a": "http://h:1"})
+    with pytest.raises(ValueError, match="unknown kv settings"):
+        KVConfig.from_mapping({"blocksize": 3})
+    with pytest.raises(ValueError, match="positive"):
+        KVConfig(block_size=0)
