@@ -23,7 +23,17 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router.app import CONFIG, METRICS, PIPELINE, REPLICAS, RUNTIME, STORE
+from router.app import (
+    CONFIG,
+    METRICS,
+    OBSERVERS,
+    PIPELINE,
+    PROMPT_ANALYZER,
+    REPLICAS,
+    RUNTIME,
+    STATE_PROVIDERS,
+    STORE,
+)
 from router.proxy import error_response, forward, request_id, run_analyzer, snapshot
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import NoCandidates
@@ -214,7 +224,15 @@ async def admin_sessions(request: web.Request) -> web.Response:
 
 @admin
 async def admin_config(request: web.Request) -> web.Response:
-    return web.json_response({"config": repr(request.app[CONFIG])})
+    app = request.app
+    providers: dict[str, Any] = app[STATE_PROVIDERS]
+    return web.json_response({
+        "config": repr(app[CONFIG]),  # secrets masked
+        "policy": app[PIPELINE].name,
+        "prompt_analyzer": app[PROMPT_ANALYZER] is not None,
+        "state_providers": sorted(providers),
+        "observers": len(app[OBSERVERS]),
+    })  # fmt: skip
 
 
 @admin

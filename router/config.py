@@ -39,6 +39,7 @@ class RouterConfig:
     k8s_sa_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"  # token + ca.crt
     policy: str = "session_affinity"
     scheduling: dict[str, Any] | None = None  # explicit pipeline (overrides policy)
+    kv: dict[str, Any] | None = None  # KV-aware layer settings (router.scheduling.kv_state)
     redis_url: str | None = None
     session_ttl_s: float = 3600.0
     redis_timeout_s: float = 0.25

@@ -11,9 +11,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
-_SKIP = {"scheduling", "api_keys"}  # YAML/env only (structured), see docs/router.md
+_SKIP = {"scheduling", "api_keys", "kv"}  # YAML/env only (structured), see docs/router.md
+
+
+def kv_layer(cfg: Any, env: Mapping[str, str]) -> Any:
+    """The KV-aware layer (:class:`router.scheduling.kv_state.KVState`) when configured by a
+    ``kv:`` YAML mapping or ``KVROUTE_KV_*`` env vars (env wins key by key), else ``None``.
+    Imported only when configured, so a plain router never loads the tokenizer stack."""
+    has_env = any(k.startswith("KVROUTE_KV_") for k in env)
+    if not cfg.kv and not has_env:
+        return None
+    from router.scheduling.kv_state import KVConfig, KVState
+
+    base = dict(cfg.kv or {})
+    from_env = KVConfig.from_env(env) if has_env else None
+    if from_env is not None:
+        for name in KVConfig.__dataclass_fields__:
+            if "KVROUTE_KV_" + name.upper() in env:
+                base[name] = getattr(from_env, name)
+    return KVState(KVConfig.from_mapping(base))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
+    import os
     import signal
     import sys
 
@@ -62,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         from router.scheduling.registry import build_pipeline
 
         build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)  # fail before binding
-    except ConfigError as e:
+        kv = kv_layer(cfg, os.environ)
+    except (ConfigError, ValueError, OSError) as e:
         print(f"kvroute serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(
@@ -73,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         from router.app import PIPELINE, build_app, drain, start_site
 
-        app = build_app(cfg)
+        app = build_app(cfg, **(kv.app_kwargs() if kv is not None else {}))
+        if kv is not None:  # ZMQ subscribers etc., paired start-up/clean-up
+            app.cleanup_ctx.append(kv.lifespan)
         runner, url = await start_site(app, cfg.host, cfg.port)
         log.info(
             "kvroute serving on %s (policy %s, state %s, %d replicas)",

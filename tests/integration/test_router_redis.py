@@ -276,3 +276,38 @@ def test_serve_rejects_bad_config_before_binding(args, message):
     p = subprocess.run([sys.executable, "-m", "router.serve", *args], capture_output=True,
                        text=True, timeout=30, env={**os.environ, "KVROUTE_PORT": "0"})  # fmt: skip
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_kv_layer_is_built_from_yaml_and_env_only_when_configured():
+    from router.config import RouterConfig
+    from router.serve import kv_layer
+
+    assert kv_layer(RouterConfig(replicas=["http://a:1"]), {}) is None
+    st = kv_layer(RouterConfig(replicas=["http://a:1"], kv={"block_size": 32, "profile": "x"}),
+                  {"KVROUTE_KV_BLOCK_SIZE": "64"})  # fmt: skip
+    assert st.cfg.block_size == 64 and st.cfg.profile == "x"  # env wins key by key
+    assert set(st.app_kwargs()) == {"analyzer", "state_providers", "observers"}
+    with pytest.raises(ValueError, match="unknown kv settings"):
+        kv_layer(RouterConfig(replicas=["http://a:1"], kv={"nope": 1}), {})
+
+
+async def test_serve_wires_the_kv_layer_when_configured(fakes, http, serve):
+    reps = await fakes(2)
+    os.environ["KVROUTE_KV_BLOCK_SIZE"] = "32"
+    try:
+        p = await ServeProc(*[x for r in reps for x in ("--replica", r.url)],
+                            "--policy", "kv_cost", "--admin-key", "adm").start()  # fmt: skip
+    finally:
+        del os.environ["KVROUTE_KV_BLOCK_SIZE"]
+    serve.append(p)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
+    async with http.post(p.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+    async with http.post(p.url + "/admin/route?explain=1", json=body,
+                         headers={"X-Admin-Key": "adm"}) as r:  # fmt: skip
+        out = await r.json()
+    assert out["explain"]["policy"] == "kv_cost" and out["winner"] in {r.url for r in reps}
+    async with http.get(p.url + "/admin/config", headers={"X-Admin-Key": "adm"}) as r:
+        wiring = await r.json()
+    assert wiring["prompt_analyzer"] and wiring["state_providers"] == ["kv"]
+    assert wiring["observers"] == 1
