@@ -3,13 +3,16 @@
 Rows: the target run (64 x ``h200-70b-fp8``, 384 synthetic AgentX-like sessions over one
 simulated hour, session-affinity routing) with its wall time and AgentX summary; the same
 workload on 8 replicas with decode bursts off vs on (bursts are step-exact: the summaries must
-agree; the ratio is the speed-up); and routing policies compared on one workload.
+agree; the ratio is the speed-up); the simulator's built-in routing functions and the router's
+own pipelines (:class:`loadtest.twin.sim_router.RouterPolicy`) compared on one workload; and
+the target run again with the router's ``kv_cost`` pipeline.
 """
 
 from __future__ import annotations
 
 from costmodel.profiles import load_profile
-from loadtest.twin.sim import simulate, synthetic_agentx
+from loadtest.twin.sim import Simulator, simulate, synthetic_agentx
+from loadtest.twin.sim_router import RouterPolicy
 
 
 def _row(name: str, res, **extra) -> dict:
@@ -70,4 +73,27 @@ def run(quick: bool = False) -> list[dict]:
     pol = synthetic_agentx(4 * 8, 900 if quick else 1800, seed=3)
     for route in ("round_robin", "least_loaded", "session_affinity", "cache_aware"):
         rows.append(_row(f"route_{route}_8x", simulate(prof, 8, pol, route)))
+
+    # the router's own pipelines (router.scheduling), fed by the engines' KV events
+    for policy in (
+        "round_robin",
+        "least_load",
+        "session_affinity",
+        "prefix_hash",
+        "kv_cost",
+        "llmd",
+        "sglang_tree",
+    ):
+        res = Simulator(prof, 8, RouterPolicy(policy, prof)).run(pol)
+        rows.append(_row(f"router_{policy}_8x", res))
+    res = Simulator(prof, n, RouterPolicy("kv_cost", prof)).run(sessions, until=dur)
+    rows.append(
+        _row(
+            f"router_kv_cost_{n}x{prof.name}_{hours:g}h",
+            res,
+            replicas=n,
+            sessions=len(sessions),
+            target_wall_s=300,
+        )
+    )
     return rows

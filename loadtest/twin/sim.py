@@ -31,7 +31,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -128,6 +128,7 @@ class CallView:
     block_keys: list[int]
     max_tokens: int
     now: float
+    final: bool = False  # the session's last call
 
 
 class ReplicaView:
@@ -322,8 +323,27 @@ class _Replica:
         self.version = 0
 
 
+class SimObserver(Protocol):
+    """Optional hooks of a routing function object (e.g. the router's pipeline adapter in
+    :mod:`loadtest.twin.sim_router`): what a real router would hear back."""
+
+    wants_events: bool
+
+    def on_events(self, replica: int, events: list[dict[str, Any]], now: float) -> None:
+        """KV events (vLLM wire form) a replica published at the end of a step."""
+
+    def on_finish(self, record: CallRecord) -> None:
+        """A call finished (its usage, TTFT and duration are in the record)."""
+
+
 class Simulator:
-    """N engines of one profile, a routing function, and a workload of sessions."""
+    """N engines of one profile, a routing function, and a workload of sessions.
+
+    ``route`` may be a plain function or an object with ``__call__`` and the
+    :class:`SimObserver` hooks: with ``wants_events`` the engines publish KV events (block
+    stored / removed, as on the wire) and the simulator hands them over at the end of each
+    step; ``on_finish`` sees every finished call.
+    """
 
     def __init__(
         self,
@@ -337,7 +357,10 @@ class Simulator:
         if n_replicas < 1:
             raise ValueError("need at least one replica")
         self.profile = profile
-        self.replicas = [_Replica(Engine(profile, emit_events=False)) for _ in range(n_replicas)]
+        self.observer: Any = route if hasattr(route, "on_finish") else None
+        events = bool(getattr(route, "wants_events", False))
+        self._on_events = route.on_events if events else None  # type: ignore[attr-defined]
+        self.replicas = [_Replica(Engine(profile, emit_events=events)) for _ in range(n_replicas)]
         self.views = [ReplicaView(i, r.engine) for i, r in enumerate(self.replicas)]
         self.route = route
         self.burst = burst
@@ -369,6 +392,7 @@ class Simulator:
                 return
         step = eng.schedule(now)
         if step is None:
+            self._flush_events(i, now)  # lower-tier loads allocate (and evict) blocks
             nxt = eng.next_ready()
             if nxt is not None:
                 rep.version += 1
@@ -377,6 +401,12 @@ class Simulator:
         rep.step = step
         rep.version += 1
         self._push(now + step.duration, _STEP, (i, rep.version))
+
+    def _flush_events(self, i: int, now: float) -> None:
+        if self._on_events is not None:
+            evs = self.replicas[i].engine.take_events()
+            if evs:
+                self._on_events(i, evs, now)
 
     def _burst_len(self, eng: Engine) -> int:
         """Steps that can run as pure decode with no allocation, caching or finish."""
@@ -491,7 +521,15 @@ class Simulator:
                             ((sid_salt ^ (j * 0xBF58476D1CE4E5B9)) * 0x94D049BB133111EB) & MASK64
                         )
                 st["ctx"] = ctx
-                view = CallView(s.id, st["k"], ctx, keys, call.output_tokens, now)
+                view = CallView(
+                    s.id,
+                    st["k"],
+                    ctx,
+                    keys,
+                    call.output_tokens,
+                    now,
+                    final=st["k"] == len(s.calls) - 1,
+                )
                 i = self.route(view, self.views)
                 req = Request(f"{s.id}/{st['k']}", ctx, call.output_tokens,
                               block_keys=keys[: ctx // bs], arrival=now, session_id=s.id,
@@ -521,13 +559,17 @@ class Simulator:
                 rep.step = None
                 self.steps += 1
                 res = eng.complete(step, now)
+                self._flush_events(i, now)
                 for req in res.finished:
                     st = state[req.session_id]
                     s = st["session"]
-                    records.append(CallRecord(
+                    rec = CallRecord(
                         s.id, st["k"], i, req.arrival, req.prompt_len, req.num_output,
                         req.cached_tokens or 0, req.first_token_time or now, now,
-                        req.num_preemptions))  # fmt: skip
+                        req.num_preemptions)  # fmt: skip
+                    records.append(rec)
+                    if self.observer is not None:
+                        self.observer.on_finish(rec)
                     st["ctx"] += req.num_output
                     st["k"] += 1
                     if st["k"] < len(s.calls):
