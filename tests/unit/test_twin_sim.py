@@ -118,3 +118,34 @@ def test_two_arrivals_within_one_step_of_a_burst_do_not_overlap_steps():
     assert step.steps == fast.steps
     busy = sum(fast.engine_busy_s)
     assert busy == pytest.approx(sum(step.engine_busy_s)) and busy <= fast.sim_time_s
+
+
+def test_sim_command_compares_policies_and_writes_json(tmp_path, capsys):
+    import json
+
+    from kvroute.cli import main
+
+    out = tmp_path / "sim.json"
+    rc = main(
+        [
+            "sim",
+            "--replicas",
+            "2",
+            "--hours",
+            "0.1",
+            "--policy",
+            "round_robin",
+            "--policy",
+            "router:session_affinity",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "round_robin:" in text and "router:session_affinity:" in text
+    data = json.loads(out.read_text())
+    assert set(data["results"]) == {"round_robin", "router:session_affinity"}
+    assert all(r["requests"] > 0 for r in data["results"].values())
+    assert main(["sim", "--policy", "no-such"]) == 2
+    assert main(["sim", "--policy", "router:no-such"]) == 2
