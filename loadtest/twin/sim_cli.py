@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from costmodel.profiles import ProfileError, load_profile
-    from loadtest.twin.sim import ROUTERS, Simulator, synthetic_agentx
+    from loadtest.twin.sim import ROUTERS, RouteFn, Simulator, synthetic_agentx
     from loadtest.twin.sim_router import RouterPolicy
 
     if args.replicas < 1 or args.hours <= 0:
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     sessions = synthetic_agentx(n_sessions, dur, seed=args.seed)
     out = {}
     for policy in args.policy or ["router:kv_cost"]:
+        route: RouteFn
         try:
             if policy.startswith("router:"):
                 route = RouterPolicy(policy.removeprefix("router:"), prof, seed=args.seed)
