@@ -387,3 +387,50 @@ def load_profile(name: str) -> ReplicaProfile:
         raise ProfileError(f"unknown profile {name!r}; known: {list_profiles()}")
     hardware = _read_yaml("hardware.yaml")
     return profile_from_dict(_raw_profile(name), hardware)
+
+
+_OVERRIDABLE = {
+    "block_size": int, "gpu_kv_blocks": int, "max_num_seqs": int,
+    "max_num_batched_tokens": int, "long_prefill_token_threshold": int,
+    "prefill_mfu": float, "hbm_efficiency": float, "cpu_kv_blocks": int,
+    "storage_kv_blocks": int, "prefill_interval_steps": int, "request_overhead_s": float,
+}  # fmt: skip
+
+
+def with_overrides(profile: ReplicaProfile, overrides: Mapping[str, Any]) -> ReplicaProfile:
+    """``profile`` with engine settings changed (``{"prefill_interval_steps": 2}``), values
+    checked like the YAML's. Pure. Hardware and model stay as loaded."""
+    changes: dict[str, Any] = {}
+    for key, raw in overrides.items():
+        kind = _OVERRIDABLE.get(key)
+        if kind is None:
+            raise ProfileError(f"cannot override {key!r}; overridable: {sorted(_OVERRIDABLE)}")
+        positive = key in (
+            "block_size",
+            "gpu_kv_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_mfu",
+            "hbm_efficiency",
+        )
+        v = (_int if kind is int else _num)(
+            {key: raw}, key, f"override of {profile.name!r}", positive=positive
+        )
+        changes[key] = v
+    out = dataclasses.replace(profile, **changes)
+    if out.prefill_mfu > 1 or out.hbm_efficiency > 1:
+        raise ProfileError("prefill_mfu and hbm_efficiency must be <= 1")
+    if out.gpu_kv_blocks < 2:
+        raise ProfileError("gpu_kv_blocks must be at least 2 (one is reserved)")
+    return out
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, str]:
+    """``["k=v", ...]`` (command-line ``--set``) to a mapping; a clear error otherwise."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ProfileError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out

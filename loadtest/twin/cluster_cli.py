@@ -26,6 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--name-prefix", default="twin")
     p.add_argument(
+        "--set",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="override an engine setting of the profile, e.g. "
+        "prefill_interval_steps=2 or gpu_kv_blocks=4000 (repeatable)",
+    )
+    p.add_argument(
         "--kv-events-replay",
         action="store_true",
         help="give every replica vLLM's replay service on its own loopback port",
@@ -40,13 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from costmodel.profiles import ProfileError
+    from costmodel.profiles import ProfileError, load_profile, parse_overrides, with_overrides
     from loadtest.twin.cluster import start_cluster
 
     async def main() -> None:
+        prof = with_overrides(load_profile(args.profile), parse_overrides(args.set))
         async with start_cluster(
             args.replicas,
-            args.profile,
+            prof,
             speedup=args.speedup,
             base_port=args.base_port,
             host=args.host,

@@ -31,6 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--set",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="override an engine setting of the profile, e.g. "
+        "prefill_interval_steps=2 or gpu_kv_blocks=4000 (repeatable)",
+    )
+    p.add_argument(
         "--kv-events-replay",
         default=None,
         metavar="ENDPOINT",
@@ -52,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from costmodel.profiles import ProfileError, load_profile
+    from costmodel.profiles import ProfileError, load_profile, parse_overrides, with_overrides
     from loadtest import tinymodel
     from loadtest.twin.server import TwinConfig, TwinReplica, runner_port, serve
 
     try:
-        prof = load_profile(args.profile)
+        prof = with_overrides(load_profile(args.profile), parse_overrides(args.set))
     except ProfileError as e:
         print(f"kvroute twin: {e}")
         return 2

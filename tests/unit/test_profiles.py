@@ -123,3 +123,22 @@ def test_bad_model_and_unknown_profile():
         profile_from_dict(bad, HW)
     with pytest.raises(ProfileError, match="unknown profile"):
         load_profile("no-such-profile")
+
+
+def test_engine_settings_can_be_overridden_with_checks():
+    from costmodel.profiles import parse_overrides, with_overrides
+
+    base = load_profile("cpu-tiny")
+    p = with_overrides(base, parse_overrides(["prefill_interval_steps=2", "gpu_kv_blocks = 64"]))
+    assert (p.prefill_interval_steps, p.gpu_kv_blocks) == (2, 64)
+    assert p.model == base.model and base.gpu_kv_blocks == 256  # the cached one is untouched
+    for bad, msg in (
+        (["hbm_bytes=1"], "cannot override"),
+        (["max_num_seqs=0"], "> 0"),
+        (["prefill_mfu=1.5"], "<= 1"),
+        (["gpu_kv_blocks=1"], "at least 2"),
+        (["block_size=x"], "must be a number"),
+        (["nokey"], "KEY=VALUE"),
+    ):
+        with pytest.raises(ProfileError, match=msg):
+            with_overrides(base, parse_overrides(bad))
