@@ -89,7 +89,8 @@ def real_and_twin():
     )
     bed = VllmBed([cfg])
     replica = bed.replicas[0]
-    replica.argv.remove("--disable-log-stats")  # keep vLLM's /metrics (see module docstring)
+    if "--disable-log-stats" in replica.argv:  # keep vLLM's /metrics (see module docstring)
+        replica.argv.remove("--disable-log-stats")
     twin = TwinThread(collector.endpoint)
     try:
         with bed:
