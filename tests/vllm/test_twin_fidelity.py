@@ -139,6 +139,26 @@ def _run(client: httpx.Client, url: str, prompts: list[str]) -> list[tuple[float
     return out
 
 
+def _words(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(tinymodel._WORDS) for _ in range(n))
+
+
+def _concurrent(client: httpx.Client, url: str, prompts: list[str]) -> list[int]:
+    """cached_tokens of ``prompts`` sent all at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(p: str) -> int:
+        r = client.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 1}
+        )
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(one, prompts))
+
+
 def _keys(batches, kind):
     return [k for b in batches for e in b.events if isinstance(e, kind) for k in e.block_hashes]
 
@@ -181,6 +201,11 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
             client.post(u + "/v1/chat/completions", json=chat).json()["usage"]
             for u in (replica.url, twin.url)
         ]
+        # four calls at once sharing a new prefix: blocks are cached when allocated, so
+        # every call but the first hits the prefix, in whichever step it lands
+        shared = _words(700, seed=99)
+        burst = [shared + " " + _words(60, seed=100 + i) for i in range(4)]
+        concurrent = [_concurrent(client, u, burst) for u in (replica.url, twin.url)]
         real_metrics = client.get(replica.url + "/metrics").text
         twin_metrics = client.get(twin.url + "/metrics").text
         tokens = [
@@ -188,6 +213,12 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
                 "tokens"
             ]
             for p in prompts
+        ]
+        burst_tokens = [
+            client.post(replica.url + "/tokenize", json={"model": "tiny", "prompt": p}).json()[
+                "tokens"
+            ]
+            for p in burst
         ]
         tok_chat = {k: chat[k] for k in ("model", "messages", "tools")}
         chat_tokens = client.post(replica.url + "/tokenize", json=tok_chat).json()["tokens"]
@@ -207,9 +238,12 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
         chat_usage
     )  # cached_tokens, created_cache_tokens, multimodal_tokens
 
+    assert sorted(concurrent[0]) == sorted(concurrent[1]), concurrent
+    assert sorted(concurrent[0])[0] == 0 and min(sorted(concurrent[0])[1:]) >= 640
+
     # the KV event streams agree on stored and removed hashes
     h = BlockHasher(BLOCK_SIZE)
-    want = {k for t in [*tokens, chat_tokens] for k in h.hash_keys(t)}
+    want = {k for t in [*tokens, chat_tokens, *burst_tokens] for k in h.hash_keys(t)}
     rb = collector.wait_for(
         replica.topic, lambda bs: want <= set(_keys(bs, BlockStored)), timeout=30
     )[n_real_before:]
@@ -240,6 +274,8 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
         "ttft_twin_ms": [round(s[0] * 1e3, 1) for s in sim],
         "cached_real": [r[2] for r in real],
         "cached_twin": [s[2] for s in sim],
+        "concurrent_cached_real": sorted(concurrent[0]),
+        "concurrent_cached_twin": sorted(concurrent[1]),
     }
     out = Path(os.environ.get("KVROUTE_FIDELITY_OUT", "out/bench/twin_fidelity.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
