@@ -11,7 +11,8 @@ paths take turns over three rounds per case and each row is the median round.
 sglang-router (PyPI ``sglang-router``, Rust) comes from ``make bench-peers`` (a venv
 under ``$KVROUTE_CACHE``); when it is missing its rows say so instead of failing the run.
 Both routers run ``round_robin`` over the one backend; kvroute also runs its default
-``session_affinity`` policy (a session table write per call).
+``session_affinity`` policy (a session table write per call) and sglang-router its default
+``cache_aware`` (an approximate radix tree over the request text).
 
     python -m loadtest.benchmarks --only proxy [--quick]
     python -m loadtest.bench.bench_proxy --backend PORT     # the backend alone
@@ -279,40 +280,27 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             _wait_http(url + "/ready", proc=p)
             paths[f"kvroute:{policy}"] = (url, p.pid)
         sg = sglang_python()
-        if sg is not None:
+        if sg is None:
+            rows.append({"name": "sglang-router", "error": "not installed: run `make bench-peers`"})
+        for policy in ("round_robin", "cache_aware") if sg is not None else ():
             port = _free_port()
-            p = _spawn(
-                [
-                    str(sg),
-                    "-m",
-                    "sglang_router.launch_router",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--worker-urls",
-                    burl,
-                    "--policy",
-                    "round_robin",
-                    "--log-level",
-                    "warn",
-                    "--max-payload-size",
-                    str(64 << 20),
-                    "--disable-retries",
-                    "--disable-circuit-breaker",
-                ],
-                work / "sglang-router.log",
-            )
+            log = work / f"sglang-router-{policy}.log"
+            argv = [str(sg), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                    "--port", str(port), "--worker-urls", burl, "--policy", policy,
+                    "--log-level", "warn", "--max-payload-size", str(64 << 20),
+                    "--disable-retries", "--disable-circuit-breaker",
+                    # its metrics exporter defaults to a fixed port on all interfaces
+                    "--prometheus-host", "127.0.0.1",
+                    "--prometheus-port", str(_free_port())]  # fmt: skip
+            p = _spawn(argv, log)
             procs.append(p)
             url = f"http://127.0.0.1:{port}"
             try:
                 _wait_http(url + "/health", timeout=90, proc=p, ok_codes=(200,))
-                paths["sglang-router:round_robin"] = (url, p.pid)
+                paths[f"sglang-router:{policy}"] = (url, p.pid)
             except RuntimeError as e:
-                tail = (work / "sglang-router.log").read_text(errors="replace")[-800:]
-                rows.append({"name": "sglang-router", "error": f"{e}: {tail}"})
-        else:
-            rows.append({"name": "sglang-router", "error": "not installed: run `make bench-peers`"})
+                tail = log.read_text(errors="replace")[-800:]
+                rows.append({"name": f"sglang-router:{policy}", "error": f"{e}: {tail}"})
 
         for mode, size, conc in [
             (m, s, c) for m in ("sse", "json") for s in (2_000, 200_000) for c in (1, 32)
