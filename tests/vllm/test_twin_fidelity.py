@@ -139,6 +139,41 @@ def _run(client: httpx.Client, url: str, prompts: list[str]) -> list[tuple[float
     return out
 
 
+BAD_INPUTS = [
+    ("/v1/completions", b"{not json"),
+    ("/v1/chat/completions", b"{not json"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/completions", {"model": "tiny", "prompt": " ".join(["token"] * 5000), "max_tokens": 2}),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 5000}),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "max_tokens": 5000, "messages": [{"role": "user", "content": "x"}]},
+    ),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": -1}),
+    ("/v1/completions", {"model": "tiny", "max_tokens": 2}),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        },
+    ),
+]
+
+
+def _error(client: httpx.Client, url: str, path: str, body) -> tuple:
+    """(status, type, param, message or None for JSON-parser messages)."""
+    if isinstance(body, bytes):
+        r = client.post(url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(url + path, json=body)
+    err = r.json()["error"]
+    msg = None if err["param"] == "body.1" else err["message"]
+    return r.status_code, err["type"], err["param"], msg
+
+
 def _words(n: int, seed: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(tinymodel._WORDS) for _ in range(n))
@@ -206,6 +241,10 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
         shared = _words(700, seed=99)
         burst = [shared + " " + _words(60, seed=100 + i) for i in range(4)]
         concurrent = [_concurrent(client, u, burst) for u in (replica.url, twin.url)]
+        errors = [
+            [_error(client, u, path, body) for path, body in BAD_INPUTS]
+            for u in (replica.url, twin.url)
+        ]
         real_metrics = client.get(replica.url + "/metrics").text
         twin_metrics = client.get(twin.url + "/metrics").text
         tokens = [
@@ -240,6 +279,13 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
 
     assert sorted(concurrent[0]) == sorted(concurrent[1]), concurrent
     assert sorted(concurrent[0])[0] == 0 and min(sorted(concurrent[0])[1:]) >= 640
+
+    # bad input: same status, error type, param and (except the JSON parser's own words)
+    # message
+    for (path, _), real_err, twin_err in zip(BAD_INPUTS, *errors, strict=True):
+        assert real_err[:3] == twin_err[:3], (path, real_err, twin_err)
+        if real_err[3] is not None:
+            assert real_err[3] == twin_err[3], (path, real_err, twin_err)
 
     # the KV event streams agree on stored and removed hashes
     h = BlockHasher(BLOCK_SIZE)
