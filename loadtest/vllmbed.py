@@ -205,7 +205,6 @@ class VllmReplica(ManagedProcess):
             "--enable-prefix-caching",
             "--prefix-caching-hash-algo", cfg.hash_algo,
             "--enable-prompt-tokens-details",
-            "--disable-log-stats",
         ]  # fmt: skip
         if cfg.events_endpoint:
             argv += [

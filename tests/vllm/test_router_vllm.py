@@ -80,8 +80,8 @@ def _stored_blocks(kv_events, topic: str) -> int:
 
 
 async def test_client_disconnect_aborts_the_request_in_vllm(vllm_bed, kv_events):
-    """The bed runs with ``--disable-log-stats`` (no ``vllm:num_requests_running``), so the
-    abort is observed through KV events: generated tokens fill blocks that vLLM publishes as
+    """The abort is observed in the engine itself, through KV events: generated tokens fill
+    blocks that vLLM publishes as
     ``BlockStored``; once the request is aborted the count stops growing far below what the
     full generation would have stored."""
     replica = vllm_bed.replicas[0]
