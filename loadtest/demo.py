@@ -30,9 +30,13 @@ def best_policy() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out/demo", help="results and report folder")
-    p.add_argument("--duration", type=float, default=None,
-                   help="seconds of replay per target (default: ~130 s shared by the targets, "
-                        "25-45 s each, so the demo stays under 3 minutes)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of replay per target (default: ~120 s shared by the targets, "
+        "25-45 s each, so the demo stays under 3 minutes)",
+    )
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--speedup", type=float, default=10.0)
     p.add_argument("--no-peers", action="store_true", help="skip installed peer routers")
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     targets = ["kvroute:round_robin", f"kvroute:{best}"]
     if not args.no_peers:
         targets += [p for p in DEMO_PEERS if peer_python(PEERS[p][0]) is not None]
-    duration = args.duration or min(45.0, max(25.0, 130.0 / len(targets)))
+    duration = args.duration or min(45.0, max(25.0, 120.0 / len(targets)))
     console.print(
         f"[bold]kvroute demo[/]: 4 replica twins (H200, 70B-class fp8, speedup "
         f"{args.speedup:g}×) behind {', '.join(targets)}; replaying {TRACE.name} "
@@ -61,9 +65,16 @@ def run(args: argparse.Namespace) -> int:
         f"{args.concurrency} concurrent sessions"
     )
     cfg = SweepConfig(
-        trace=str(TRACE), targets=targets, concurrency=[args.concurrency],
-        duration_s=duration, replicas=4, profile="h200-70b-fp8", speedup=args.speedup,
-        max_calls=12, max_gap_s=30.0, progress=True,
+        trace=str(TRACE),
+        targets=targets,
+        concurrency=[args.concurrency],
+        duration_s=duration,
+        replicas=4,
+        profile="h200-70b-fp8",
+        speedup=args.speedup,
+        max_calls=12,
+        max_gap_s=30.0,
+        progress=True,
     )
     res = run_sweep(cfg, args.out, command="kvroute demo")
     rows = {p["target"]: p.get("summary") or {} for p in res["points"]}

@@ -88,8 +88,9 @@ def summarize(
     cancelled = [c for c in calls if not c.ok and (c.error or "").startswith(CANCELLED)]
     failed = [c for c in calls if not c.ok and c not in cancelled]
     ttft = [c.ttft_s * speedup for c in ok if c.ttft_s is not None]
-    tpot_ms = [c.tpot_s * speedup * 1e3 for c in ok if c.tpot_s is not None
-               and c.completion_tokens >= 2]
+    tpot_ms = [
+        c.tpot_s * speedup * 1e3 for c in ok if c.tpot_s is not None and c.completion_tokens >= 2
+    ]
     p90_tpot = _pct(tpot_ms, 90)
     interactivity = (1000.0 / p90_tpot) if p90_tpot else None
     tokens = sum(c.prompt_tokens + c.completion_tokens for c in ok)

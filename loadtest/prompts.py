@@ -101,7 +101,10 @@ def render_chat(template: str, messages: list[dict[str, Any]], bos: str | None) 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
     return env.from_string(template).render(
-        messages=messages, bos_token=bos or "", eos_token="", add_generation_prompt=True,
+        messages=messages,
+        bos_token=bos or "",
+        eos_token="",
+        add_generation_prompt=True,
         tools=None,
     )
 
@@ -210,8 +213,9 @@ class PromptBuilder:
                 break
         ids.extend(self._tail_ids)
         content = "".join(texts)
-        return Prompt(messages=[{"role": "user", "content": content}], token_ids=ids,
-                      content_tokens=n_content)
+        return Prompt(
+            messages=[{"role": "user", "content": content}], token_ids=ids, content_tokens=n_content
+        )
 
     @staticmethod
     def _split_words(text: str) -> list[str]:

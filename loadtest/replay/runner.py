@@ -107,8 +107,9 @@ class _Run:
             return self.trace.name
         return f"{self.trace.name}/{s.id}"
 
-    async def play_session(self, http: aiohttp.ClientSession, s: Session, play: int,
-                           lane: int) -> None:
+    async def play_session(
+        self, http: aiohttp.ClientSession, s: Session, play: int, lane: int
+    ) -> None:
         start = self.now()
         ns = self.session_ns(s, play)
         sid = f"{self.trace.name}/{s.id}#{play}"
@@ -121,8 +122,10 @@ class _Run:
             try:
                 if c.deps:
                     done = [await ends[d.call] for d in c.deps]
-                    ready = max(t + d.delay_s / self.cfg.time_scale
-                                for t, d in zip(done, c.deps, strict=True))
+                    ready = max(
+                        t + d.delay_s / self.cfg.time_scale
+                        for t, d in zip(done, c.deps, strict=True)
+                    )
                 else:
                     ready = start + c.start_delay_s / self.cfg.time_scale
                 if not await self.sleep_until(ready):
@@ -140,14 +143,28 @@ class _Run:
         finally:
             for t in tasks:
                 t.cancel()
-            self.sessions.append(SessionRecord(
-                session=s.id, play=play, lane=lane, t_start=start, t_end=self.now(),
-                calls=sum(1 for c in s.calls if c.id in oks),
-                complete=len(oks) == len(s.calls) and all(oks.values()),
-            ))
+            self.sessions.append(
+                SessionRecord(
+                    session=s.id,
+                    play=play,
+                    lane=lane,
+                    t_start=start,
+                    t_end=self.now(),
+                    calls=sum(1 for c in s.calls if c.id in oks),
+                    complete=len(oks) == len(s.calls) and all(oks.values()),
+                )
+            )
 
-    async def one_call(self, http: aiohttp.ClientSession, session: str, c: Call, ns: str,
-                       sid: str, play: int, lane: int) -> CallRecord:
+    async def one_call(
+        self,
+        http: aiohttp.ClientSession,
+        session: str,
+        c: Call,
+        ns: str,
+        sid: str,
+        play: int,
+        lane: int,
+    ) -> CallRecord:
         prompt = self.builder.build(c, ns, play)
         bound = self.bound.observe(prompt.token_ids)
         body = {
@@ -165,8 +182,9 @@ class _Run:
         t_sent = self.now()
         self.queue.append(QueueSample(t_sent, self.in_flight))
         try:
-            res = await stream_chat(http, self.url, body, headers, clock=self.now,
-                                    timeout_s=self.cfg.request_timeout_s)
+            res = await stream_chat(
+                http, self.url, body, headers, clock=self.now, timeout_s=self.cfg.request_timeout_s
+            )
         except asyncio.CancelledError:
             res = CallResult(False, t_sent, self.now(), error="cancelled: run bound")
             self._record(session, c, play, lane, prompt.n_tokens, bound, res)
@@ -176,16 +194,35 @@ class _Run:
             self.queue.append(QueueSample(self.now(), self.in_flight))
         return self._record(session, c, play, lane, prompt.n_tokens, bound, res)
 
-    def _record(self, session: str, c: Call, play: int, lane: int, expected: int, bound: int,
-                res: CallResult) -> CallRecord:
+    def _record(
+        self,
+        session: str,
+        c: Call,
+        play: int,
+        lane: int,
+        expected: int,
+        bound: int,
+        res: CallResult,
+    ) -> CallRecord:
         rec = CallRecord(
-            session=session, play=play, call=c.id,
-            agent=c.agent, t_start=res.t_start, t_end=res.t_end, ok=res.ok, ttft_s=res.ttft_s,
+            session=session,
+            play=play,
+            call=c.id,
+            agent=c.agent,
+            t_start=res.t_start,
+            t_end=res.t_end,
+            ok=res.ok,
+            ttft_s=res.ttft_s,
             tpot_s=res.tpot_s,
             prompt_tokens=res.prompt_tokens if res.prompt_tokens is not None else expected,
-            completion_tokens=res.completion_tokens, cached_tokens=res.cached_tokens,
-            expected_prompt_tokens=expected, bound_cached_tokens=bound, replica=res.replica,
-            lane=lane, status=res.status, error=res.error,
+            completion_tokens=res.completion_tokens,
+            cached_tokens=res.cached_tokens,
+            expected_prompt_tokens=expected,
+            bound_cached_tokens=bound,
+            replica=res.replica,
+            lane=lane,
+            status=res.status,
+            error=res.error,
         )
         self.calls.append(rec)
         self.on_call(rec)
@@ -226,8 +263,9 @@ async def _model_of(http: aiohttp.ClientSession, target: str) -> str:
         raise RuntimeError(f"cannot list models at {url}: {e!r}; pass --model") from e
 
 
-async def replay(trace: Trace, builder: PromptBuilder, cfg: ReplayConfig,
-                 out_dir: str | Path | None = None) -> dict[str, Any]:
+async def replay(
+    trace: Trace, builder: PromptBuilder, cfg: ReplayConfig, out_dir: str | Path | None = None
+) -> dict[str, Any]:
     """Play ``trace`` against ``cfg.target``; returns the summary (also written to out_dir)."""
     conn = aiohttp.TCPConnector(limit=max(64, cfg.concurrency * 8), force_close=False)
     async with aiohttp.ClientSession(connector=conn) as http:
@@ -249,25 +287,29 @@ async def replay(trace: Trace, builder: PromptBuilder, cfg: ReplayConfig,
             if progress:
                 progress.stop()
         wall = max(run.now(), 1e-9)
-    summary = summarize(run.calls, run.sessions, run.queue, wall_s=wall, gpus=cfg.gpus,
-                        speedup=cfg.speedup)
-    summary.update({
-        "trace": trace.name,
-        "trace_stats": trace.stats(),
-        "target": cfg.target,
-        "model": model,
-        "concurrency": cfg.concurrency,
-        "open_loop": cfg.open_loop,
-        "convention": cfg.convention,
-        "shared_prefix": builder.shared_prefix,
-        "block_size": builder.block_size,
-        "trace_block_size": trace.block_size,
-        "tokens_per_id": builder.tokens_per_id,
-        "template_tokens": builder.template_tokens,
-        "time_scale": cfg.time_scale,
-        "prompt_tokens_mismatch": sum(1 for c in run.calls if c.ok
-                                      and c.prompt_tokens != c.expected_prompt_tokens),
-    })
+    summary = summarize(
+        run.calls, run.sessions, run.queue, wall_s=wall, gpus=cfg.gpus, speedup=cfg.speedup
+    )
+    summary.update(
+        {
+            "trace": trace.name,
+            "trace_stats": trace.stats(),
+            "target": cfg.target,
+            "model": model,
+            "concurrency": cfg.concurrency,
+            "open_loop": cfg.open_loop,
+            "convention": cfg.convention,
+            "shared_prefix": builder.shared_prefix,
+            "block_size": builder.block_size,
+            "trace_block_size": trace.block_size,
+            "tokens_per_id": builder.tokens_per_id,
+            "template_tokens": builder.template_tokens,
+            "time_scale": cfg.time_scale,
+            "prompt_tokens_mismatch": sum(
+                1 for c in run.calls if c.ok and c.prompt_tokens != c.expected_prompt_tokens
+            ),
+        }
+    )
     if out_dir is not None:
         write_outputs(Path(out_dir), run, summary)
     return summary
@@ -368,12 +410,21 @@ class _Progress:
             TimeElapsedColumn,
         )
 
-        self.p = Progress(TextColumn("[bold]replay[/] {task.description}"), BarColumn(),
-                          MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
+        self.p = Progress(
+            TextColumn("[bold]replay[/] {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            transient=True,
+        )
         total = trace.n_calls if cfg.duration_s is None else None
         if cfg.max_plays is not None and not cfg.duration_s:
-            total = sum(len(s.calls) for s in (trace.sessions * (cfg.max_plays //
-                        max(1, len(trace.sessions)) + 1))[: cfg.max_plays])
+            total = sum(
+                len(s.calls)
+                for s in (trace.sessions * (cfg.max_plays // max(1, len(trace.sessions)) + 1))[
+                    : cfg.max_plays
+                ]
+            )
         self.task = self.p.add_task(trace.name, total=total)
         self.failed = 0
 

@@ -31,8 +31,9 @@ def ttfts_at(results: dict[str, Any], root: Path, concurrency: int) -> dict[str,
         f = root / p["dir"] / "calls.jsonl"
         if f.exists():
             sp = float(p["summary"].get("speedup", 1.0))
-            out[p["target"]] = [c.ttft_s * sp for c in read_jsonl(f, CallRecord)
-                                if c.ok and c.ttft_s is not None]
+            out[p["target"]] = [
+                c.ttft_s * sp for c in read_jsonl(f, CallRecord) if c.ok and c.ttft_s is not None
+            ]
     return out
 
 
@@ -46,8 +47,13 @@ def build_report(root: str | Path) -> Path:
         figs.append(plots.pareto(points, root / "pareto.png"))
         figs.append(plots.hit_bars(points, root / "hit_ratio.png"))
         top = max(p["concurrency"] for p in ok)
-        figs.append(plots.ttft_cdf(ttfts_at(results, root, top), root / "ttft_cdf.png",
-                                   title=f"TTFT CDF at concurrency {top}"))
+        figs.append(
+            plots.ttft_cdf(
+                ttfts_at(results, root, top),
+                root / "ttft_cdf.png",
+                title=f"TTFT CDF at concurrency {top}",
+            )
+        )
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in COLUMNS)
     rows = []
     for p in points:
@@ -57,8 +63,9 @@ def build_report(root: str | Path) -> Path:
             if s
             else f'<td colspan="{len(COLUMNS)}">failed: {html.escape(str(p.get("error")))}</td>'
         )
-        rows.append(f"<tr><td>{html.escape(p['target'])}</td><td>{p['concurrency']}</td>"
-                    f"{cells}</tr>")
+        rows.append(
+            f"<tr><td>{html.escape(p['target'])}</td><td>{p['concurrency']}</td>{cells}</tr>"
+        )
     cfg = results.get("config", {})
     notes = results.get("notes", [])
     page = f"""<!doctype html>

@@ -36,8 +36,14 @@ def pareto(points: Sequence[Mapping[str, Any]], path: Path, line_tok_s: float = 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for target, pts in _by_target(points).items():
-        xy = [(p["summary"].get("p90_interactivity_tok_s"), p["summary"].get("tokens_per_gpu_s"),
-               p["concurrency"]) for p in pts]
+        xy = [
+            (
+                p["summary"].get("p90_interactivity_tok_s"),
+                p["summary"].get("tokens_per_gpu_s"),
+                p["concurrency"],
+            )
+            for p in pts
+        ]
         xy = [t for t in xy if t[0] is not None and t[1] is not None]
         if not xy:
             continue
@@ -45,8 +51,14 @@ def pareto(points: Sequence[Mapping[str, Any]], path: Path, line_tok_s: float = 
         for x, y, c in xy:
             ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axvline(line_tok_s, color="grey", linestyle="--", linewidth=1)
-    ax.text(line_tok_s, ax.get_ylim()[1], f" {line_tok_s:g} tok/s/user", va="top", fontsize=8,
-            color="grey")
+    ax.text(
+        line_tok_s,
+        ax.get_ylim()[1],
+        f" {line_tok_s:g} tok/s/user",
+        va="top",
+        fontsize=8,
+        color="grey",
+    )
     ax.set_xlabel("P90 interactivity (tok/s per user)")
     ax.set_ylabel("throughput (tokens per GPU-second)")
     ax.set_title("Pareto: throughput vs interactivity over concurrency")

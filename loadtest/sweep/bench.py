@@ -30,8 +30,9 @@ from loadtest.traces import load_trace
 @dataclass
 class SweepConfig:
     trace: str
-    targets: list[str] = field(default_factory=lambda: ["kvroute:round_robin",
-                                                        "kvroute:session_affinity"])
+    targets: list[str] = field(
+        default_factory=lambda: ["kvroute:round_robin", "kvroute:session_affinity"]
+    )
     concurrency: list[int] = field(default_factory=lambda: [4, 8])
     duration_s: float = 30.0
     grace_s: float = 5.0
@@ -54,8 +55,10 @@ class SweepConfig:
 def machine() -> str:
     import os
 
-    return (f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
-            f"Python {platform.python_version()}")
+    return (
+        f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def _block_size(profile: str) -> int:
@@ -87,32 +90,48 @@ def notes_for(cfg: SweepConfig, trace_block: int, block: int, tpi: int) -> list[
     return n
 
 
-def run_point(cfg: SweepConfig, target: str, conc: int, out: Path, trace: Any,
-              builder: PromptBuilder) -> dict[str, Any]:
+def run_point(
+    cfg: SweepConfig, target: str, conc: int, out: Path, trace: Any, builder: PromptBuilder
+) -> dict[str, Any]:
     point: dict[str, Any] = {"target": target, "concurrency": conc}
     d = out / "points" / target.replace(":", "_") / f"c{conc}"
     events = "tcp://127.0.0.1:*" if target in NEEDS_EVENTS else None
     cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup, kv_events=events)
     try:
         cluster.start()
-        router = Router(target, cluster.urls, cluster.workdir,
-                        event_endpoints=cluster.event_endpoints,
-                        block_size=_block_size(cfg.profile), model=cfg.model)
+        router = Router(
+            target,
+            cluster.urls,
+            cluster.workdir,
+            event_endpoints=cluster.event_endpoints,
+            block_size=_block_size(cfg.profile),
+            model=cfg.model,
+        )
         with router:
             rcfg = ReplayConfig(
-                target=router.url, model=cfg.model, concurrency=conc, duration_s=cfg.duration_s,
-                grace_s=cfg.grace_s, time_scale=cfg.speedup, speedup=cfg.speedup,
-                gpus=cfg.replicas, open_loop=cfg.open_loop,
+                target=router.url,
+                model=cfg.model,
+                concurrency=conc,
+                duration_s=cfg.duration_s,
+                grace_s=cfg.grace_s,
+                time_scale=cfg.speedup,
+                speedup=cfg.speedup,
+                gpus=cfg.replicas,
+                open_loop=cfg.open_loop,
                 convention=PEERS[target][2] if target in PEERS else cfg.convention,
-                metrics_urls=cluster.metrics_urls, progress=cfg.progress,
+                metrics_urls=cluster.metrics_urls,
+                progress=cfg.progress,
             )
             summary = asyncio.run(replay(trace, builder, rcfg, d))
         point["summary"] = summary
         point["dir"] = str(d.relative_to(out))
     except (StackError, RuntimeError, OSError) as e:
         lines = [x for x in str(e).splitlines() if x.strip()]
-        point["error"] = " | ".join([lines[0], *lines[-3:]] if len(lines) > 1 else lines)[:600] \
-            if lines else repr(e)
+        point["error"] = (
+            " | ".join([lines[0], *lines[-3:]] if len(lines) > 1 else lines)[:600]
+            if lines
+            else repr(e)
+        )
     finally:
         cluster.stop()
         cleanup(cluster.workdir)
@@ -125,23 +144,35 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    trace = load_trace(cfg.trace, max_sessions=cfg.max_sessions, max_calls=cfg.max_calls,
-                       max_gap_s=cfg.max_gap_s, seed=cfg.seed)
+    trace = load_trace(
+        cfg.trace,
+        max_sessions=cfg.max_sessions,
+        max_calls=cfg.max_calls,
+        max_gap_s=cfg.max_gap_s,
+        seed=cfg.seed,
+    )
     block = _block_size(cfg.profile)
     # Prompts longer than the profile's context are cut (from the end) to fit with the output.
     mml = _max_model_len(cfg.profile)
     max_prompt = cfg.max_prompt_tokens or mml - min(8192, mml // 4)
-    builder = PromptBuilder(tinymodel.ensure(), block_size=block,
-                            trace_block_size=trace.block_size, tokens_per_id=cfg.tokens_per_id,
-                            shared_prefix=cfg.shared_prefix, max_prompt_tokens=max_prompt)
+    builder = PromptBuilder(
+        tinymodel.ensure(),
+        block_size=block,
+        trace_block_size=trace.block_size,
+        tokens_per_id=cfg.tokens_per_id,
+        shared_prefix=cfg.shared_prefix,
+        max_prompt_tokens=max_prompt,
+    )
     results: dict[str, Any] = {
         "config": asdict(cfg),
         "machine": machine(),
         "command": command or " ".join(shlex.quote(a) for a in sys.argv),
         "trace_stats": trace.stats(),
-        "notes": [*notes_for(cfg, trace.block_size, block, builder.tokens_per_id),
-                  f"Prompts longer than {max_prompt:,} tokens (the profile's context minus "
-                  "room for output) are truncated from the end."],
+        "notes": [
+            *notes_for(cfg, trace.block_size, block, builder.tokens_per_id),
+            f"Prompts longer than {max_prompt:,} tokens (the profile's context minus "
+            "room for output) are truncated from the end.",
+        ],
         "points": [],
     }
     t0 = time.monotonic()

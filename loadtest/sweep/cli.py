@@ -16,8 +16,11 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="trace path or synthetic[:k=v,...]")
     p.add_argument("--out", required=True)
-    p.add_argument("--targets", default="kvroute:round_robin,kvroute:session_affinity",
-                   help="comma-separated routers")
+    p.add_argument(
+        "--targets",
+        default="kvroute:round_robin,kvroute:session_affinity",
+        help="comma-separated routers",
+    )
     p.add_argument("--concurrency", default="4,8", help="comma-separated lane counts")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of replay per point")
     p.add_argument("--replicas", type=int, default=4)
@@ -30,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--shared-prefix", action="store_true")
     p.add_argument("--open-loop", action="store_true")
-    p.add_argument("--convention", default="claude",
-                   choices=["claude", "codex", "opencode", "none"])
+    p.add_argument(
+        "--convention", default="claude", choices=["claude", "codex", "opencode", "none"]
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -44,21 +48,32 @@ def run(args: argparse.Namespace) -> int:
     from loadtest.traces import TraceError
 
     cfg = SweepConfig(
-        trace=args.trace, targets=[t for t in args.targets.split(",") if t],
+        trace=args.trace,
+        targets=[t for t in args.targets.split(",") if t],
         concurrency=[int(c) for c in args.concurrency.split(",") if c],
-        duration_s=args.duration, replicas=args.replicas, profile=args.profile,
-        speedup=args.speedup, max_sessions=args.max_sessions, max_calls=args.max_calls,
-        max_gap_s=args.max_gap, tokens_per_id=args.tokens_per_id,
-        max_prompt_tokens=args.max_prompt_tokens, shared_prefix=args.shared_prefix,
-        open_loop=args.open_loop, convention=args.convention, progress=not args.no_progress,
+        duration_s=args.duration,
+        replicas=args.replicas,
+        profile=args.profile,
+        speedup=args.speedup,
+        max_sessions=args.max_sessions,
+        max_calls=args.max_calls,
+        max_gap_s=args.max_gap,
+        tokens_per_id=args.tokens_per_id,
+        max_prompt_tokens=args.max_prompt_tokens,
+        shared_prefix=args.shared_prefix,
+        open_loop=args.open_loop,
+        convention=args.convention,
+        progress=not args.no_progress,
     )
     try:
         res = run_sweep(cfg, args.out, command="kvroute bench " + " ".join(sys.argv[2:]))
     except (TraceError, PromptError, ValueError) as e:
         print(f"kvroute bench: {e}", file=sys.stderr)
         return 2
-    rows = {f"{p['target']} c={p['concurrency']}": p.get("summary") or {"error": p.get("error")}
-            for p in res["points"]}
+    rows = {
+        f"{p['target']} c={p['concurrency']}": p.get("summary") or {"error": p.get("error")}
+        for p in res["points"]
+    }
     print_summary(rows, title=f"kvroute bench: {res['config']['trace']}")
     for p in res["points"]:
         if p.get("error"):

@@ -87,8 +87,9 @@ class TwinCluster:
             if self.kv_events and "*" in self.kv_events and len(bound) < self.replicas:
                 self.urls = []  # wait for every replica's bound endpoint
             else:
-                self.event_endpoints = {u: bound[n] for n, u in zip(self.names, self.urls,
-                                                                     strict=True) if n in bound}
+                self.event_endpoints = {
+                    u: bound[n] for n, u in zip(self.names, self.urls, strict=True) if n in bound
+                }
             time.sleep(0.05)
         if len(self.urls) < self.replicas:
             self.stop()

@@ -45,7 +45,7 @@ def _parse_synthetic(spec: str) -> dict[str, Any]:
 
 def _first_line(p: Path) -> dict[str, Any]:
     opener = gzip.open if p.name.endswith(".gz") else open
-    with opener(p, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+    with opener(p, "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 try:

@@ -36,7 +36,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
         raise TraceError(f"no such trace: {path}")
     opener = gzip.open if path.name.endswith(".gz") else open
     out: list[dict[str, Any]] = []
-    with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+    with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
             if not line:
@@ -97,8 +97,14 @@ def load_mooncake(
             raise TraceError(f"{where}: Mooncake lines need a timestamp (ms)") from e
         arrival = ts + (rng.uniform(0.0, jitter_s) if jitter_s > 0 else 0.0)
         sid = f"r{d['_line']}"
-        call = Call(id=f"{sid}/0", agent="main", hash_ids=ids, input_tokens=n_in,
-                    output_tokens=n_out, recorded_s=ts)
+        call = Call(
+            id=f"{sid}/0",
+            agent="main",
+            hash_ids=ids,
+            input_tokens=n_in,
+            output_tokens=n_out,
+            recorded_s=ts,
+        )
         sessions.append(Session(id=sid, calls=[call], arrival_s=arrival))
     sessions.sort(key=lambda s: s.arrival_s or 0.0)
     return Trace(
@@ -143,9 +149,17 @@ def load_aiperf(
                 else:
                     delay = 0.0
                 deps = (Dep(calls[-1].id, max(delay, 0.0)),)
-            calls.append(Call(id=f"{sid}/{i}", agent="main", hash_ids=ids, input_tokens=n_in,
-                              output_tokens=n_out, deps=deps,
-                              recorded_s=float(d.get("timestamp", 0.0)) / 1000.0))
+            calls.append(
+                Call(
+                    id=f"{sid}/{i}",
+                    agent="main",
+                    hash_ids=ids,
+                    input_tokens=n_in,
+                    output_tokens=n_out,
+                    deps=deps,
+                    recorded_s=float(d.get("timestamp", 0.0)) / 1000.0,
+                )
+            )
         arrival = float(groups[sid][0]["timestamp"]) / 1000.0 if timed else None
         sessions.append(Session(id=sid, calls=calls, arrival_s=arrival))
     return Trace(

@@ -67,19 +67,32 @@ def _chain(
             ids.append(next_id[0])
             next_id[0] += 1
         out = max(1, int(_lognormal(rng, p.output_median, p.output_sigma)))
-        deps = first_deps if i == 0 else (
-            Dep(calls[-1].id, _lognormal(rng, p.gap_median_s, p.gap_sigma)),
+        deps = (
+            first_deps
+            if i == 0
+            else (Dep(calls[-1].id, _lognormal(rng, p.gap_median_s, p.gap_sigma)),)
         )
-        calls.append(Call(id=f"{agent}/{i}", agent=agent, hash_ids=tuple(ids[:need]),
-                          input_tokens=tokens, output_tokens=out, deps=deps,
-                          prefix_blocks=prefix_tokens // bs, prefix_group=group,
-                          parent_agent=parent))
+        calls.append(
+            Call(
+                id=f"{agent}/{i}",
+                agent=agent,
+                hash_ids=tuple(ids[:need]),
+                input_tokens=tokens,
+                output_tokens=out,
+                deps=deps,
+                prefix_blocks=prefix_tokens // bs,
+                prefix_group=group,
+                parent_agent=parent,
+            )
+        )
         # The next call resends everything plus this output and a tool result. A partial
         # last block is rewritten with new content (new id), like real traces.
         if tokens % bs:
             ids.pop()
-        tokens = min(tokens + out + int(_lognormal(rng, p.growth_median, p.growth_sigma)),
-                     p.max_context_tokens)
+        tokens = min(
+            tokens + out + int(_lognormal(rng, p.growth_median, p.growth_sigma)),
+            p.max_context_tokens,
+        )
     return calls
 
 
@@ -90,9 +103,17 @@ def generate(params: AgentXParams | None = None) -> Trace:
     for k in range(p.sessions):
         next_id = [1]
         n_main = max(1, int(_lognormal(rng, p.calls_median, p.calls_sigma)))
-        main = _chain(rng, p, agent="main", parent=None, n_calls=n_main,
-                      prefix_tokens=p.prefix_tokens, group="main", next_id=next_id,
-                      first_deps=())
+        main = _chain(
+            rng,
+            p,
+            agent="main",
+            parent=None,
+            n_calls=n_main,
+            prefix_tokens=p.prefix_tokens,
+            group="main",
+            next_id=next_id,
+            first_deps=(),
+        )
         calls: list[Call] = []
         n_sub = 0
         pending_join: list[tuple[int, str]] = []  # (main index that joins, last sub call)
@@ -106,14 +127,23 @@ def generate(params: AgentXParams | None = None) -> Trace:
                     n_sub += 1
                     name = f"agent_{n_sub:03d}"
                     sub = _chain(
-                        rng, p, agent=name, parent="main",
+                        rng,
+                        p,
+                        agent=name,
+                        parent="main",
                         n_calls=max(1, int(_lognormal(rng, p.subagent_calls_median, 0.5))),
-                        prefix_tokens=p.subagent_prefix_tokens, group="Explore",
-                        next_id=next_id, first_deps=(Dep(c.id, 1.0),),
+                        prefix_tokens=p.subagent_prefix_tokens,
+                        group="Explore",
+                        next_id=next_id,
+                        first_deps=(Dep(c.id, 1.0),),
                     )
                     calls.extend(sub)
                     pending_join.append((join_at, sub[-1].id))
         sessions.append(Session(id=f"syn{k:04d}", calls=calls))
-    return Trace(name=f"synthetic-agentx-s{p.seed}", block_size=p.block_size,
-                 sessions=sessions, id_scope="session", meta={"format": "synthetic",
-                                                               "params": asdict(p)})
+    return Trace(
+        name=f"synthetic-agentx-s{p.seed}",
+        block_size=p.block_size,
+        sessions=sessions,
+        id_scope="session",
+        meta={"format": "synthetic", "params": asdict(p)},
+    )

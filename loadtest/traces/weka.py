@@ -189,7 +189,10 @@ def _build_chain(
 
 
 def session_from_doc(
-    doc: dict[str, Any], name: str, *, block_size: int | None = None,
+    doc: dict[str, Any],
+    name: str,
+    *,
+    block_size: int | None = None,
     max_gap_s: float = DEFAULT_MAX_GAP_S,
 ) -> Session:
     bs = int(doc.get("block_size") or block_size or 64)

@@ -19,13 +19,24 @@ from loadtest.sweep.bench import SweepConfig, run_sweep
 from loadtest.sweep.stack import Router, TwinCluster, cleanup
 from loadtest.traces import load_trace
 
-REQUIRED = ["p90_interactivity_tok_s", "tokens_per_gpu_s", "ttft_p50_s", "ttft_p90_s",
-            "ttft_p99_s", "session_completion_p90_s", "cache_hit_ratio", "cache_hit_bound",
-            "requests_ok", "requests_failed"]
-TRACE = ("synthetic:sessions=6,calls_median=4,calls_sigma=0.2,prefix_tokens=512,"
-         "first_user_tokens=128,growth_median=100,output_median=5,gap_median_s=0.02,"
-         "subagent_prob=0.3,subagent_calls_median=2,subagent_prefix_tokens=256,"
-         "max_context_tokens=2500,seed=11")
+REQUIRED = [
+    "p90_interactivity_tok_s",
+    "tokens_per_gpu_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "session_completion_p90_s",
+    "cache_hit_ratio",
+    "cache_hit_bound",
+    "requests_ok",
+    "requests_failed",
+]
+TRACE = (
+    "synthetic:sessions=6,calls_median=4,calls_sigma=0.2,prefix_tokens=512,"
+    "first_user_tokens=128,growth_median=100,output_median=5,gap_median_s=0.02,"
+    "subagent_prob=0.3,subagent_calls_median=2,subagent_prefix_tokens=256,"
+    "max_context_tokens=2500,seed=11"
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +44,16 @@ def stack():
     cluster = TwinCluster(replicas=3, profile="cpu-tiny", speedup=4.0).start()
     # A load factor this high makes the bounded-load affinity strict (never moves a session).
     conf = cluster.workdir / "router.yaml"
-    conf.write_text("scheduling:\n  scorers:\n    - {type: session_affinity, weight: 1.0, "
-                    "params: {load_factor: 1000}}\n")
-    router = Router("kvroute:session_affinity", cluster.urls, cluster.workdir,
-                    extra_args=["--config", str(conf)]).start()
+    conf.write_text(
+        "scheduling:\n  scorers:\n    - {type: session_affinity, weight: 1.0, "
+        "params: {load_factor: 1000}}\n"
+    )
+    router = Router(
+        "kvroute:session_affinity",
+        cluster.urls,
+        cluster.workdir,
+        extra_args=["--config", str(conf)],
+    ).start()
     yield cluster, router
     router.stop()
     cluster.stop()
@@ -48,9 +65,17 @@ async def test_replay_through_kvroute_keeps_sessions_on_one_replica(stack, tmp_p
     cluster, router = stack
     trace = load_trace(TRACE)
     builder = PromptBuilder(tinymodel.ensure(), block_size=32, trace_block_size=64)
-    cfg = ReplayConfig(target=router.url, concurrency=3, convention="claude", speedup=4.0,
-                       time_scale=4.0, gpus=3, metrics_urls=cluster.metrics_urls,
-                       queue_sample_s=0.1, progress=False)
+    cfg = ReplayConfig(
+        target=router.url,
+        concurrency=3,
+        convention="claude",
+        speedup=4.0,
+        time_scale=4.0,
+        gpus=3,
+        metrics_urls=cluster.metrics_urls,
+        queue_sample_s=0.1,
+        progress=False,
+    )
     summary = await replay(trace, builder, cfg, tmp_path)
 
     on_disk = json.loads((tmp_path / "summary.json").read_text())
@@ -67,8 +92,9 @@ async def test_replay_through_kvroute_keeps_sessions_on_one_replica(stack, tmp_p
             per_session[c.session].add(c.replica or "")
     assert all(len(v) == 1 for v in per_session.values()), per_session
     assert len(set().union(*per_session.values())) >= 2  # sessions spread over replicas
-    assert all(c.cached_tokens is not None and c.cached_tokens <= c.bound_cached_tokens
-               for c in calls)
+    assert all(
+        c.cached_tokens is not None and c.cached_tokens <= c.bound_cached_tokens for c in calls
+    )
     assert summary["cache_hit_ratio"] > 0.3
     assert summary["waiting_p90"] is not None  # twins' vllm:num_requests_waiting scraped
     assert summary["speedup"] == 4.0 and summary["sessions_completed"] == len(trace.sessions)
@@ -76,9 +102,17 @@ async def test_replay_through_kvroute_keeps_sessions_on_one_replica(stack, tmp_p
 
 @pytest.mark.timeout(90)
 def test_sweep_writes_results_plots_and_a_self_contained_report(tmp_path):
-    cfg = SweepConfig(trace=TRACE, targets=["kvroute:round_robin", "sglang:not_a_policy"],
-                      concurrency=[2], duration_s=3.0, grace_s=2.0, replicas=2,
-                      profile="cpu-tiny", speedup=4.0, progress=False)
+    cfg = SweepConfig(
+        trace=TRACE,
+        targets=["kvroute:round_robin", "sglang:not_a_policy"],
+        concurrency=[2],
+        duration_s=3.0,
+        grace_s=2.0,
+        replicas=2,
+        profile="cpu-tiny",
+        speedup=4.0,
+        progress=False,
+    )
     res = run_sweep(cfg, tmp_path, command="test")
     ok, bad = res["points"]
     assert ok["summary"]["requests_ok"] > 0 and ok["summary"]["requests_failed"] == 0

@@ -9,9 +9,22 @@ from loadtest.replay.records import CallRecord, QueueSample, SessionRecord
 
 
 def rec(t0, t1, ttft, tpot, p, c, cached, bound=0, ok=True, **kw):
-    return CallRecord(session="s", play=0, call="c", agent="main", t_start=t0, t_end=t1, ok=ok,
-                      ttft_s=ttft, tpot_s=tpot, prompt_tokens=p, completion_tokens=c,
-                      cached_tokens=cached, bound_cached_tokens=bound, **kw)
+    return CallRecord(
+        session="s",
+        play=0,
+        call="c",
+        agent="main",
+        t_start=t0,
+        t_end=t1,
+        ok=ok,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        prompt_tokens=p,
+        completion_tokens=c,
+        cached_tokens=cached,
+        bound_cached_tokens=bound,
+        **kw,
+    )
 
 
 RECORDS = [
@@ -32,8 +45,13 @@ SESSIONS = [
 
 
 def test_summary_by_hand():
-    s = summarize(RECORDS, SESSIONS, [QueueSample(0, 1), QueueSample(1, 3), QueueSample(2, 2)],
-                  wall_s=10.0, gpus=2)
+    s = summarize(
+        RECORDS,
+        SESSIONS,
+        [QueueSample(0, 1), QueueSample(1, 3), QueueSample(2, 2)],
+        wall_s=10.0,
+        gpus=2,
+    )
     # P90 of TPOT [10, 20, 30, 40] ms with linear interpolation = 37 ms
     assert s["tpot_p90_ms"] == pytest.approx(37.0)
     assert s["p90_interactivity_tok_s"] == pytest.approx(1000 / 37)

@@ -34,12 +34,12 @@ def _encode_chat(tok, messages):
 
 
 def _call(ids, n_in, **kw):
-    return Call(id="c", agent="main", hash_ids=tuple(ids), input_tokens=n_in, output_tokens=1,
-                **kw)
+    return Call(id="c", agent="main", hash_ids=tuple(ids), input_tokens=n_in, output_tokens=1, **kw)
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     ids=st.lists(st.integers(0, 2**40), min_size=1, max_size=12),
     frac=st.floats(0.0, 1.0),
@@ -54,8 +54,9 @@ def test_rendered_chat_tokenizes_to_the_predicted_ids(pb, tok, ids, frac, ns, pl
     assert p.n_tokens == n_in + pb.template_tokens
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(key=st.tuples(st.text(max_size=6), st.integers(0, 2**62), st.integers(0, 7)))
 def test_every_block_is_exactly_block_size_tokens_alone_and_concatenated(pb, tok, key):
     text, ids = pb.block(*key)
@@ -82,8 +83,9 @@ def test_equal_ids_share_an_exact_token_prefix_and_plays_do_not(pb):
     replayed = pb.build(_call([1, 2, 3, 4, 5], 300), "sess", 1)
     assert replayed.token_ids[: len(pb._head_ids)] == y.token_ids[: len(pb._head_ids)]
     first_content = len(pb._head_ids)
-    assert replayed.token_ids[first_content : first_content + BS] != (
-        y.token_ids[first_content : first_content + BS]
+    assert (
+        replayed.token_ids[first_content : first_content + BS]
+        != (y.token_ids[first_content : first_content + BS])
     )
 
 

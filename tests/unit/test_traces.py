@@ -34,8 +34,9 @@ def test_weka_slice_loads_every_session_and_call(weka_trace):
     assert len(weka_trace.sessions) == 16
     for s in weka_trace.sessions:
         raw = _raw(s.id)
-        n_raw = sum(len(r["requests"]) if r.get("type") == "subagent" else 1
-                    for r in raw["requests"])
+        n_raw = sum(
+            len(r["requests"]) if r.get("type") == "subagent" else 1 for r in raw["requests"]
+        )
         assert len(s.calls) == n_raw, s.id
 
 
@@ -92,13 +93,24 @@ def test_subagents_spawn_after_last_parent_call_and_gate_the_join(weka_trace):
 
 
 def test_subagent_that_ends_after_the_last_parent_call_joins_nothing(tmp_path):
-    doc = {"id": "x", "block_size": 64, "requests": [
-        {"t": 0.0, "in": 100, "out": 5, "hash_ids": [1, 2], "api_time": 1.0},
-        {"t": 10.0, "type": "subagent", "agent_id": "a", "duration_ms": 99_000,
-         "requests": [{"t": 10.0, "in": 70, "out": 3, "hash_ids": [7, 8]},
-                      {"t": 14.0, "in": 90, "out": 3, "hash_ids": [7, 9], "think_time": 2.0}]},
-        {"t": 20.0, "in": 200, "out": 5, "hash_ids": [1, 2, 3, 4], "think_time": 19.0},
-    ]}
+    doc = {
+        "id": "x",
+        "block_size": 64,
+        "requests": [
+            {"t": 0.0, "in": 100, "out": 5, "hash_ids": [1, 2], "api_time": 1.0},
+            {
+                "t": 10.0,
+                "type": "subagent",
+                "agent_id": "a",
+                "duration_ms": 99_000,
+                "requests": [
+                    {"t": 10.0, "in": 70, "out": 3, "hash_ids": [7, 8]},
+                    {"t": 14.0, "in": 90, "out": 3, "hash_ids": [7, 9], "think_time": 2.0},
+                ],
+            },
+            {"t": 20.0, "in": 200, "out": 5, "hash_ids": [1, 2, 3, 4], "think_time": 19.0},
+        ],
+    }
     p = tmp_path / "x.json"
     p.write_text(json.dumps(doc))
     s = weka.load(p).sessions[0]
@@ -155,12 +167,27 @@ def test_mooncake_slice_jittered_open_loop_with_shared_ids():
 def test_aiperf_sessions_chain_turns_with_delays(tmp_path):
     p = tmp_path / "t.jsonl"
     lines = [
-        {"session_id": "s1", "timestamp": 0, "input_length": 600, "output_length": 10,
-         "hash_ids": [1, 2]},
-        {"session_id": "s2", "timestamp": 500, "input_length": 300, "output_length": 5,
-         "hash_ids": [9]},
-        {"session_id": "s1", "delay": 2500, "input_length": 1100, "output_length": 10,
-         "hash_ids": [1, 2, 3]},
+        {
+            "session_id": "s1",
+            "timestamp": 0,
+            "input_length": 600,
+            "output_length": 10,
+            "hash_ids": [1, 2],
+        },
+        {
+            "session_id": "s2",
+            "timestamp": 500,
+            "input_length": 300,
+            "output_length": 5,
+            "hash_ids": [9],
+        },
+        {
+            "session_id": "s1",
+            "delay": 2500,
+            "input_length": 1100,
+            "output_length": 10,
+            "hash_ids": [1, 2, 3],
+        },
     ]
     p.write_text("\n".join(json.dumps(x) for x in lines))
     t = load_trace(p)  # detected by session_id

@@ -17,14 +17,25 @@ from loadtest.replay.records import CallRecord, read_jsonl
 from loadtest.replay.runner import ReplayConfig, replay
 from loadtest.traces import load_trace
 
-REQUIRED = ["p90_interactivity_tok_s", "tokens_per_gpu_s", "ttft_p50_s", "ttft_p90_s",
-            "ttft_p99_s", "session_completion_p90_s", "cache_hit_ratio", "cache_hit_bound",
-            "requests_ok", "requests_failed"]
+REQUIRED = [
+    "p90_interactivity_tok_s",
+    "tokens_per_gpu_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "session_completion_p90_s",
+    "cache_hit_ratio",
+    "cache_hit_bound",
+    "requests_ok",
+    "requests_failed",
+]
 
-TINY_TRACE = ("synthetic:sessions=3,calls_median=4,calls_sigma=0.2,prefix_tokens=640,"
-              "first_user_tokens=200,growth_median=120,output_median=6,gap_median_s=0.05,"
-              "subagent_prob=0.4,subagent_calls_median=2,subagent_prefix_tokens=256,"
-              "max_context_tokens=3000,seed=5")
+TINY_TRACE = (
+    "synthetic:sessions=3,calls_median=4,calls_sigma=0.2,prefix_tokens=640,"
+    "first_user_tokens=200,growth_median=120,output_median=6,gap_median_s=0.05,"
+    "subagent_prob=0.4,subagent_calls_median=2,subagent_prefix_tokens=256,"
+    "max_context_tokens=3000,seed=5"
+)
 
 
 @pytest.mark.timeout(120)
@@ -33,8 +44,9 @@ async def test_replay_against_real_vllm_writes_a_valid_summary(replica, tiny_mod
         (await c.post(replica.url + "/reset_prefix_cache")).raise_for_status()
     trace = load_trace(TINY_TRACE)
     assert trace.stats()["subagents"] >= 1
-    builder = PromptBuilder(tiny_model, block_size=32, trace_block_size=trace.block_size,
-                            max_prompt_tokens=4000)
+    builder = PromptBuilder(
+        tiny_model, block_size=32, trace_block_size=trace.block_size, max_prompt_tokens=4000
+    )
     cfg = ReplayConfig(target=replica.url, concurrency=2, convention="claude", progress=False)
     summary = await replay(trace, builder, cfg, tmp_path)
 
