@@ -15,6 +15,7 @@ Must not import torch or vllm.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,7 @@ async def start_cluster(
     max_model_len: int | None = None,
     int_hashes: bool = True,
     kv_events_replay: bool = False,
+    subscribe_wait_s: float = 1.0,
     enable_auto_tool_choice: bool = False,
     zmq_ctx: Any = None,
 ) -> AsyncIterator[Cluster]:
@@ -83,7 +85,9 @@ async def start_cluster(
     that connect to one publisher per worker. ``int_hashes=False`` publishes 32-byte
     digests, as vLLM does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``.
     ``kv_events_replay=True`` gives every replica vLLM's replay service on its own loopback
-    port (see :attr:`Cluster.replay_endpoints`).
+    port (see :attr:`Cluster.replay_endpoints`). Connecting publishers wait up to
+    ``subscribe_wait_s`` (in all) for their subscriber's subscription before the cluster is
+    handed out, so a subscriber bound beforehand sees every batch from ``seq`` 0.
     """
     if n < 1:
         raise ValueError("a cluster needs at least one replica")
@@ -124,6 +128,13 @@ async def start_cluster(
             cluster.replicas.append(twin)
             cluster.runners.append(runner)
             cluster.urls.append(f"http://{host}:{runner_port(runner)}")
+        # connecting publishers: give each subscriber's subscription a moment to arrive, so
+        # the first events are not dropped (one deadline for the whole cluster)
+        deadline = time.monotonic() + subscribe_wait_s
+        for twin in cluster.replicas:
+            pub = twin.publisher
+            if pub is not None and not publisher_binds(pub.endpoint):
+                pub.wait_subscribed(max(0.0, deadline - time.monotonic()))
         yield cluster
     finally:
         for runner in cluster.runners:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 import zlib
@@ -36,6 +37,8 @@ from loadtest.twin.engine import Engine, Request
 from loadtest.twin.tokenize import ModelTokenizer, TemplateError
 from router.hashing import BlockHasher
 from router.kvevents import encode_message
+
+log = logging.getLogger("kvroute.twin")
 
 MAX_LAG_WALL_S = 0.01  # how far (wall seconds) the model clock may trail the wall clock
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -97,7 +100,9 @@ class KVEventPublisher:
 
         self._own_ctx = zmq_ctx is None
         self.ctx = zmq_ctx or zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUB)
+        # XPUB: on the wire a PUB, but it lets the twin see a subscriber's subscription
+        # arrive (wait_subscribed), so a twin started after its subscriber drops nothing.
+        self.sock = self.ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         if publisher_binds(endpoint):
@@ -121,6 +126,18 @@ class KVEventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(replay_endpoint)
             self.replay_endpoint = str(self._replay.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def wait_subscribed(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until a subscriber's subscription has arrived (a PUB
+        drops what it sends before that: vLLM loses the first events when it starts before
+        its subscriber connects). False when none came in time."""
+        import zmq
+
+        got = False
+        while self.sock.poll(int(max(timeout_s, 0) * 1000) if not got else 0, zmq.POLLIN):
+            self.sock.recv(zmq.NOBLOCK)  # b"\x01" + topic prefix; drain them all
+            got = True
+        return got
 
     def publish(
         self, events: list[dict[str, Any]], digests: dict[int, bytes] | None = None
@@ -250,6 +267,7 @@ class TwinReplica:
         self._wake = asyncio.Event()
         self._t0 = time.monotonic()
         self.lagged_s = 0.0  # wall seconds the engine trailed its schedule at the last step
+        self.failed: BaseException | None = None  # the engine loop's error, once it died
         self._task: asyncio.Task[None] | None = None
         self._replay_task: asyncio.Task[None] | None = None
         self.created = int(time.time())
@@ -296,6 +314,20 @@ class TwinReplica:
             self.publisher.publish(evs, self.engine.digests)
 
     async def _run(self) -> None:
+        """The engine loop; if the engine model fails, the twin reports itself dead like a
+        vLLM whose engine core died (``/health`` 500, requests refused, streams ended)
+        instead of hanging its clients."""
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("twin %s: engine loop failed", self.cfg.name)
+            self.failed = e
+            for st in self.streams.values():
+                st.queue.put_nowait(None)
+
+    async def _loop(self) -> None:
         """Step the engine in model time. Back-to-back steps chain on the model clock (a
         step starts when the previous one ended), so the event loop's timer jitter and the
         twin's own CPU time do not accumulate — up to ``MAX_LAG_WALL_S`` behind the wall
@@ -343,6 +375,12 @@ class TwinReplica:
 
     def _output_token(self, req: Request, i: int) -> int:
         return self.tokenizer.plain_token(zlib.crc32(f"{req.id}/{i}".encode()))
+
+    def check_alive(self) -> None:
+        if self.failed is not None:
+            raise ApiError(
+                500, f"EngineCore encountered an issue: {self.failed!r}", "EngineDeadError"
+            )
 
     def submit(self, req: Request, t_arrival: float | None = None) -> _Stream:
         """Hand ``req`` to the engine; ``t_arrival`` (monotonic) is when the HTTP request came
@@ -560,12 +598,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         overhead = twin.profile.request_overhead_s / twin.speedup
         if overhead > 0:
             await asyncio.sleep(overhead)
+        twin.check_alive()
         st = twin.submit(req, t_arrival)
         if stream:
             return await _stream(request, twin, st, chat, rid, model, created, include_usage)
         toks: list[int] = []
         while (t := await st.queue.get()) is not None:
             toks.append(t)
+        twin.check_alive()  # the engine died under this request
         text = twin.tokenizer.decode(toks)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length",
                                   "stop_reason": None}  # fmt: skip
@@ -704,7 +744,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
+    return web.Response(status=500 if request.app[APP_TWIN].failed else 200)
 
 
 async def load(request: web.Request) -> web.Response:

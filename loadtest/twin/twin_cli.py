@@ -62,7 +62,13 @@ def run(args: argparse.Namespace) -> int:
 
     from costmodel.profiles import ProfileError, load_profile, parse_overrides, with_overrides
     from loadtest import tinymodel
-    from loadtest.twin.server import TwinConfig, TwinReplica, runner_port, serve
+    from loadtest.twin.server import (
+        TwinConfig,
+        TwinReplica,
+        publisher_binds,
+        runner_port,
+        serve,
+    )
 
     try:
         prof = with_overrides(load_profile(args.profile), parse_overrides(args.set))
@@ -85,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         twin = TwinReplica(cfg)
+        if twin.publisher is not None and not publisher_binds(twin.publisher.endpoint):
+            twin.publisher.wait_subscribed(1.0)  # so the first events are not dropped
         runner = await serve(twin, args.host, args.port)
         print(
             f"twin {cfg.name} ({prof.name}, speedup {cfg.speedup}) on "

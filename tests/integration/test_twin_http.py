@@ -462,3 +462,22 @@ async def test_replay_service_resends_missed_batches_like_vllm(http, collector):
         assert [b.seq for b in got] == [b.seq for b in live][1:]
         assert [b.events for b in got] == [b.events for b in live][1:]
         assert all(b.topic == "kv@replay-0" for b in got)
+
+
+async def test_a_failing_engine_reports_dead_instead_of_hanging(http):
+    async with start_cluster(1, "cpu-tiny") as c:
+        twin = c.replicas[0]
+
+        def broken(now):
+            raise RuntimeError("engine model bug")
+
+        twin.engine.schedule = broken  # type: ignore[method-assign]
+        r = await http.post(
+            c.urls[0] + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}
+        )
+        assert r.status_code == 500 and r.json()["error"]["type"] == "EngineDeadError"
+        assert (await http.get(c.urls[0] + "/health")).status_code == 500
+        r = await http.post(
+            c.urls[0] + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}
+        )
+        assert r.status_code == 500
