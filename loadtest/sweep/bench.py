@@ -23,7 +23,7 @@ from typing import Any
 
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.runner import ReplayConfig, replay
-from loadtest.sweep.stack import NEEDS_EVENTS, PEERS, Router, StackError, TwinCluster, cleanup
+from loadtest.sweep.stack import PEERS, Router, StackError, TwinCluster, cleanup, needs_events
 from loadtest.traces import load_trace
 
 
@@ -95,7 +95,7 @@ def run_point(
 ) -> dict[str, Any]:
     point: dict[str, Any] = {"target": target, "concurrency": conc}
     d = out / "points" / target.replace(":", "_") / f"c{conc}"
-    events = "tcp://127.0.0.1:*" if target in NEEDS_EVENTS else None
+    events = "tcp://127.0.0.1:*" if needs_events(target) else None
     cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup, kv_events=events)
     try:
         cluster.start()
@@ -106,6 +106,7 @@ def run_point(
             event_endpoints=cluster.event_endpoints,
             block_size=_block_size(cfg.profile),
             model=cfg.model,
+            profile=cfg.profile,
         )
         with router:
             rcfg = ReplayConfig(

@@ -130,7 +130,15 @@ PEERS: dict[str, tuple[str, str, str]] = {
     "vllm-router:round_robin": ("vllm-router", "round_robin", "opencode"),
     "vllm-router:kv_aware": ("vllm-router", "kv_aware", "opencode"),
 }
-NEEDS_EVENTS = {"vllm-router:kv_aware"}  # routers fed by the twins' KV events
+# kvroute policies that use its KV layer (block index fed by the twins' events, tokenizer).
+KV_POLICIES = {"kv_cost", "llmd", "sglang_tree"}
+
+
+def needs_events(name: str) -> bool:
+    """Whether a router is fed by the twins' KV events (one bound endpoint per twin)."""
+    if name.startswith("kvroute:"):
+        return name.split(":", 1)[1] in KV_POLICIES
+    return name == "vllm-router:kv_aware"
 
 
 def peer_python(kind: str) -> Path | None:
@@ -152,6 +160,8 @@ class Router:
     event_endpoints: dict[str, str] = field(default_factory=dict)  # replica url -> endpoint
     block_size: int = 64
     model: str = "tiny"
+    profile: str = "h200-70b-fp8"
+    model_dir: str | None = None  # the twins' tokenizer folder (kvroute's KV layer)
     port: int = 0
     extra_args: list[str] = field(default_factory=list)  # appended to the router's argv
     _proc: ManagedProcess | None = None
@@ -189,7 +199,7 @@ class Router:
         module = "sglang_router.launch_router" if kind == "sglang" else "vllm_router.launch_router"
         argv = [str(py), "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
                 "--policy", policy, "--worker-urls", *self.replicas]  # fmt: skip
-        if self.name in NEEDS_EVENTS:
+        if needs_events(self.name):
             if not self.event_endpoints:
                 raise StackError(f"{self.name} needs the twins' KV event endpoints")
             argv += ["--kv-event-block-size", str(self.block_size), "--kv-event-model", self.model]
@@ -197,10 +207,28 @@ class Router:
                 argv += ["--kv-event-source", f"{url}={ep}"]
         return argv, "/health"
 
+    def kv_env(self) -> dict[str, str]:
+        """``KVROUTE_KV_*`` for kvroute's KV layer: tokenizer, blocks, profile, event sources."""
+        if not (self.name.startswith("kvroute:") and needs_events(self.name)):
+            return {}
+        if not self.event_endpoints:
+            raise StackError(f"{self.name} needs the twins' KV event endpoints")
+        import json
+
+        from loadtest import tinymodel
+
+        return {
+            "KVROUTE_KV_TOKENIZER": str(self.model_dir or tinymodel.ensure()),
+            "KVROUTE_KV_BLOCK_SIZE": str(self.block_size),
+            "KVROUTE_KV_PROFILE": self.profile,
+            "KVROUTE_KV_EVENTS_CONNECT": json.dumps(self.event_endpoints),
+        }
+
     def start(self, timeout_s: float = 60.0) -> Router:
         argv, health = self.argv()
         argv += self.extra_args
         env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
+        env.update(self.kv_env())
         log = self.workdir / f"router-{self.name.replace(':', '-')}-{self.port}.log"
         self._proc = ManagedProcess(argv, env, log, Path.cwd())
         self._proc.start()
