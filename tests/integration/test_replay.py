@@ -98,6 +98,18 @@ async def test_replay_through_kvroute_keeps_sessions_on_one_replica(stack, tmp_p
     assert summary["cache_hit_ratio"] > 0.3
     assert summary["waiting_p90"] is not None  # twins' vllm:num_requests_waiting scraped
     assert summary["speedup"] == 4.0 and summary["sessions_completed"] == len(trace.sessions)
+    # The DAG was honoured: every call started after each dependency ended plus its delay
+    # (scaled by time_scale), including subagent spawns and join gates.
+    by_key = {(c.session, c.call): c for c in calls}
+    joins = 0
+    for s in trace.sessions:
+        for call in s.calls:
+            rec = by_key[(s.id, call.id)]
+            for d in call.deps:
+                dep = by_key[(s.id, d.call)]
+                assert rec.t_start >= dep.t_end + d.delay_s / 4.0 - 0.005, (call.id, d)
+                joins += dep.agent != call.agent and call.agent == "main"
+    assert joins >= 1  # the trace has subagents joining their parent
 
 
 @pytest.mark.timeout(90)
