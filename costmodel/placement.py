@@ -21,6 +21,12 @@ it (the total then sums the known terms and lists the missing ones — never a m
           + reserved_s                                paced agents between calls: P(return
                                                       while this call runs) × their next
                                                       prefill (in-flight counts read 0 then)
+          + congestion_s                              the GPU time this call's prefill takes
+                                                      × calls already waiting there: on a
+                                                      busy replica every second of recompute
+                                                      is a second taken from its queue, so
+                                                      moving a long context onto it costs
+                                                      more than its own latency
 
 Segments: the matched prefix is ``gpu`` blocks (free), then ``cpu`` and ``storage`` blocks
 (each loaded or recomputed, whichever is faster), then the uncached tail (prefilled).
@@ -93,6 +99,7 @@ class ReplicaLoad:
     decode_batch: int | None = None  # running requests
     decode_context_tokens: float | None = None  # their summed context
     free_gpu_blocks: int | None = None
+    pending_calls: float | None = None  # calls waiting for their prefill there
     warm: Sequence[WarmSession] = ()
     reserved: Sequence[Reservation] = ()
     prefill_scale: float = 1.0  # calibration: observed / modelled
@@ -107,6 +114,7 @@ class CostTerms:
     decode_s: float | None
     eviction_harm_s: float | None
     reserved_s: float | None
+    congestion_s: float | None = None
     # detail (for explain)
     load_s: dict[str, float] = field(default_factory=dict)
     recompute_s: dict[str, float] = field(default_factory=dict)
@@ -114,7 +122,8 @@ class CostTerms:
     tail_prefill_s: float = 0.0
     evicted: dict[str, int] = field(default_factory=dict)  # session -> blocks
 
-    TERMS = ("queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s", "reserved_s")
+    TERMS = ("queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s", "reserved_s",
+             "congestion_s")
 
     @property
     def total_s(self) -> float:
@@ -262,7 +271,7 @@ def reserved_cost(profile: ReplicaProfile, call_duration_s: float, load: Replica
 
 
 def placement_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad,
-                   *, overlap: float = 1.0) -> CostTerms:
+                   *, overlap: float = 1.0, congestion_weight: float = 1.0) -> CostTerms:
     """Every term of placing ``call`` on a replica of ``profile`` in state ``load``."""
     queue = queue_time(profile, load.queued_prefill_tokens, load.prefill_scale)
     fetch, load_s, rec_s, chose, tail_s = segment_costs(profile, call, overlap=overlap,
@@ -272,8 +281,12 @@ def placement_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad,
     harm, evicted = eviction_harm(profile, call, load, scale=load.prefill_scale)
     duration = (queue or 0.0) + fetch + (decode or 0.0)
     reserved = reserved_cost(profile, duration, load, scale=load.prefill_scale)
+    compute = tail_s + sum(rec_s[t] for t, how in chose.items() if how == "recompute")
+    congestion = (None if load.pending_calls is None
+                  else congestion_weight * compute * max(load.pending_calls, 0.0))
     return CostTerms(queue_s=queue, fetch_or_recompute_s=fetch, decode_s=decode,
-                     eviction_harm_s=harm, reserved_s=reserved, load_s=load_s,
+                     eviction_harm_s=harm, reserved_s=reserved, congestion_s=congestion,
+                     load_s=load_s,
                      recompute_s=rec_s, chose=chose, tail_prefill_s=tail_s, evicted=evicted)
 
 

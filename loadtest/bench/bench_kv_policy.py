@@ -77,7 +77,7 @@ def route_kv_cost(hysteresis_s: float = 0.25, hysteresis_frac: float = 0.1,
                 decode_batch=running,
                 decode_context_tokens=r.kv_usage * prof.gpu_kv_blocks * bs,
                 free_gpu_blocks=max(prof.gpu_kv_blocks - used, 0),
-                warm=warm, reserved=res)
+                pending_calls=r.num_waiting, warm=warm, reserved=res)
             terms = placement_cost(prof, CallShape(call.prompt_tokens, g, c, s,
                                                    expected_output_tokens), load)
             cost = terms.total_s

@@ -8,7 +8,8 @@ Algorithm, per candidate replica r (all in seconds, :func:`costmodel.placement.p
 2. cost(r) = queue + Σ min(load, recompute) over the prompt's segments + decode in r's batch
    + eviction harm (sessions whose warm KV this call would evict × their P(return) × the
    cost to bring it back; parents with children in flight are pinned, never evicted)
-   + reserved load of paced agents (sessions between calls whose KV lives on r);
+   + reserved load of paced agents (sessions between calls whose KV lives on r)
+   + congestion (this call's prefill compute × calls already waiting on r);
 3. session prior with hysteresis: the replica that holds the session (``snap.session.replica``)
    gets ``margin = hysteresis_s + hysteresis_frac · cost`` taken off, so the session moves
    only when another replica is cheaper by more than that;
@@ -83,7 +84,8 @@ def replica_load(view: Any, e: EndpointView, exclude: str | None, prior_tokens: 
     warm, reserved = view.warm_and_reserved(e.name, exclude)
     cal = view.calibration(e.name)
     return ReplicaLoad(queued_prefill_tokens=queued, decode_batch=batch,
-                       decode_context_tokens=dctx, free_gpu_blocks=free, warm=warm,
+                       decode_context_tokens=dctx, free_gpu_blocks=free, pending_calls=pending,
+                       warm=warm,
                        reserved=reserved, prefill_scale=cal.prefill_scale,
                        decode_scale=cal.decode_scale, ttft_offset_s=cal.ttft_offset_s)
 

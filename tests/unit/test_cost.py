@@ -179,8 +179,8 @@ def test_placement_cost_names_every_term_and_prefers_dram_over_recompute():
     assert dram.decode_s == cold.decode_s and dram.total_s < cold.total_s - 60
     d = dram.as_dict()
     assert set(d) >= {"queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s",
-                      "reserved_s", "total_s", "missing"}
-    assert d["missing"] == [] and d["chose"] == {"cpu": "load"}
+                      "reserved_s", "congestion_s", "total_s", "missing"}
+    assert d["missing"] == ["congestion_s"] and d["chose"] == {"cpu": "load"}
     # a saturated DRAM replica (a long prefill queue) loses to recomputing on an idle one
     busy = placement_cost(OFF, CallShape(CTX, cpu_blocks=NB, expected_output_tokens=300),
                           ReplicaLoad(queued_prefill_tokens=600_000, decode_batch=0,
@@ -190,7 +190,7 @@ def test_placement_cost_names_every_term_and_prefers_dram_over_recompute():
 
 def test_missing_inputs_are_none_not_zero():
     t = placement_cost(H200, CallShape(1000), ReplicaLoad())
-    assert t.missing == ["queue_s", "decode_s", "eviction_harm_s"]
+    assert t.missing == ["queue_s", "decode_s", "eviction_harm_s", "congestion_s"]
     assert t.total_s == pytest.approx(t.fetch_or_recompute_s)
 
 
@@ -227,3 +227,14 @@ def test_calibrator_window_and_min_samples():
     assert cur.decode_scale == pytest.approx(3.0, rel=0.01)
     c.observe_ttft(0.1, float("nan"))  # ignored
     assert c.current().ttft_samples == 16
+
+
+@pytest.mark.parametrize(("pending", "factor"), [(None, None), (0, 0.0), (3, 3.0)])
+def test_congestion_term_is_own_compute_times_waiting_calls(pending, factor):
+    call = CallShape(CTX, cpu_blocks=NB // 2, expected_output_tokens=0)
+    t = placement_cost(OFF, call, ReplicaLoad(pending_calls=pending))
+    if factor is None:
+        assert t.congestion_s is None
+        return
+    # the DRAM half is loaded, not computed: only the tail's prefill counts
+    assert t.congestion_s == pytest.approx(factor * t.tail_prefill_s)
