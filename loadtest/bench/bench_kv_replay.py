@@ -40,8 +40,10 @@ async def _point(policy: str, trace, builder, prof, n_rep: int, conc: int, dur: 
         async with start_cluster(n_rep, prof, speedup=speedup,
                                  kv_events=st.events_endpoint) as c:
             st.cfg.topics.update(zip(c.topics, c.urls, strict=True))
-            app = build_app(RouterConfig(replicas=c.urls, policy=policy,
-                                         metrics_interval_s=0.2), **st.app_kwargs())
+            # generous health timeouts: client, router and twins share one event loop here
+            app = build_app(RouterConfig(replicas=c.urls, policy=policy, metrics_interval_s=0.2,
+                                         health_timeout_s=15.0, health_interval_s=5.0),
+                            **st.app_kwargs())
             runner, url = await start_site(app)
             try:
                 cfg = ReplayConfig(target=url, model="tiny", concurrency=conc, duration_s=dur,
