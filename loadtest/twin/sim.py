@@ -159,7 +159,7 @@ class ReplicaView:
     def pending_prefill_tokens(self) -> int:
         e = self._eng
         return sum(r.num_tokens - r.num_computed for r in e.waiting) + sum(
-            r.num_tokens - 1 - r.num_computed for r in e.running if r.num_output == 0
+            r.num_tokens - r.num_computed for r in e.running if r.num_output == 0
         )
 
     def cached_blocks(self, keys: Sequence[int]) -> tuple[int, int, int]:
