@@ -32,8 +32,9 @@ class Calibration:
     itl_samples: int = 0
 
 
-def fit_ttft(modelled: np.ndarray, observed: np.ndarray, f_scale: float = 0.05
-             ) -> tuple[float, float]:
+def fit_ttft(
+    modelled: np.ndarray, observed: np.ndarray, f_scale: float = 0.05
+) -> tuple[float, float]:
     """Robust fit of ``observed ≈ offset + scale · modelled``; returns ``(scale, offset)``."""
     x = np.asarray(modelled, dtype=float)
     y = np.asarray(observed, dtype=float)
@@ -41,10 +42,13 @@ def fit_ttft(modelled: np.ndarray, observed: np.ndarray, f_scale: float = 0.05
         s = float(np.median(y / np.maximum(x, 1e-9)))
         return float(np.clip(s, SCALE_MIN, SCALE_MAX)), 0.0
     a0 = np.polyfit(x, y, 1)
-    res = least_squares(lambda p: p[1] + p[0] * x - y, x0=[max(a0[0], SCALE_MIN),
-                                                              max(a0[1], 0.0)],
-                        loss="soft_l1", f_scale=f_scale,
-                        bounds=([SCALE_MIN, 0.0], [SCALE_MAX, np.inf]))
+    res = least_squares(
+        lambda p: p[1] + p[0] * x - y,
+        x0=[max(a0[0], SCALE_MIN), max(a0[1], 0.0)],
+        loss="soft_l1",
+        f_scale=f_scale,
+        bounds=([SCALE_MIN, 0.0], [SCALE_MAX, np.inf]),
+    )
     return float(res.x[0]), float(res.x[1])
 
 
@@ -53,8 +57,13 @@ def fit_scale(modelled: np.ndarray, observed: np.ndarray, f_scale: float = 0.01)
     x = np.asarray(modelled, dtype=float)
     y = np.asarray(observed, dtype=float)
     s0 = float(np.clip(np.median(y / np.maximum(x, 1e-9)), SCALE_MIN, SCALE_MAX))
-    res = least_squares(lambda p: p[0] * x - y, x0=[s0], loss="soft_l1", f_scale=f_scale,
-                        bounds=([SCALE_MIN], [SCALE_MAX]))
+    res = least_squares(
+        lambda p: p[0] * x - y,
+        x0=[s0],
+        loss="soft_l1",
+        f_scale=f_scale,
+        bounds=([SCALE_MIN], [SCALE_MAX]),
+    )
     return float(res.x[0])
 
 

@@ -122,8 +122,14 @@ class CostTerms:
     tail_prefill_s: float = 0.0
     evicted: dict[str, int] = field(default_factory=dict)  # session -> blocks
 
-    TERMS = ("queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s", "reserved_s",
-             "congestion_s")
+    TERMS = (
+        "queue_s",
+        "fetch_or_recompute_s",
+        "decode_s",
+        "eviction_harm_s",
+        "reserved_s",
+        "congestion_s",
+    )
 
     @property
     def total_s(self) -> float:
@@ -161,8 +167,9 @@ def prefill_throughput(profile: ReplicaProfile) -> float:
     return chunk / request_prefill_time(profile, chunk)
 
 
-def queue_time(profile: ReplicaProfile, queued_prefill_tokens: float | None,
-               scale: float = 1.0) -> float | None:
+def queue_time(
+    profile: ReplicaProfile, queued_prefill_tokens: float | None, scale: float = 1.0
+) -> float | None:
     """Wait before this call's prefill starts: pending prefill tokens / prefill throughput."""
     if queued_prefill_tokens is None:
         return None
@@ -171,9 +178,9 @@ def queue_time(profile: ReplicaProfile, queued_prefill_tokens: float | None,
     return scale * queued_prefill_tokens / prefill_throughput(profile)
 
 
-def segment_costs(profile: ReplicaProfile, call: CallShape, *, overlap: float = 1.0,
-                  scale: float = 1.0) -> tuple[float, dict[str, float], dict[str, float],
-                                               dict[str, str], float]:
+def segment_costs(
+    profile: ReplicaProfile, call: CallShape, *, overlap: float = 1.0, scale: float = 1.0
+) -> tuple[float, dict[str, float], dict[str, float], dict[str, str], float]:
     """Σ min(load, recompute) over the prompt's lower-tier segments plus the tail prefill.
 
     Returns ``(seconds, load_s, recompute_s, chose, tail_prefill_s)``. Loads overlap the
@@ -211,8 +218,11 @@ def segment_costs(profile: ReplicaProfile, call: CallShape, *, overlap: float = 
 def decode_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad) -> float | None:
     """Expected output tokens × one decode step in the replica's batch (this call joined):
     what this call pays for the replica's decode load (its own decode interference)."""
-    if call.expected_output_tokens is None or load.decode_batch is None \
-            or load.decode_context_tokens is None:
+    if (
+        call.expected_output_tokens is None
+        or load.decode_batch is None
+        or load.decode_context_tokens is None
+    ):
         return None
     b = load.decode_batch + 1
     ctx = load.decode_context_tokens + call.prompt_tokens
@@ -226,8 +236,9 @@ def blocks_needed(profile: ReplicaProfile, call: CallShape) -> int:
     return max(total - call.gpu_blocks, 0)
 
 
-def eviction_harm(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad,
-                  *, scale: float = 1.0) -> tuple[float | None, dict[str, int]]:
+def eviction_harm(
+    profile: ReplicaProfile, call: CallShape, load: ReplicaLoad, *, scale: float = 1.0
+) -> tuple[float | None, dict[str, int]]:
     """Σ P(return) × cost to bring back what this call evicts, least recently used first.
 
     A session loses its tail blocks first (vLLM frees a request's blocks tail first, so they
@@ -251,43 +262,71 @@ def eviction_harm(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad,
         evicted[s.key] = take
         n_tok = min(take * bs, s.tokens)
         recompute = scale * request_prefill_time(profile, n_tok, s.tokens - n_tok)
-        back = min(recompute, load_time(profile, take, "cpu")) if profile.cpu_kv_blocks \
-            else recompute
+        back = (
+            min(recompute, load_time(profile, take, "cpu")) if profile.cpu_kv_blocks else recompute
+        )
         harm += max(0.0, min(1.0, s.p_return)) * back
     return harm, evicted
 
 
-def reserved_cost(profile: ReplicaProfile, call_duration_s: float, load: ReplicaLoad,
-                  *, scale: float = 1.0) -> float:
+def reserved_cost(
+    profile: ReplicaProfile, call_duration_s: float, load: ReplicaLoad, *, scale: float = 1.0
+) -> float:
     """Paced agents that will return while this call runs queue their prefill behind or
     beside it: Σ p·(1 − exp(−D / expected_return)) × prefill(next_tokens after context)."""
     total = 0.0
     for r in load.reserved:
-        p_in = 1.0 if r.expected_return_s <= 0 else 1.0 - math.exp(
-            -max(call_duration_s, 0.0) / r.expected_return_s)
-        total += max(0.0, min(1.0, r.p_return)) * p_in * scale * request_prefill_time(
-            profile, r.next_tokens, r.context_tokens)
+        p_in = (
+            1.0
+            if r.expected_return_s <= 0
+            else 1.0 - math.exp(-max(call_duration_s, 0.0) / r.expected_return_s)
+        )
+        total += (
+            max(0.0, min(1.0, r.p_return))
+            * p_in
+            * scale
+            * request_prefill_time(profile, r.next_tokens, r.context_tokens)
+        )
     return total
 
 
-def placement_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad,
-                   *, overlap: float = 1.0, congestion_weight: float = 1.0) -> CostTerms:
+def placement_cost(
+    profile: ReplicaProfile,
+    call: CallShape,
+    load: ReplicaLoad,
+    *,
+    overlap: float = 1.0,
+    congestion_weight: float = 1.0,
+) -> CostTerms:
     """Every term of placing ``call`` on a replica of ``profile`` in state ``load``."""
     queue = queue_time(profile, load.queued_prefill_tokens, load.prefill_scale)
-    fetch, load_s, rec_s, chose, tail_s = segment_costs(profile, call, overlap=overlap,
-                                                        scale=load.prefill_scale)
+    fetch, load_s, rec_s, chose, tail_s = segment_costs(
+        profile, call, overlap=overlap, scale=load.prefill_scale
+    )
     fetch += load.ttft_offset_s
     decode = decode_cost(profile, call, load)
     harm, evicted = eviction_harm(profile, call, load, scale=load.prefill_scale)
     duration = (queue or 0.0) + fetch + (decode or 0.0)
     reserved = reserved_cost(profile, duration, load, scale=load.prefill_scale)
     compute = tail_s + sum(rec_s[t] for t, how in chose.items() if how == "recompute")
-    congestion = (None if load.pending_calls is None
-                  else congestion_weight * compute * max(load.pending_calls, 0.0))
-    return CostTerms(queue_s=queue, fetch_or_recompute_s=fetch, decode_s=decode,
-                     eviction_harm_s=harm, reserved_s=reserved, congestion_s=congestion,
-                     load_s=load_s,
-                     recompute_s=rec_s, chose=chose, tail_prefill_s=tail_s, evicted=evicted)
+    congestion = (
+        None
+        if load.pending_calls is None
+        else congestion_weight * compute * max(load.pending_calls, 0.0)
+    )
+    return CostTerms(
+        queue_s=queue,
+        fetch_or_recompute_s=fetch,
+        decode_s=decode,
+        eviction_harm_s=harm,
+        reserved_s=reserved,
+        congestion_s=congestion,
+        load_s=load_s,
+        recompute_s=rec_s,
+        chose=chose,
+        tail_prefill_s=tail_s,
+        evicted=evicted,
+    )
 
 
 def p_return_after(idle_s: float, mean_gap_s: float | None, final: bool) -> float:

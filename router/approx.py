@@ -68,8 +68,9 @@ class ApproxCache:
     def blocks(self, replica: str) -> int:
         return len(self._lru.get(replica, ()))
 
-    def match(self, keys: Sequence[int], replicas: Iterable[str] | None = None
-              ) -> dict[str, TierDepth]:
+    def match(
+        self, keys: Sequence[int], replicas: Iterable[str] | None = None
+    ) -> dict[str, TierDepth]:
         names = self._lru.keys() if replicas is None else [r for r in replicas if r in self._lru]
         out = {}
         for name in names:

@@ -253,7 +253,8 @@ class KVEventSubscriber:
         finally:
             s.close(0)
         if len(got) != stop - start:
-            log.warning("kv events: replay for %s returned %d of %d batches", name, len(got),
-                        stop - start)
+            log.warning(
+                "kv events: replay for %s returned %d of %d batches", name, len(got), stop - start
+            )
             return None
         return [got[i] for i in range(start, stop)]

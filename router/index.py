@@ -91,9 +91,7 @@ def _slot_counts(x: np.ndarray, nbytes: int) -> np.ndarray:
     return np.unpackbits(b, axis=1, bitorder="little").sum(axis=0, dtype=np.int64)
 
 
-def _depths_from_masks(
-    masks: list[np.ndarray], slots: dict[int, str]
-) -> dict[str, TierDepth]:
+def _depths_from_masks(masks: list[np.ndarray], slots: dict[int, str]) -> dict[str, TierDepth]:
     """Per-replica :class:`TierDepth` from per-tier uint64 masks of the prompt's blocks."""
     if not slots:
         return {}
@@ -271,8 +269,9 @@ class BlockIndex:
                 out.append(np.zeros(n, dtype=np.uint64))
         return out
 
-    def match(self, keys: Sequence[int], replicas: Iterable[str] | None = None
-              ) -> dict[str, TierDepth]:
+    def match(
+        self, keys: Sequence[int], replicas: Iterable[str] | None = None
+    ) -> dict[str, TierDepth]:
         """For each replica with a non-empty match: depth of the longest consecutive prefix of
         ``keys`` it holds (any tier) and the split of those blocks by fastest tier.
 
@@ -329,8 +328,9 @@ class BlockIndexView:
         self._ix = ix
         self.version = ix.version
 
-    def match(self, keys: Sequence[int], replicas: Iterable[str] | None = None
-              ) -> dict[str, TierDepth]:
+    def match(
+        self, keys: Sequence[int], replicas: Iterable[str] | None = None
+    ) -> dict[str, TierDepth]:
         return self._ix.match(keys, replicas)
 
     def holds(self, replica: str, key: int) -> tuple[str, ...]:
@@ -382,8 +382,9 @@ class NaiveBlockIndex:
             elif isinstance(ev, AllBlocksCleared):
                 self.clear(replica)
 
-    def match(self, keys: Sequence[int], replicas: Iterable[str] | None = None
-              ) -> dict[str, TierDepth]:
+    def match(
+        self, keys: Sequence[int], replicas: Iterable[str] | None = None
+    ) -> dict[str, TierDepth]:
         out = {}
         for name, tiers in self.sets.items():
             if replicas is not None and name not in set(replicas):
@@ -402,4 +403,3 @@ class NaiveBlockIndex:
 
     def snapshot(self) -> dict[str, dict[str, frozenset[int]]]:
         return {n: {t: frozenset(s) for t, s in ts.items()} for n, ts in self.sets.items()}
-

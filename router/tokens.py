@@ -62,10 +62,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -107,8 +113,11 @@ def detect_content_format(source: str) -> str:
         it = loop.iter
         if isinstance(it, jinja2.nodes.Name) and it.name == "content":
             return "openai"
-        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) \
-                and it.arg.value == "content":
+        if (
+            isinstance(it, jinja2.nodes.Getitem)
+            and isinstance(it.arg, jinja2.nodes.Const)
+            and it.arg.value == "content"
+        ):
             return "openai"
         if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
             return "openai"
@@ -121,8 +130,9 @@ def _text_parts(content: Any) -> list[str]:
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
-        raise ChatTemplateError(f"message content must be a string or a list, not "
-                                f"{type(content).__name__}")
+        raise ChatTemplateError(
+            f"message content must be a string or a list, not {type(content).__name__}"
+        )
     out = []
     for part in content:
         if isinstance(part, str):
@@ -135,8 +145,9 @@ def _text_parts(content: Any) -> list[str]:
     return out
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]], content_format: str,
-                       developer_ok: bool) -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], content_format: str, developer_ok: bool
+) -> list[dict[str, Any]]:
     """OpenAI chat messages to the conversation vLLM hands the template."""
     conv: list[dict[str, Any]] = []
     for m in messages:
@@ -192,8 +203,11 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str,
         fn = t.get("function") if isinstance(t, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise ChatTemplateError("each tool needs a function with a name")
-        f: dict[str, Any] = {"name": fn["name"], "description": fn.get("description"),
-                             "parameters": fn.get("parameters")}
+        f: dict[str, Any] = {
+            "name": fn["name"],
+            "description": fn.get("description"),
+            "parameters": fn.get("parameters"),
+        }
         defer = fn.get("defer_loading", t.get("defer_loading"))
         for k, v in (("strict", fn.get("strict")), ("defer_loading", defer)):
             if v is not None:
@@ -233,22 +247,27 @@ def _special(v: Any) -> str | None:
 class ModelTokenizer:
     """A model's tokenizer and chat template, loaded from its directory."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None,
-                 special_tokens: dict[str, str] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None,
+        special_tokens: dict[str, str] | None = None,
+    ):
         self.tok = tokenizer
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
         self._template = compile_template(chat_template) if chat_template else None
         self.content_format = detect_content_format(chat_template) if chat_template else "string"
         self.developer_ok = chat_template is not None and (
-            '"developer"' in chat_template or "'developer'" in chat_template)
+            '"developer"' in chat_template or "'developer'" in chat_template
+        )
         probe = "kvroute probe"
         with_sp = tokenizer.encode(probe, add_special_tokens=True).ids
         without = tokenizer.encode(probe, add_special_tokens=False).ids
         for i in range(len(with_sp) - len(without) + 1):
-            if with_sp[i:i + len(without)] == without:
+            if with_sp[i : i + len(without)] == without:
                 self.special_prefix = with_sp[:i]
-                self.special_suffix = with_sp[i + len(without):]
+                self.special_suffix = with_sp[i + len(without) :]
                 break
         else:  # pragma: no cover - a post-processor that rewrites the body
             raise TokenizerLoadError("post-processor changes the body tokens; unsupported")
@@ -260,8 +279,9 @@ class ModelTokenizer:
         d = Path(model_dir)
         tj = d / "tokenizer.json"
         if not tj.is_file():
-            raise TokenizerLoadError(f"no tokenizer.json in {d} (only fast tokenizers are "
-                                     "supported)")
+            raise TokenizerLoadError(
+                f"no tokenizer.json in {d} (only fast tokenizers are supported)"
+            )
         tok = Tokenizer.from_file(str(tj))
         cfg: dict[str, Any] = {}
         if (d / "tokenizer_config.json").is_file():
@@ -275,34 +295,54 @@ class ModelTokenizer:
         elif template is None and (d / "chat_template.json").is_file():
             template = json.loads((d / "chat_template.json").read_text()).get("chat_template")
         specials = {}
-        for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                  "mask_token"):
+        for k in (
+            "bos_token",
+            "eos_token",
+            "unk_token",
+            "pad_token",
+            "sep_token",
+            "cls_token",
+            "mask_token",
+        ):
             v = _special(cfg.get(k))
             if v is not None:
                 specials[k] = v
         return cls(tok, template, specials)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *,
-               tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-               continue_final_message: bool = False,
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """The prompt text vLLM's chat endpoints build from ``messages``."""
         if self._template is None:
             raise ChatTemplateError("the model has no chat template")
         if add_generation_prompt and continue_final_message:
-            raise ChatTemplateError("add_generation_prompt and continue_final_message exclude "
-                                    "each other")
+            raise ChatTemplateError(
+                "add_generation_prompt and continue_final_message exclude each other"
+            )
         conv = normalize_messages(messages, self.content_format, self.developer_ok)
         kw = {**self.special_tokens, **(chat_template_kwargs or {})}
         try:
-            text = self._template.render(messages=conv, tools=normalize_tools(tools),
-                                         add_generation_prompt=add_generation_prompt, **kw)
+            text = self._template.render(
+                messages=conv,
+                tools=normalize_tools(tools),
+                add_generation_prompt=add_generation_prompt,
+                **kw,
+            )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
         if continue_final_message and conv:
             last = conv[-1]["content"]
-            last_text = last if isinstance(last, str) else "".join(
-                p["text"] for p in last if isinstance(p, dict))
+            last_text = (
+                last
+                if isinstance(last, str)
+                else "".join(p["text"] for p in last if isinstance(p, dict))
+            )
             idx = text.rfind(last_text.strip())
             if idx >= 0:
                 text = text[: idx + len(last_text.strip())]
@@ -368,7 +408,7 @@ class _Rope:
             k = bisect_right(self.starts, i) - 1
             off = i - self.starts[k]
             take = min(len(src[k]) - off, j + m - i)
-            parts.append(src[k][off:off + take])
+            parts.append(src[k][off : off + take])
             i += take
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
@@ -384,8 +424,13 @@ class TokenizedPrompt:
 
     __slots__ = ("_arr", "_parts", "keys", "n_tokens", "reused_tokens", "tokenize_s")
 
-    def __init__(self, parts: list[np.ndarray], keys: list[int], reused_tokens: int = 0,
-                 tokenize_s: float = 0.0):
+    def __init__(
+        self,
+        parts: list[np.ndarray],
+        keys: list[int],
+        reused_tokens: int = 0,
+        tokenize_s: float = 0.0,
+    ):
         self._parts = parts
         self._arr: np.ndarray | None = None
         self.n_tokens = sum(len(p) for p in parts)
@@ -396,8 +441,7 @@ class TokenizedPrompt:
     @property
     def token_ids(self) -> np.ndarray:
         if self._arr is None:
-            self._arr = (np.concatenate(self._parts) if self._parts
-                         else np.zeros(0, dtype=np.int64))
+            self._arr = np.concatenate(self._parts) if self._parts else np.zeros(0, dtype=np.int64)
         return self._arr
 
     def tokens(self) -> list[int]:
@@ -417,10 +461,10 @@ class _SessionEntry:
 def common_prefix_len(a: str, b: str, chunk: int = 1 << 15) -> int:
     """Length of the longest common prefix of two strings (memcmp-speed in chunks)."""
     n = min(len(a), len(b))
-    if (b.startswith(a) if len(a) <= len(b) else a.startswith(b)):  # no copies
+    if b.startswith(a) if len(a) <= len(b) else a.startswith(b):  # no copies
         return n
     i = 0
-    while i < n and a[i:i + chunk] == b[i:i + chunk]:
+    while i < n and a[i : i + chunk] == b[i : i + chunk]:
         i += chunk
     lo, hi = i, min(i + chunk, n)  # the first difference is in [lo, hi)
     while hi - lo > 64:
@@ -435,8 +479,12 @@ def common_prefix_len(a: str, b: str, chunk: int = 1 << 15) -> int:
 
 
 def _is_space_boundary(text: str, c: int) -> bool:
-    return (0 < c < len(text) - 1 and text[c] == " " and not text[c - 1].isspace()
-            and not text[c + 1].isspace())
+    return (
+        0 < c < len(text) - 1
+        and text[c] == " "
+        and not text[c - 1].isspace()
+        and not text[c + 1].isspace()
+    )
 
 
 class SessionTokenizer:
@@ -446,8 +494,14 @@ class SessionTokenizer:
     (least recently used dropped first).
     """
 
-    def __init__(self, tokenizer: ModelTokenizer, hasher: BlockHasher, *,
-                 max_sessions: int = 4096, max_tokens: int = 16_000_000):
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer,
+        hasher: BlockHasher,
+        *,
+        max_sessions: int = 4096,
+        max_tokens: int = 16_000_000,
+    ):
         self.tokenizer = tokenizer
         self.hasher = hasher
         self.max_sessions = max_sessions
@@ -464,9 +518,15 @@ class SessionTokenizer:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def prompt(self, text: str, *, session: str | None = None, add_special_tokens: bool = False,
-               cache_salt: str | None = None, lora: tuple[str, str] | None = None
-               ) -> TokenizedPrompt:
+    def prompt(
+        self,
+        text: str,
+        *,
+        session: str | None = None,
+        add_special_tokens: bool = False,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+    ) -> TokenizedPrompt:
         """Tokens and block keys of ``text`` (a rendered chat prompt or a completion prompt)."""
         t0 = time.perf_counter()
         self.stats["calls"] += 1
@@ -511,19 +571,25 @@ class SessionTokenizer:
             if acc >= sum(len(q) for q in parts) - start:
                 break
         total = sum(len(q) for q in parts)
-        tail_tokens = np.concatenate(need[::-1])[-(total - start):] if total > start \
+        tail_tokens = (
+            np.concatenate(need[::-1])[-(total - start) :]
+            if total > start
             else np.zeros(0, dtype=np.int64)
+        )
         new_digests = self.hasher.hash_blocks(
-            tail_tokens.tolist(), parent=digests[-1] if digests else None,
-            start_block=keep_blocks, cache_salt=cache_salt, lora=lora)
+            tail_tokens.tolist(),
+            parent=digests[-1] if digests else None,
+            start_block=keep_blocks,
+            cache_salt=cache_salt,
+            lora=lora,
+        )
         digests = digests + new_digests
         keys = keys + [int.from_bytes(d, "big") & MASK64 for d in new_digests]
         if session is not None:
             self._remember(session, _SessionEntry(text, prefix, body, digests, keys, tag))
         return TokenizedPrompt(parts, keys, reused, time.perf_counter() - t0)
 
-    def _reuse(self, prev: _SessionEntry, text: str
-               ) -> tuple[int, np.ndarray, np.ndarray] | None:
+    def _reuse(self, prev: _SessionEntry, text: str) -> tuple[int, np.ndarray, np.ndarray] | None:
         """(tokens kept, tail ids, tail ends) or ``None`` when nothing safe can be reused."""
         shared = common_prefix_len(prev.text, text)
         limit = shared - MARGIN
@@ -545,8 +611,10 @@ class SessionTokenizer:
         tail_ends = tail_ends + c
         # check: over the shared stretch the tail agrees with the previous call's tokens
         m = min(body.count_ends_le(limit) - j, len(tail_ids))
-        if m > 0 and not (np.array_equal(tail_ids[:m], body.window(j, m, "ids"))
-                          and np.array_equal(tail_ends[:m], body.window(j, m, "ends"))):
+        if m > 0 and not (
+            np.array_equal(tail_ids[:m], body.window(j, m, "ids"))
+            and np.array_equal(tail_ends[:m], body.window(j, m, "ends"))
+        ):
             return None
         return j, tail_ids, tail_ends
 
@@ -556,8 +624,9 @@ class SessionTokenizer:
             self._tokens -= len(old.body)
         self._sessions[session] = e
         self._tokens += len(e.body)
-        while self._sessions and (len(self._sessions) > self.max_sessions
-                                  or self._tokens > self.max_tokens):
+        while self._sessions and (
+            len(self._sessions) > self.max_sessions or self._tokens > self.max_tokens
+        ):
             _, dropped = self._sessions.popitem(last=False)
             self._tokens -= len(dropped.body)
 

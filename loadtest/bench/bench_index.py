@@ -55,8 +55,10 @@ def run(quick: bool = False) -> list[dict]:
     from router.kvevents import BlockStored
 
     events = [BlockStored(b, None, [], 32) for b in batches]
-    frames = [encode_message("kv@r0", i, 0.0, [encode_block_stored(b, None, [], 32)])
-              for i, b in enumerate(batches)]
+    frames = [
+        encode_message("kv@r0", i, 0.0, [encode_block_stored(b, None, [], 32)])
+        for i, b in enumerate(batches)
+    ]
 
     def ingest() -> None:
         ix = BlockIndex()
@@ -71,10 +73,16 @@ def run(quick: bool = False) -> list[dict]:
     total = n_ev * per_ev
     t = _median(ingest, 5)
     tw = _median(ingest_wire, 5)
-    rows.append({"name": "ingest_block_stored", "blocks": total,
-                 "mblocks_per_s": round(total / t / 1e6, 2)})
-    rows.append({"name": "ingest_from_zmq_frames", "blocks": total,
-                 "mblocks_per_s": round(total / tw / 1e6, 2)})
+    rows.append(
+        {"name": "ingest_block_stored", "blocks": total, "mblocks_per_s": round(total / t / 1e6, 2)}
+    )
+    rows.append(
+        {
+            "name": "ingest_from_zmq_frames",
+            "blocks": total,
+            "mblocks_per_s": round(total / tw / 1e6, 2),
+        }
+    )
     # ---- match ----
     n = 4437
     prompt = [rng.getrandbits(64) for _ in range(n)]
@@ -94,15 +102,26 @@ def run(quick: bool = False) -> list[dict]:
     for r in range(8):
         only_gpu.store(f"r{r}", prompt[: n * (r + 1) // 8])
     tg = _median(lambda: only_gpu.match(prompt), reps)
-    rows.append({"name": "match_4437_blocks_8_replicas_2_tiers", "median_ms": round(tm * 1e3, 3),
-                 "naive_ms": round(tr * 1e3, 2), "speedup_vs_naive": round(tr / tm, 1)})
-    rows.append({"name": "match_4437_blocks_8_replicas_gpu_only",
-                 "median_ms": round(tg * 1e3, 3)})
+    rows.append(
+        {
+            "name": "match_4437_blocks_8_replicas_2_tiers",
+            "median_ms": round(tm * 1e3, 3),
+            "naive_ms": round(tr * 1e3, 2),
+            "speedup_vs_naive": round(tr / tm, 1),
+        }
+    )
+    rows.append({"name": "match_4437_blocks_8_replicas_gpu_only", "median_ms": round(tg * 1e3, 3)})
     # ---- memory ----
     n_mem = 1_000_000 if quick else 10_000_000
-    out = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, str(n_mem)], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEM_SCRIPT, str(n_mem)], capture_output=True, text=True, check=True
+    )
     b = int(out.stdout.strip())
-    rows.append({"name": f"rss_{n_mem // 1_000_000}M_keys_8_replicas",
-                 "gib": round(b / 2**30, 3), "bytes_per_key": round(b / n_mem, 1)})
+    rows.append(
+        {
+            "name": f"rss_{n_mem // 1_000_000}M_keys_8_replicas",
+            "gib": round(b / 2**30, 3),
+            "bytes_per_key": round(b / n_mem, 1),
+        }
+    )
     return rows

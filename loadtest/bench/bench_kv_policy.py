@@ -45,8 +45,9 @@ class _Sess:
     turn: int = 0
 
 
-def route_kv_cost(hysteresis_s: float = 0.25, hysteresis_frac: float = 0.1,
-                  expected_output_tokens: int = 400) -> RouteFn:
+def route_kv_cost(
+    hysteresis_s: float = 0.25, hysteresis_frac: float = 0.1, expected_output_tokens: int = 400
+) -> RouteFn:
     """The kv_cost policy as a simulator routing function (see the module docstring)."""
     sessions: dict[str, _Sess] = {}
 
@@ -68,8 +69,11 @@ def route_kv_cost(hysteresis_s: float = 0.25, hysteresis_frac: float = 0.1,
                 warm.append(WarmSession(key, ss.tokens, idle, p))
                 held += math.ceil(ss.tokens / bs)
                 if p > 0.05:
-                    res.append(Reservation(key, max((gap or 18.0) - idle, 0.0), max(ss.turn, 1),
-                                           ss.tokens, p))
+                    res.append(
+                        Reservation(
+                            key, max((gap or 18.0) - idle, 0.0), max(ss.turn, 1), ss.tokens, p
+                        )
+                    )
             used = max(held, int(r.kv_usage * prof.gpu_kv_blocks))
             running = r.num_running
             load = ReplicaLoad(
@@ -77,9 +81,13 @@ def route_kv_cost(hysteresis_s: float = 0.25, hysteresis_frac: float = 0.1,
                 decode_batch=running,
                 decode_context_tokens=r.kv_usage * prof.gpu_kv_blocks * bs,
                 free_gpu_blocks=max(prof.gpu_kv_blocks - used, 0),
-                pending_calls=r.num_waiting, warm=warm, reserved=res)
-            terms = placement_cost(prof, CallShape(call.prompt_tokens, g, c, s,
-                                                   expected_output_tokens), load)
+                pending_calls=r.num_waiting,
+                warm=warm,
+                reserved=res,
+            )
+            terms = placement_cost(
+                prof, CallShape(call.prompt_tokens, g, c, s, expected_output_tokens), load
+            )
             cost = terms.total_s
             if me is not None and me.replica == r.index:
                 cost -= min(hysteresis_s + hysteresis_frac * cost, cost)
@@ -137,8 +145,11 @@ def run(quick: bool = False) -> list[dict]:
                 ok = [r for r in rs if r["p90_interactivity"] >= line]
                 best[pol] = max((r["tok_per_gpu_s"] for r in ok), default=0)
             base = max(v for p, v in best.items() if p != "kv_cost")
-            rows.append({"name": f"{pname}_best_at_p90_{line}tok_s",
-                         **{f"{p}_tok_per_gpu_s": v for p, v in best.items()},
-                         "kv_cost_vs_best_baseline": round(best["kv_cost"] / base, 2) if base
-                         else None})
+            rows.append(
+                {
+                    "name": f"{pname}_best_at_p90_{line}tok_s",
+                    **{f"{p}_tok_per_gpu_s": v for p, v in best.items()},
+                    "kv_cost_vs_best_baseline": round(best["kv_cost"] / base, 2) if base else None,
+                }
+            )
     return rows

@@ -23,8 +23,9 @@ TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces" / "we
 POLICIES = ("round_robin", "session_affinity", "llmd", "sglang_tree", "kv_cost")
 
 
-async def _point(policy: str, trace, builder, prof, n_rep: int, conc: int, dur: float,
-                 speedup: float) -> dict:
+async def _point(
+    policy: str, trace, builder, prof, n_rep: int, conc: int, dur: float, speedup: float
+) -> dict:
     from loadtest import tinymodel
     from loadtest.replay.runner import ReplayConfig, replay
     from loadtest.twin.cluster import start_cluster
@@ -33,23 +34,40 @@ async def _point(policy: str, trace, builder, prof, n_rep: int, conc: int, dur: 
     from router.scheduling.kv_state import KVConfig, KVState
     from router.tokens import ModelTokenizer
 
-    st = KVState(KVConfig(block_size=prof.block_size, events_bind="tcp://127.0.0.1:0"),
-                 tokenizer=ModelTokenizer.from_dir(tinymodel.ensure()), profile=prof)
+    st = KVState(
+        KVConfig(block_size=prof.block_size, events_bind="tcp://127.0.0.1:0"),
+        tokenizer=ModelTokenizer.from_dir(tinymodel.ensure()),
+        profile=prof,
+    )
     await st.start()
     try:
-        async with start_cluster(n_rep, prof, speedup=speedup,
-                                 kv_events=st.events_endpoint) as c:
+        async with start_cluster(n_rep, prof, speedup=speedup, kv_events=st.events_endpoint) as c:
             st.cfg.topics.update(zip(c.topics, c.urls, strict=True))
             # generous health timeouts: client, router and twins share one event loop here
-            app = build_app(RouterConfig(replicas=c.urls, policy=policy, metrics_interval_s=0.2,
-                                         health_timeout_s=15.0, health_interval_s=5.0),
-                            **st.app_kwargs())
+            app = build_app(
+                RouterConfig(
+                    replicas=c.urls,
+                    policy=policy,
+                    metrics_interval_s=0.2,
+                    health_timeout_s=15.0,
+                    health_interval_s=5.0,
+                ),
+                **st.app_kwargs(),
+            )
             runner, url = await start_site(app)
             try:
-                cfg = ReplayConfig(target=url, model="tiny", concurrency=conc, duration_s=dur,
-                                   grace_s=5.0, time_scale=speedup, speedup=speedup,
-                                   gpus=n_rep, metrics_urls=[u + "/metrics" for u in c.urls],
-                                   progress=False)
+                cfg = ReplayConfig(
+                    target=url,
+                    model="tiny",
+                    concurrency=conc,
+                    duration_s=dur,
+                    grace_s=5.0,
+                    time_scale=speedup,
+                    speedup=speedup,
+                    gpus=n_rep,
+                    metrics_urls=[u + "/metrics" for u in c.urls],
+                    progress=False,
+                )
                 with tempfile.TemporaryDirectory() as d:
                     s = await replay(trace, builder, cfg, d)
             finally:
@@ -69,18 +87,26 @@ def run(quick: bool = False) -> list[dict]:
     dur = 20.0 if quick else 60.0
     speedup = 20.0
     trace = load_trace(TRACE, max_sessions=32, max_gap_s=30.0)
-    builder = PromptBuilder(tinymodel.ensure(), block_size=prof.block_size,
-                            trace_block_size=trace.block_size,
-                            max_prompt_tokens=prof.max_model_len - 8192)
+    builder = PromptBuilder(
+        tinymodel.ensure(),
+        block_size=prof.block_size,
+        trace_block_size=trace.block_size,
+        max_prompt_tokens=prof.max_model_len - 8192,
+    )
     rows = []
     for pol in POLICIES:
         s = asyncio.run(_point(pol, trace, builder, prof, n_rep, conc, dur, speedup))
-        rows.append({"name": f"weka_dev_{n_rep}x{prof.name}_c{conc}_{pol}", "policy": pol,
-                     "requests": s.get("requests_ok"),
-                     "hit_ratio": round(s["cache_hit_ratio"], 3),
-                     "hit_bound": round(s["cache_hit_bound"], 3),
-                     "ttft_p50_s": round(s["ttft_p50_s"], 2),
-                     "ttft_p90_s": round(s["ttft_p90_s"], 2),
-                     "p90_interactivity": round(s["p90_interactivity_tok_s"], 1),
-                     "tok_per_gpu_s": round(s["tokens_per_gpu_s"])})
+        rows.append(
+            {
+                "name": f"weka_dev_{n_rep}x{prof.name}_c{conc}_{pol}",
+                "policy": pol,
+                "requests": s.get("requests_ok"),
+                "hit_ratio": round(s["cache_hit_ratio"], 3),
+                "hit_bound": round(s["cache_hit_bound"], 3),
+                "ttft_p50_s": round(s["ttft_p50_s"], 2),
+                "ttft_p90_s": round(s["ttft_p90_s"], 2),
+                "p90_interactivity": round(s["p90_interactivity_tok_s"], 1),
+                "tok_per_gpu_s": round(s["tokens_per_gpu_s"]),
+            }
+        )
     return rows

@@ -66,13 +66,15 @@ def run(quick: bool = False) -> list[dict]:
             full_t.append(time.perf_counter() - t2)
             assert keys == full
         med = statistics.median
-        rows.append({
-            "name": f"next_call_{n_base // 1000}k_session_plus_{new_words}_words",
-            "render_ms": round(med(render_t) * 1e3, 3),
-            "incremental_ms": round(med(inc_t) * 1e3, 3),
-            "render_plus_incremental_ms": round((med(render_t) + med(inc_t)) * 1e3, 3),
-            "full_tokenize_and_hash_ms": round(med(full_t) * 1e3, 2),
-            "speedup_vs_full": round(med(full_t) / med(inc_t), 1),
-            "reused_fraction": round(med(reused), 4),
-        })
+        rows.append(
+            {
+                "name": f"next_call_{n_base // 1000}k_session_plus_{new_words}_words",
+                "render_ms": round(med(render_t) * 1e3, 3),
+                "incremental_ms": round(med(inc_t) * 1e3, 3),
+                "render_plus_incremental_ms": round((med(render_t) + med(inc_t)) * 1e3, 3),
+                "full_tokenize_and_hash_ms": round(med(full_t) * 1e3, 2),
+                "speedup_vs_full": round(med(full_t) / med(inc_t), 1),
+                "reused_fraction": round(med(reused), 4),
+            }
+        )
     return rows

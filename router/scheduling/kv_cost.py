@@ -59,8 +59,7 @@ def expected_output(ctx: RequestContext, view: Any, fallback: int) -> int:
     return guess
 
 
-def replica_load(view: Any, e: EndpointView, exclude: str | None, prior_tokens: int
-                 ) -> ReplicaLoad:
+def replica_load(view: Any, e: EndpointView, exclude: str | None, prior_tokens: int) -> ReplicaLoad:
     """The cost model's inputs for one replica, from the endpoint view and the KV view.
 
     Calls queued or running there are sized by the replica's recent means (uncached tokens
@@ -83,18 +82,30 @@ def replica_load(view: Any, e: EndpointView, exclude: str | None, prior_tokens: 
     free = None if used is None else max(prof.gpu_kv_blocks - used, 0)
     warm, reserved = view.warm_and_reserved(e.name, exclude)
     cal = view.calibration(e.name)
-    return ReplicaLoad(queued_prefill_tokens=queued, decode_batch=batch,
-                       decode_context_tokens=dctx, free_gpu_blocks=free, pending_calls=pending,
-                       warm=warm,
-                       reserved=reserved, prefill_scale=cal.prefill_scale,
-                       decode_scale=cal.decode_scale, ttft_offset_s=cal.ttft_offset_s)
+    return ReplicaLoad(
+        queued_prefill_tokens=queued,
+        decode_batch=batch,
+        decode_context_tokens=dctx,
+        free_gpu_blocks=free,
+        pending_calls=pending,
+        warm=warm,
+        reserved=reserved,
+        prefill_scale=cal.prefill_scale,
+        decode_scale=cal.decode_scale,
+        ttft_offset_s=cal.ttft_offset_s,
+    )
 
 
 class KVCost:
     name = "kv_cost"
 
-    def __init__(self, hysteresis_s: float = 0.25, hysteresis_frac: float = 0.1,
-                 overlap: float = 1.0, expected_output_tokens: int | None = None):
+    def __init__(
+        self,
+        hysteresis_s: float = 0.25,
+        hysteresis_frac: float = 0.1,
+        overlap: float = 1.0,
+        expected_output_tokens: int | None = None,
+    ):
         if hysteresis_s < 0 or not 0 <= hysteresis_frac < 1 or not 0 <= overlap <= 1:
             raise TypeError("hysteresis_s >= 0, 0 <= hysteresis_frac < 1, 0 <= overlap <= 1")
         self.hysteresis_s = hysteresis_s
@@ -102,8 +113,9 @@ class KVCost:
         self.overlap = overlap
         self.expected_output_tokens = expected_output_tokens
 
-    def costs(self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
-              ) -> dict[str, tuple[CostTerms, dict[str, Any]]]:
+    def costs(
+        self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
+    ) -> dict[str, tuple[CostTerms, dict[str, Any]]]:
         """Per replica: the cost terms and the facts they came from (pure)."""
         view = snap.state("kv")
         if view is None:
@@ -113,7 +125,8 @@ class KVCost:
         names = [e.name for e in endpoints]
         matches = view.match(keys, names) if keys else {}
         out_tok = self.expected_output_tokens or expected_output(
-            ctx, view, view.expected_output_tokens)
+            ctx, view, view.expected_output_tokens
+        )
         res = {}
         for e in endpoints:
             prof = view.profile(e.name)
@@ -125,21 +138,31 @@ class KVCost:
             call = CallShape(n_tok, g, c, s, out_tok)
             load = replica_load(view, e, ctx.identity.key, n_tok)
             terms = placement_cost(prof, call, load, overlap=self.overlap)
-            res[e.name] = (terms, {"match_blocks": m.depth if m else 0,
-                                   "tiers": {"gpu": g, "cpu": c, "storage": s},
-                                   "source": view.source(e.name),
-                                   "free_gpu_blocks": load.free_gpu_blocks,
-                                   "queued_prefill_tokens": load.queued_prefill_tokens})
+            res[e.name] = (
+                terms,
+                {
+                    "match_blocks": m.depth if m else 0,
+                    "tiers": {"gpu": g, "cpu": c, "storage": s},
+                    "source": view.source(e.name),
+                    "free_gpu_blocks": load.free_gpu_blocks,
+                    "queued_prefill_tokens": load.queued_prefill_tokens,
+                },
+            )
         return res
 
-    def score(self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
-              ) -> Mapping[str, float]:
+    def score(
+        self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
+    ) -> Mapping[str, float]:
         sticky = snap.session.replica if snap.session is not None else None
         costs = self.costs(ctx, snap, endpoints)
         if not costs:  # no KV layer: load + affinity
             peak = max((e.load for e in endpoints), default=0.0)
-            return {e.name: 1.0 if e.name == sticky else
-                    (0.9 if peak <= 0 else 0.9 * (1.0 - e.load / (peak + 1))) for e in endpoints}
+            return {
+                e.name: 1.0
+                if e.name == sticky
+                else (0.9 if peak <= 0 else 0.9 * (1.0 - e.load / (peak + 1)))
+                for e in endpoints
+            }
         eff: dict[str, float] = {}
         explain: dict[str, Any] = {}
         for name, (terms, facts) in costs.items():
@@ -148,16 +171,24 @@ class KVCost:
             if name == sticky:
                 prior = min(self.hysteresis_s + self.hysteresis_frac * c, c)
             eff[name] = max(c - prior, EPS)
-            explain[name] = {**terms.as_dict(), **facts, "session_prior_s": round(prior, 6),
-                             "effective_s": round(eff[name], 6)}
+            explain[name] = {
+                **terms.as_dict(),
+                **facts,
+                "session_prior_s": round(prior, 6),
+                "effective_s": round(eff[name], 6),
+            }
         ctx.extra["kv_cost"] = explain
         best = min(eff.values())
         return {n: best / c for n, c in eff.items()}
 
 
 @register("scorer", "kv_cost")
-def _kv_cost(hysteresis_s: float = 0.25, hysteresis_frac: float = 0.1, overlap: float = 1.0,
-             expected_output_tokens: int | None = None) -> KVCost:
+def _kv_cost(
+    hysteresis_s: float = 0.25,
+    hysteresis_frac: float = 0.1,
+    overlap: float = 1.0,
+    expected_output_tokens: int | None = None,
+) -> KVCost:
     return KVCost(hysteresis_s, hysteresis_frac, overlap, expected_output_tokens)
 
 

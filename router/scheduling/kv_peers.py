@@ -33,8 +33,9 @@ from router.scheduling import RequestContext, Snapshot
 from router.scheduling.registry import register, register_policy
 
 
-def _match_fraction(ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView],
-                    approx_only: bool = False) -> dict[str, float]:
+def _match_fraction(
+    ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView], approx_only: bool = False
+) -> dict[str, float]:
     view = snap.state("kv")
     keys = ctx.block_keys or []
     if view is None or not keys:
@@ -50,18 +51,22 @@ def _match_fraction(ctx: RequestContext, snap: Snapshot, endpoints: list[Endpoin
 class KVPrefix:
     name = "kv_prefix"
 
-    def score(self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
-              ) -> Mapping[str, float]:
+    def score(
+        self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
+    ) -> Mapping[str, float]:
         return _match_fraction(ctx, snap, endpoints)
 
 
 class KVQueue:
     name = "kv_queue"
 
-    def score(self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
-              ) -> Mapping[str, float]:
-        q = {e.name: float(e.waiting) if e.waiting is not None else float(e.inflight)
-             for e in endpoints}
+    def score(
+        self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
+    ) -> Mapping[str, float]:
+        q = {
+            e.name: float(e.waiting) if e.waiting is not None else float(e.inflight)
+            for e in endpoints
+        }
         lo, hi = min(q.values(), default=0.0), max(q.values(), default=0.0)
         if hi <= lo:
             return dict.fromkeys(q, 1.0)
@@ -71,24 +76,27 @@ class KVQueue:
 class KVUtil:
     name = "kv_util"
 
-    def score(self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
-              ) -> Mapping[str, float]:
+    def score(
+        self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
+    ) -> Mapping[str, float]:
         return {e.name: 1.0 - (e.kv_usage or 0.0) for e in endpoints}
 
 
 class SGLangTree:
     name = "kv_sglang_tree"
 
-    def __init__(self, cache_threshold: float = 0.5, balance_abs: float = 32.0,
-                 balance_rel: float = 1.0001):
+    def __init__(
+        self, cache_threshold: float = 0.5, balance_abs: float = 32.0, balance_rel: float = 1.0001
+    ):
         if not 0 <= cache_threshold <= 1 or balance_abs < 0 or balance_rel < 1:
             raise TypeError("0 <= cache_threshold <= 1, balance_abs >= 0, balance_rel >= 1")
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
 
-    def score(self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
-              ) -> Mapping[str, float]:
+    def score(
+        self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
+    ) -> Mapping[str, float]:
         load = {e.name: float(e.inflight) + float(e.waiting or 0.0) for e in endpoints}
         lo, hi = min(load.values()), max(load.values())
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
@@ -96,8 +104,7 @@ class SGLangTree:
         rate = _match_fraction(ctx, snap, endpoints, approx_only=True)
         best = max(rate.values(), default=0.0)
         if best >= self.cache_threshold and best > 0:
-            return {n: 1.0 if rate.get(n, 0.0) == best else 0.5 * rate.get(n, 0.0)
-                    for n in load}
+            return {n: 1.0 if rate.get(n, 0.0) == best else 0.5 * rate.get(n, 0.0) for n in load}
         view = snap.state("kv")
         size = {n: float(view.approx_blocks(n)) if view is not None else 0.0 for n in load}
         small = min(size.values())
@@ -120,12 +127,20 @@ def _kv_util() -> KVUtil:
 
 
 @register("scorer", "kv_sglang_tree")
-def _kv_sglang_tree(cache_threshold: float = 0.5, balance_abs: float = 32.0,
-                    balance_rel: float = 1.0001) -> SGLangTree:
+def _kv_sglang_tree(
+    cache_threshold: float = 0.5, balance_abs: float = 32.0, balance_rel: float = 1.0001
+) -> SGLangTree:
     return SGLangTree(cache_threshold, balance_abs, balance_rel)
 
 
-register_policy("llmd", {"scorers": [{"type": "kv_prefix", "weight": 3.0},
-                                     {"type": "kv_queue", "weight": 2.0},
-                                     {"type": "kv_util", "weight": 2.0}]})
+register_policy(
+    "llmd",
+    {
+        "scorers": [
+            {"type": "kv_prefix", "weight": 3.0},
+            {"type": "kv_queue", "weight": 2.0},
+            {"type": "kv_util", "weight": 2.0},
+        ]
+    },
+)
 register_policy("sglang_tree", {"scorers": [{"type": "kv_sglang_tree", "weight": 1.0}]})

@@ -152,8 +152,9 @@ def _text_of_anthropic(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if isinstance(c, str):
             return c
         if isinstance(c, list):
-            return "".join(p.get("text", "") for p in c if isinstance(p, dict)
-                           and p.get("type") == "text")
+            return "".join(
+                p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text"
+            )
         return ""
 
     msgs: list[dict[str, Any]] = []
@@ -168,9 +169,13 @@ def _text_of_anthropic(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 class KVState:
     """See the module docstring. One per router process."""
 
-    def __init__(self, cfg: KVConfig, tokenizer: ModelTokenizer | None = None,
-                 clock: Callable[[], float] = time.time,
-                 profile: ReplicaProfile | None = None):
+    def __init__(
+        self,
+        cfg: KVConfig,
+        tokenizer: ModelTokenizer | None = None,
+        clock: Callable[[], float] = time.time,
+        profile: ReplicaProfile | None = None,
+    ):
         self.cfg = cfg
         self.clock = clock
         self.index = BlockIndex()
@@ -179,8 +184,11 @@ class KVState:
         if tokenizer is None and cfg.tokenizer:
             tokenizer = ModelTokenizer.from_dir(cfg.tokenizer)
         self.tokenizer = tokenizer
-        self.tokens = (SessionTokenizer(tokenizer, self.hasher, max_tokens=cfg.max_cached_tokens)
-                       if tokenizer is not None else None)
+        self.tokens = (
+            SessionTokenizer(tokenizer, self.hasher, max_tokens=cfg.max_cached_tokens)
+            if tokenizer is not None
+            else None
+        )
         self.sessions: dict[str, SessionFootprint] = {}
         self.stats: dict[str, ReplicaStat] = {}
         self.calibrators: dict[str, Calibrator] = {}
@@ -224,8 +232,11 @@ class KVState:
 
     def app_kwargs(self) -> dict[str, Any]:
         """``build_app(cfg, **state.app_kwargs())`` wires the analyzer, provider and observer."""
-        return {"analyzer": self.analyze, "state_providers": {"kv": self.view},
-                "observers": [self.observe]}
+        return {
+            "analyzer": self.analyze,
+            "state_providers": {"kv": self.view},
+            "observers": [self.observe],
+        }
 
     # ---- profiles and calibration -------------------------------------------------------------
 
@@ -233,7 +244,8 @@ class KVState:
         p = self._profiles.get(replica)
         if p is None:
             p = self._profile_override or load_profile(
-                self.cfg.profiles.get(replica, self.cfg.profile))
+                self.cfg.profiles.get(replica, self.cfg.profile)
+            )
             self._profiles[replica] = p
             if self.approx.capacity(replica) == 0:
                 self.approx.set_capacity(replica, p.gpu_kv_blocks)
@@ -262,10 +274,12 @@ class KVState:
         try:
             if "messages" in body and route != "/v1/messages":
                 text = self.tokenizer.render(  # type: ignore[union-attr]
-                    body["messages"], tools=body.get("tools"),
+                    body["messages"],
+                    tools=body.get("tools"),
                     add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                     continue_final_message=bool(body.get("continue_final_message", False)),
-                    chat_template_kwargs=body.get("chat_template_kwargs"))
+                    chat_template_kwargs=body.get("chat_template_kwargs"),
+                )
                 special = bool(body.get("add_special_tokens", False))
             elif route == "/v1/messages":
                 text = self.tokenizer.render(_text_of_anthropic(body))  # type: ignore[union-attr]
@@ -278,8 +292,7 @@ class KVState:
         except ChatTemplateError as e:
             log.debug("kv: cannot render %s: %s", ctx.request_id, e)
             return
-        p = self.tokens.prompt(text, session=ident.key, add_special_tokens=special,
-                               cache_salt=salt)
+        p = self.tokens.prompt(text, session=ident.key, add_special_tokens=special, cache_salt=salt)
         ctx.block_keys = p.keys
         ctx.extra["kv_prompt_tokens"] = p.n_tokens
         ctx.extra["kv_reused_tokens"] = p.reused_tokens
@@ -323,7 +336,8 @@ class KVState:
             predicted = ctx.extra.get("kv_cost", {}).get(replica)
             depth = predicted["match_blocks"] if predicted else 0
             self.stats.setdefault(replica, ReplicaStat()).add(
-                max(n_tok - depth * self.cfg.block_size, 0), n_tok)
+                max(n_tok - depth * self.cfg.block_size, 0), n_tok
+            )
             ttft = outcome.get("ttft_s")
             if predicted and ttft and outcome.get("status") == "200":
                 modelled = (predicted.get("queue_s") or 0.0) + predicted["fetch_or_recompute_s"]
@@ -348,8 +362,11 @@ class KVState:
     def sweep(self) -> None:
         now = self.clock()
         ttl = self.cfg.session_idle_ttl_s
-        for k in [k for k, s in self.sessions.items()
-                  if s.inflight == 0 and s.last_end is not None and now - s.last_end > ttl]:
+        for k in [
+            k
+            for k, s in self.sessions.items()
+            if s.inflight == 0 and s.last_end is not None and now - s.last_end > ttl
+        ]:
             self.release(k)
 
     # ---- the read-only view -------------------------------------------------------------------
@@ -405,8 +422,9 @@ class KVView:
     def session(self, key: str) -> SessionFootprint | None:
         return self._st.sessions.get(key)
 
-    def warm_and_reserved(self, replica: str, exclude: str | None
-                          ) -> tuple[list[WarmSession], list[Reservation]]:
+    def warm_and_reserved(
+        self, replica: str, exclude: str | None
+    ) -> tuple[list[WarmSession], list[Reservation]]:
         """Sessions whose KV sits on ``replica`` (evictable or pinned) and paced agents
         between calls that will come back to it."""
         warm: list[WarmSession] = []

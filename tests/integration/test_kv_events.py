@@ -31,8 +31,9 @@ pytestmark = pytest.mark.timeout(30)
 class Publisher:
     """A vLLM-like publisher: PUB (bind or connect) + optional ROUTER replay buffer."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, topic: str, *, replay: bool = False,
-                 keep: int = 10_000):
+    def __init__(
+        self, ctx: zmq.asyncio.Context, topic: str, *, replay: bool = False, keep: int = 10_000
+    ):
         self.ctx, self.topic, self.seq = ctx, topic, 0
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -52,7 +53,7 @@ class Publisher:
         while True:
             cid, _, start_b = await self.router.recv_multipart()
             start = int.from_bytes(start_b, "big")
-            for seq, frames in self.buffer[-self.keep:]:
+            for seq, frames in self.buffer[-self.keep :]:
                 if seq >= start:
                     await self.router.send_multipart([cid, b"", *frames])
             await self.router.send_multipart([cid, b"", b"", END_SEQ, b""])

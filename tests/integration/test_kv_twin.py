@@ -29,8 +29,12 @@ def words(n: int, seed: int) -> str:
 
 
 def chat(text: str, max_tokens: int = 1) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, "ignore_eos": True}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
 
 
 async def post(http, url, body, headers=None) -> dict:
@@ -41,15 +45,22 @@ async def post(http, url, body, headers=None) -> dict:
 
 async def test_dram_blocks_attract_calls_until_the_replica_is_saturated():
     model = tinymodel.ensure()
-    st = KVState(KVConfig(block_size=PROF.block_size, events_bind="tcp://127.0.0.1:0"),
-                 tokenizer=ModelTokenizer.from_dir(model), profile=PROF)
+    st = KVState(
+        KVConfig(block_size=PROF.block_size, events_bind="tcp://127.0.0.1:0"),
+        tokenizer=ModelTokenizer.from_dir(model),
+        profile=PROF,
+    )
     await st.start()
     try:
         async with start_cluster(2, PROF, speedup=20.0, kv_events=st.events_endpoint) as c:
             st.cfg.topics.update(zip(c.topics, c.urls, strict=True))
             hot, cold = c.urls
-            app = build_app(RouterConfig(replicas=c.urls, policy="kv_cost", admin_key="adm",
-                                         metrics_interval_s=0.1), **st.app_kwargs())
+            app = build_app(
+                RouterConfig(
+                    replicas=c.urls, policy="kv_cost", admin_key="adm", metrics_interval_s=0.1
+                ),
+                **st.app_kwargs(),
+            )
             runner, url = await start_site(app)
             try:
                 timeout = aiohttp.ClientTimeout(total=30)
@@ -63,8 +74,9 @@ async def test_dram_blocks_attract_calls_until_the_replica_is_saturated():
 
 async def _scenario(st: KVState, http, url: str, hot: str, cold: str, replicas) -> None:
     p1 = words(1900, 1)
-    keys = st.hasher.hash_keys(st.tokenizer.encode(st.tokenizer.render(
-        [{"role": "user", "content": p1}])))
+    keys = st.hasher.hash_keys(
+        st.tokenizer.encode(st.tokenizer.render([{"role": "user", "content": p1}]))
+    )
     await post(http, hot + "/v1/chat/completions", chat(p1))
     for seed in (2, 3, 4, 5):  # more prompts push all of p1's blocks from GPU to DRAM
         await post(http, hot + "/v1/chat/completions", chat(words(1900, seed)))
@@ -75,8 +87,7 @@ async def _scenario(st: KVState, http, url: str, hot: str, cold: str, replicas) 
     # the router's load view comes from a /metrics scrape every 0.1 s: wait (bounded) until
     # it no longer shows the calls above as running (no event to await for a scrape)
     for _ in range(100):
-        if all(replicas.get(u).running == 0 and not replicas.get(u).waiting
-               for u in (hot, cold)):
+        if all(replicas.get(u).running == 0 and not replicas.get(u).waiting for u in (hot, cold)):
             break
         await asyncio.sleep(0.05)
     else:
@@ -93,8 +104,12 @@ async def _scenario(st: KVState, http, url: str, hot: str, cold: str, replicas) 
     #    once `hot` is saturated (one fits in its GPU, the rest queue), the rest go to `cold`
     async def one(i: int) -> tuple[str, int]:
         h = {"x-claude-code-session-id": f"burst-{i}"}
-        out = await post(http, url + "/v1/chat/completions",
-                         chat(p1 + " " + words(1500, 100 + i), max_tokens=300), h)
+        out = await post(
+            http,
+            url + "/v1/chat/completions",
+            chat(p1 + " " + words(1500, 100 + i), max_tokens=300),
+            h,
+        )
         return out["usage"]["prompt_tokens_details"]["cached_tokens"], i
 
     results = await asyncio.gather(*(one(i) for i in range(4)))

@@ -33,12 +33,15 @@ CTX = 142_000
 NB = CTX // BS
 
 
-@pytest.mark.parametrize(("queued", "scale", "expect"), [
-    (None, 1.0, None),
-    (0, 1.0, 0.0),
-    (8192, 1.0, 8192 / prefill_throughput(H200)),
-    (8192, 2.0, 2 * 8192 / prefill_throughput(H200)),
-])
+@pytest.mark.parametrize(
+    ("queued", "scale", "expect"),
+    [
+        (None, 1.0, None),
+        (0, 1.0, 0.0),
+        (8192, 1.0, 8192 / prefill_throughput(H200)),
+        (8192, 2.0, 2 * 8192 / prefill_throughput(H200)),
+    ],
+)
 def test_queue_term(queued, scale, expect):
     got = queue_time(H200, queued, scale)
     assert got == (None if expect is None else pytest.approx(expect))
@@ -49,15 +52,18 @@ def test_queue_negative_is_an_error():
         queue_time(H200, -1)
 
 
-@pytest.mark.parametrize(("call", "chose", "approx"), [
-    # all full blocks cached on GPU: only the partial last block is prefilled
-    (CallShape(CTX, gpu_blocks=NB), {}, request_prefill_time(OFF, CTX - NB * BS, NB * BS)),
-    (CallShape(NB * BS, gpu_blocks=NB), {}, request_prefill_time(OFF, 1, NB * BS - 1)),
-    # the whole prefix in host DRAM: loading (~0.5 s) beats recomputing (~65 s)
-    (CallShape(CTX, cpu_blocks=NB), {"cpu": "load"}, None),
-    # cold: everything prefilled
-    (CallShape(CTX), {}, request_prefill_time(H200, CTX, 0)),
-])
+@pytest.mark.parametrize(
+    ("call", "chose", "approx"),
+    [
+        # all full blocks cached on GPU: only the partial last block is prefilled
+        (CallShape(CTX, gpu_blocks=NB), {}, request_prefill_time(OFF, CTX - NB * BS, NB * BS)),
+        (CallShape(NB * BS, gpu_blocks=NB), {}, request_prefill_time(OFF, 1, NB * BS - 1)),
+        # the whole prefix in host DRAM: loading (~0.5 s) beats recomputing (~65 s)
+        (CallShape(CTX, cpu_blocks=NB), {"cpu": "load"}, None),
+        # cold: everything prefilled
+        (CallShape(CTX), {}, request_prefill_time(H200, CTX, 0)),
+    ],
+)
 def test_fetch_or_recompute_segments(call, chose, approx):
     s, load_s, rec_s, got_chose, tail_s = segment_costs(OFF, call)
     assert got_chose == chose
@@ -71,9 +77,11 @@ def test_fetch_or_recompute_segments(call, chose, approx):
 
 
 def test_slow_storage_tier_is_recomputed_when_cheaper():
-    slow = OFF.replace(hardware=OFF.hardware.__class__(
-        **{**{f: getattr(OFF.hardware, f) for f in OFF.hardware.__slots__},
-           "storage_bw": 1e6}))
+    slow = OFF.replace(
+        hardware=OFF.hardware.__class__(
+            **{**{f: getattr(OFF.hardware, f) for f in OFF.hardware.__slots__}, "storage_bw": 1e6}
+        )
+    )
     call = CallShape(4 * BS, storage_blocks=2)
     _, load_s, rec_s, chose, _ = segment_costs(slow, call)
     assert chose == {"storage": "recompute"} and load_s["storage"] > rec_s["storage"]
@@ -87,17 +95,27 @@ def test_overlap_of_loads_with_compute(overlap, factor):
     assert s == pytest.approx(want)
 
 
-@pytest.mark.parametrize(("call", "load", "expect"), [
-    (CallShape(1000, expected_output_tokens=None), ReplicaLoad(decode_batch=4,
-                                                                decode_context_tokens=4e5), None),
-    (CallShape(1000, expected_output_tokens=200), ReplicaLoad(), None),
-    (CallShape(1000, expected_output_tokens=200),
-     ReplicaLoad(decode_batch=4, decode_context_tokens=400_000),
-     200 * decode_step_time(H200, 5, 401_000)),
-    (CallShape(1000, expected_output_tokens=200),
-     ReplicaLoad(decode_batch=4, decode_context_tokens=400_000, decode_scale=1.5),
-     1.5 * 200 * decode_step_time(H200, 5, 401_000)),
-])
+@pytest.mark.parametrize(
+    ("call", "load", "expect"),
+    [
+        (
+            CallShape(1000, expected_output_tokens=None),
+            ReplicaLoad(decode_batch=4, decode_context_tokens=4e5),
+            None,
+        ),
+        (CallShape(1000, expected_output_tokens=200), ReplicaLoad(), None),
+        (
+            CallShape(1000, expected_output_tokens=200),
+            ReplicaLoad(decode_batch=4, decode_context_tokens=400_000),
+            200 * decode_step_time(H200, 5, 401_000),
+        ),
+        (
+            CallShape(1000, expected_output_tokens=200),
+            ReplicaLoad(decode_batch=4, decode_context_tokens=400_000, decode_scale=1.5),
+            1.5 * 200 * decode_step_time(H200, 5, 401_000),
+        ),
+    ],
+)
 def test_decode_term(call, load, expect):
     got = decode_cost(H200, call, load)
     assert got == (None if expect is None else pytest.approx(expect))
@@ -114,15 +132,22 @@ def warm(key, tokens, idle, p=1.0, pinned=False):
     return WarmSession(key, tokens, idle, p, pinned)
 
 
-@pytest.mark.parametrize(("free", "warm_list", "evicted", "harm"), [
-    (None, [], {}, None),
-    (10_000, [warm("a", CTX, 5)], {}, 0.0),
-    # short by ~NB blocks: the idlest session loses its tail first; p_return scales the harm
-    (0, [warm("old", CTX, 100, p=0.5), warm("new", CTX, 1)], {"old": NB + 1}, "half"),
-    # pinned sessions (a parent waiting on children) are never evicted
-    (0, [warm("parent", CTX, 100, pinned=True), warm("other", CTX, 1, p=0.0)],
-     {"other": NB + 1}, 0.0),
-])
+@pytest.mark.parametrize(
+    ("free", "warm_list", "evicted", "harm"),
+    [
+        (None, [], {}, None),
+        (10_000, [warm("a", CTX, 5)], {}, 0.0),
+        # short by ~NB blocks: the idlest session loses its tail first; p_return scales the harm
+        (0, [warm("old", CTX, 100, p=0.5), warm("new", CTX, 1)], {"old": NB + 1}, "half"),
+        # pinned sessions (a parent waiting on children) are never evicted
+        (
+            0,
+            [warm("parent", CTX, 100, pinned=True), warm("other", CTX, 1, p=0.0)],
+            {"other": NB + 1},
+            0.0,
+        ),
+    ],
+)
 def test_eviction_harm(free, warm_list, evicted, harm):
     call = CallShape(CTX, expected_output_tokens=0)
     got, ev = eviction_harm(H200, call, ReplicaLoad(free_gpu_blocks=free, warm=warm_list))
@@ -130,8 +155,9 @@ def test_eviction_harm(free, warm_list, evicted, harm):
         assert got is None
         return
     need = max(blocks_needed(H200, call) - free, 0)
-    assert sum(ev.values()) == min(need, sum(math.ceil(w.tokens / BS) for w in warm_list
-                                              if not w.pinned))
+    assert sum(ev.values()) == min(
+        need, sum(math.ceil(w.tokens / BS) for w in warm_list if not w.pinned)
+    )
     if harm == "half":
         full = request_prefill_time(H200, CTX, 0)
         assert got == pytest.approx(0.5 * full, rel=0.01)
@@ -148,43 +174,81 @@ def test_eviction_harm_uses_reload_when_a_host_tier_exists():
     assert with_host < without / 20  # reloading from DRAM is far cheaper than recomputing
 
 
-@pytest.mark.parametrize(("duration", "res", "expect_frac"), [
-    (10.0, [], 0.0),
-    (10.0, [Reservation("a", 0.0, 2000, CTX)], 1.0),
-    (10.0, [Reservation("a", 10.0, 2000, CTX)], 1 - math.exp(-1)),
-    (10.0, [Reservation("a", 10.0, 2000, CTX, p_return=0.0)], 0.0),
-])
+@pytest.mark.parametrize(
+    ("duration", "res", "expect_frac"),
+    [
+        (10.0, [], 0.0),
+        (10.0, [Reservation("a", 0.0, 2000, CTX)], 1.0),
+        (10.0, [Reservation("a", 10.0, 2000, CTX)], 1 - math.exp(-1)),
+        (10.0, [Reservation("a", 10.0, 2000, CTX, p_return=0.0)], 0.0),
+    ],
+)
 def test_reserved_term(duration, res, expect_frac):
     got = reserved_cost(H200, duration, ReplicaLoad(reserved=res))
     base = request_prefill_time(H200, 2000, CTX)
     assert got == pytest.approx(expect_frac * base)
 
 
-@pytest.mark.parametrize(("idle", "gap", "final", "p"), [
-    (5, 18, False, 1.0), (36, 18, False, math.exp(-1)), (1, 18, True, 0.0), (99, None, False, 1.0),
-])
+@pytest.mark.parametrize(
+    ("idle", "gap", "final", "p"),
+    [
+        (5, 18, False, 1.0),
+        (36, 18, False, math.exp(-1)),
+        (1, 18, True, 0.0),
+        (99, None, False, 1.0),
+    ],
+)
 def test_p_return(idle, gap, final, p):
     assert p_return_after(idle, gap, final) == pytest.approx(p)
 
 
 def test_placement_cost_names_every_term_and_prefers_dram_over_recompute():
     call = CallShape(CTX, expected_output_tokens=300)
-    dram = placement_cost(OFF, CallShape(CTX, cpu_blocks=NB, expected_output_tokens=300),
-                          ReplicaLoad(queued_prefill_tokens=0, decode_batch=0,
-                                      decode_context_tokens=0, free_gpu_blocks=OFF.gpu_kv_blocks))
-    cold = placement_cost(OFF, call, ReplicaLoad(queued_prefill_tokens=0, decode_batch=0,
-                                                 decode_context_tokens=0,
-                                                 free_gpu_blocks=OFF.gpu_kv_blocks))
+    dram = placement_cost(
+        OFF,
+        CallShape(CTX, cpu_blocks=NB, expected_output_tokens=300),
+        ReplicaLoad(
+            queued_prefill_tokens=0,
+            decode_batch=0,
+            decode_context_tokens=0,
+            free_gpu_blocks=OFF.gpu_kv_blocks,
+        ),
+    )
+    cold = placement_cost(
+        OFF,
+        call,
+        ReplicaLoad(
+            queued_prefill_tokens=0,
+            decode_batch=0,
+            decode_context_tokens=0,
+            free_gpu_blocks=OFF.gpu_kv_blocks,
+        ),
+    )
     assert dram.fetch_or_recompute_s < cold.fetch_or_recompute_s / 50
     assert dram.decode_s == cold.decode_s and dram.total_s < cold.total_s - 60
     d = dram.as_dict()
-    assert set(d) >= {"queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s",
-                      "reserved_s", "congestion_s", "total_s", "missing"}
+    assert set(d) >= {
+        "queue_s",
+        "fetch_or_recompute_s",
+        "decode_s",
+        "eviction_harm_s",
+        "reserved_s",
+        "congestion_s",
+        "total_s",
+        "missing",
+    }
     assert d["missing"] == ["congestion_s"] and d["chose"] == {"cpu": "load"}
     # a saturated DRAM replica (a long prefill queue) loses to recomputing on an idle one
-    busy = placement_cost(OFF, CallShape(CTX, cpu_blocks=NB, expected_output_tokens=300),
-                          ReplicaLoad(queued_prefill_tokens=600_000, decode_batch=0,
-                                      decode_context_tokens=0, free_gpu_blocks=OFF.gpu_kv_blocks))
+    busy = placement_cost(
+        OFF,
+        CallShape(CTX, cpu_blocks=NB, expected_output_tokens=300),
+        ReplicaLoad(
+            queued_prefill_tokens=600_000,
+            decode_batch=0,
+            decode_context_tokens=0,
+            free_gpu_blocks=OFF.gpu_kv_blocks,
+        ),
+    )
     assert busy.total_s > cold.total_s
 
 

@@ -21,8 +21,9 @@ KEYS = list(range(1_000_000, 1_000_000 + N))
 
 
 def ep(name, inflight=0, running=0.0, waiting=0.0, kv=0.1):
-    return EndpointView(name, name, True, frozenset({"m"}), inflight, running, waiting, kv,
-                        "closed")
+    return EndpointView(
+        name, name, True, frozenset({"m"}), inflight, running, waiting, kv, "closed"
+    )
 
 
 def ctx_for(session="s", parent=None, keys=KEYS, final=False):
@@ -82,8 +83,13 @@ def test_session_prior_with_hysteresis(b_share, expect):
     st = state()
     st.index.store("A", KEYS)
     st.index.store("B", KEYS[: int(N * b_share)])
-    winner, _ = pick(st, [ep("A"), ep("B")], ctx_for(), sticky="B",
-                     scorer=KVCost(hysteresis_s=0.25, hysteresis_frac=0.5))
+    winner, _ = pick(
+        st,
+        [ep("A"), ep("B")],
+        ctx_for(),
+        sticky="B",
+        scorer=KVCost(hysteresis_s=0.25, hysteresis_frac=0.5),
+    )
     assert winner == expect
 
 
@@ -92,8 +98,9 @@ def test_eviction_harm_keeps_a_new_session_off_a_full_replica():
     full = PROF.gpu_kv_blocks
     other = list(range(5_000_000, 5_000_000 + full))
     st.index.store("A", other)  # A's GPU is full of another session's KV ...
-    st.sessions["t/other"] = SessionFootprint("t/other", "A", tokens=full * BS, last_end=995.0,
-                                              gaps=[18.0])  # ... which will be back soon
+    st.sessions["t/other"] = SessionFootprint(
+        "t/other", "A", tokens=full * BS, last_end=995.0, gaps=[18.0]
+    )  # ... which will be back soon
     st.index.store("B", list(range(9_000_000, 9_000_000 + 100)))
     winner, _ = pick(st, [ep("A"), ep("B")], ctx := ctx_for(session="new"))
     assert winner == "B"
@@ -107,8 +114,9 @@ def test_parent_waiting_on_children_is_pinned():
     st = state()
     full = PROF.gpu_kv_blocks
     st.index.store("A", list(range(5_000_000, 5_000_000 + full)))
-    st.sessions["t/parent"] = SessionFootprint("t/parent", "A", tokens=full * BS, last_end=999.0,
-                                               children_inflight=2)
+    st.sessions["t/parent"] = SessionFootprint(
+        "t/parent", "A", tokens=full * BS, last_end=999.0, children_inflight=2
+    )
     c = ctx_for(session="child", parent="t/parent")
     pick(st, [ep("A"), ep("B")], c)
     assert c.extra["kv_cost"]["A"]["eviction_harm_s"] == 0.0  # pinned: not evictable
@@ -129,12 +137,14 @@ def test_stale_replica_falls_back_to_approximate_mode():
 
 def test_without_the_kv_layer_it_degrades_to_affinity_and_load():
     c = ctx_for()
-    s = KVCost().score(c, Snapshot((ep("A", inflight=3), ep("B")), None, 0, {}),
-                       [ep("A", inflight=3), ep("B")])
+    s = KVCost().score(
+        c, Snapshot((ep("A", inflight=3), ep("B")), None, 0, {}), [ep("A", inflight=3), ep("B")]
+    )
     assert s["B"] > s["A"]
     rec = SessionRecord("t/s", "t", replica="A")
-    s = KVCost().score(c, Snapshot((ep("A", inflight=3), ep("B")), rec, 0, {}),
-                       [ep("A", inflight=3), ep("B")])
+    s = KVCost().score(
+        c, Snapshot((ep("A", inflight=3), ep("B")), rec, 0, {}), [ep("A", inflight=3), ep("B")]
+    )
     assert max(s, key=s.get) == "A"
 
 
@@ -147,13 +157,26 @@ def test_explain_names_every_term_through_the_pipeline():
     assert d.explain["policy"] == "kv_cost"
     for r in ("A", "B"):
         terms = c.extra["kv_cost"][r]
-        assert {"queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s", "reserved_s",
-                "total_s", "missing", "session_prior_s"} <= set(terms)
+        assert {
+            "queue_s",
+            "fetch_or_recompute_s",
+            "decode_s",
+            "eviction_harm_s",
+            "reserved_s",
+            "total_s",
+            "missing",
+            "session_prior_s",
+        } <= set(terms)
 
 
-@pytest.mark.parametrize(("waiting", "expect"), [((0, 0), {"A": 1.0, "B": 1.0}),
-                                                 ((4, 0), {"A": 0.0, "B": 1.0}),
-                                                 ((2, 4), {"A": 1.0, "B": 0.0})])
+@pytest.mark.parametrize(
+    ("waiting", "expect"),
+    [
+        ((0, 0), {"A": 1.0, "B": 1.0}),
+        ((4, 0), {"A": 0.0, "B": 1.0}),
+        ((2, 4), {"A": 1.0, "B": 0.0}),
+    ],
+)
 def test_llmd_queue_scorer(waiting, expect):
     eps = [ep("A", waiting=waiting[0]), ep("B", waiting=waiting[1])]
     assert KVQueue().score(ctx_for(), snap(state(), eps), eps) == expect
@@ -169,11 +192,14 @@ def test_llmd_prefix_scorer_and_policy():
     assert d.endpoint.name == "B"
 
 
-@pytest.mark.parametrize(("loads", "history", "expect"), [
-    ((0, 40), {}, "A"),                       # imbalanced: least loaded wins
-    ((1, 0), {"A": N}, "A"),                  # balanced, A's tree matches: cache wins
-    ((0, 1), {"A": 10, "B": 50}, "A"),        # low match everywhere: smallest tree wins
-])
+@pytest.mark.parametrize(
+    ("loads", "history", "expect"),
+    [
+        ((0, 40), {}, "A"),  # imbalanced: least loaded wins
+        ((1, 0), {"A": N}, "A"),  # balanced, A's tree matches: cache wins
+        ((0, 1), {"A": 10, "B": 50}, "A"),  # low match everywhere: smallest tree wins
+    ],
+)
 def test_sglang_tree_rules(loads, history, expect):
     st = state()
     other = list(range(7_000_000, 7_000_000 + 1000))
@@ -187,8 +213,13 @@ def test_sglang_tree_rules(loads, history, expect):
 
 def test_kv_config_from_env_and_mapping():
     assert KVConfig.from_env({}) is None
-    cfg = KVConfig.from_env({"KVROUTE_KV_BLOCK_SIZE": "32", "KVROUTE_KV_PROFILE": "cpu-tiny",
-                             "KVROUTE_KV_TOPICS": "{kv@a: 'http://h:1'}"})
+    cfg = KVConfig.from_env(
+        {
+            "KVROUTE_KV_BLOCK_SIZE": "32",
+            "KVROUTE_KV_PROFILE": "cpu-tiny",
+            "KVROUTE_KV_TOPICS": "{kv@a: 'http://h:1'}",
+        }
+    )
     assert (cfg.block_size, cfg.profile, cfg.topics) == (32, "cpu-tiny", {"kv@a": "http://h:1"})
     with pytest.raises(ValueError, match="unknown kv settings"):
         KVConfig.from_mapping({"blocksize": 3})

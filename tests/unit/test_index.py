@@ -40,8 +40,9 @@ def _run(ops, ix, ref):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(op, max_size=30),
-       st.lists(st.lists(SMALL_KEYS, max_size=8), min_size=1, max_size=4))
+@given(
+    st.lists(op, max_size=30), st.lists(st.lists(SMALL_KEYS, max_size=8), min_size=1, max_size=4)
+)
 def test_index_matches_naive_reference(ops, prompts):
     ix, ref = BlockIndex(), NaiveBlockIndex()
     _run(ops, ix, ref)

@@ -27,15 +27,43 @@ def full(mtok: ModelTokenizer, text: str, add_special_tokens: bool) -> list[int]
 
 
 PIECES = st.sampled_from(
-    ["the", " cache", " block", "  ", " ", "\n", "\n\n", " \n", "\t", "123", "4567", "!", "?!",
-     "'s", "def f(x):", "    return x", "é", "日本", "🙂", "<|eot_id|>",
-     "<|start_header_id|>user<|end_header_id|>\n\n", " replica", "_", "--", "x"])
+    [
+        "the",
+        " cache",
+        " block",
+        "  ",
+        " ",
+        "\n",
+        "\n\n",
+        " \n",
+        "\t",
+        "123",
+        "4567",
+        "!",
+        "?!",
+        "'s",
+        "def f(x):",
+        "    return x",
+        "é",
+        "日本",
+        "🙂",
+        "<|eot_id|>",
+        "<|start_header_id|>user<|end_header_id|>\n\n",
+        " replica",
+        "_",
+        "--",
+        "x",
+    ]
+)
 TEXT = st.lists(PIECES, min_size=0, max_size=60).map("".join)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(base=TEXT, edits=st.lists(st.tuples(st.integers(0, 100), TEXT), min_size=1, max_size=4),
-       add_special=st.booleans())
+@given(
+    base=TEXT,
+    edits=st.lists(st.tuples(st.integers(0, 100), TEXT), min_size=1, max_size=4),
+    add_special=st.booleans(),
+)
 def test_incremental_equals_full_tokenization(mtok, base, edits, add_special):
     hasher = BlockHasher(4)  # small blocks: many block boundaries near the cut
     inc = SessionTokenizer(mtok, hasher)
@@ -55,12 +83,16 @@ def test_incremental_equals_full_tokenization(mtok, base, edits, add_special):
 def test_next_call_reuses_almost_everything(mtok):
     hasher = BlockHasher(32)
     inc = SessionTokenizer(mtok, hasher)
-    msgs = [{"role": "system", "content": "You are a coding agent. " * 200},
-            {"role": "user", "content": "read the file and fix the test " * 50}]
+    msgs = [
+        {"role": "system", "content": "You are a coding agent. " * 200},
+        {"role": "user", "content": "read the file and fix the test " * 50},
+    ]
     p1 = inc.prompt(mtok.render(msgs), session="s")
-    msgs += [{"role": "assistant", "content": "I will call the tool now."},
-             {"role": "tool", "content": "def f(x):\n    return x + 1\n" * 20},
-             {"role": "user", "content": "now run the tests"}]
+    msgs += [
+        {"role": "assistant", "content": "I will call the tool now."},
+        {"role": "tool", "content": "def f(x):\n    return x + 1\n" * 20},
+        {"role": "user", "content": "now run the tests"},
+    ]
     text2 = mtok.render(msgs)
     p2 = inc.prompt(text2, session="s")
     assert p2.tokens() == mtok.encode(text2)
@@ -84,15 +116,29 @@ def test_salt_or_specials_change_forces_full_and_lru_bounds(mtok):
 
 
 def test_render_normalizes_messages_like_vllm(mtok):
-    msgs = [{"role": "system", "content": [
-                {"type": "text", "text": "x-anthropic-billing-header: cch=123\nkeep me"}]},
-            {"role": "user", "content": [{"type": "text", "text": "a"},
-                                         {"type": "text", "text": "b"}]},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "1", "type": "function",
-                 "function": {"name": "grep", "arguments": "{\"q\": 1}"}}]},
-            {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "r1"},
-                                                             {"type": "text", "text": "r2"}]}]
+    msgs = [
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "x-anthropic-billing-header: cch=123\nkeep me"}],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "1",
+                    "type": "function",
+                    "function": {"name": "grep", "arguments": '{"q": 1}'},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "1",
+            "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}],
+        },
+    ]
     text = mtok.render(msgs, tools=[{"type": "function", "function": {"name": "grep"}}])
     assert "cch=123" not in text and "keep me" in text
     assert "ab" in text  # the template iterates parts: "openai" content format
@@ -111,8 +157,15 @@ def test_bad_inputs_are_clear_errors(mtok, tmp_path):
         ModelTokenizer.from_dir(tmp_path)
 
 
-@pytest.mark.parametrize(("a", "b", "n"), [("", "", 0), ("abc", "abd", 2), ("abc", "abc", 3),
-                                          ("x" * 100_000 + "a", "x" * 100_000 + "b", 100_000),
-                                          ("ab", "abc", 2)])
+@pytest.mark.parametrize(
+    ("a", "b", "n"),
+    [
+        ("", "", 0),
+        ("abc", "abd", 2),
+        ("abc", "abc", 3),
+        ("x" * 100_000 + "a", "x" * 100_000 + "b", 100_000),
+        ("ab", "abc", 2),
+    ],
+)
 def test_common_prefix_len(a, b, n):
     assert common_prefix_len(a, b) == n

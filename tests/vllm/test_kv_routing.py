@@ -35,20 +35,36 @@ class Bridge:
     def pump(self) -> None:
         for topic, url in self.topics.items():
             batches = self.ev.snapshot(topic)
-            for b in batches[self.done[topic]:]:
+            for b in batches[self.done[topic] :]:
                 self.st.index.apply(url, b.events)
             self.done[topic] = len(batches)
 
     async def until_stored(self, topic: str, keys: list[int]) -> None:
         want = set(keys)
-        await asyncio.to_thread(self.ev.wait_for, topic, lambda bs: want <= {
-            k for b in bs for e in b.events if isinstance(e, BlockStored) for k in e.block_hashes},
-            60)
+        await asyncio.to_thread(
+            self.ev.wait_for,
+            topic,
+            lambda bs: (
+                want
+                <= {
+                    k
+                    for b in bs
+                    for e in b.events
+                    if isinstance(e, BlockStored)
+                    for k in e.block_hashes
+                }
+            ),
+            60,
+        )
         self.pump()
 
     async def until_cleared(self, topic: str, after: int) -> None:
-        await asyncio.to_thread(self.ev.wait_for, topic, lambda bs: any(
-            isinstance(e, AllBlocksCleared) for b in bs[after:] for e in b.events), 30)
+        await asyncio.to_thread(
+            self.ev.wait_for,
+            topic,
+            lambda bs: any(isinstance(e, AllBlocksCleared) for b in bs[after:] for e in b.events),
+            30,
+        )
         self.pump()
 
 
@@ -59,8 +75,13 @@ async def post(http: aiohttp.ClientSession, url: str, body: dict | None = None) 
 
 
 def chat(content: str, **kw) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}],
-            "max_tokens": 2, "temperature": 0, **kw}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 2,
+        "temperature": 0,
+        **kw,
+    }
 
 
 async def routed(http, url, body, session) -> tuple[str, int]:
@@ -76,12 +97,16 @@ async def routed(http, url, body, session) -> tuple[str, int]:
 @pytest.fixture()
 async def router(vllm_bed, kv_events, tiny_model):
     urls = [r.url for r in vllm_bed]
-    st = KVState(KVConfig(block_size=BLOCK_SIZE, profile="cpu-tiny"),
-                 tokenizer=ModelTokenizer.from_dir(tiny_model))
+    st = KVState(
+        KVConfig(block_size=BLOCK_SIZE, profile="cpu-tiny"),
+        tokenizer=ModelTokenizer.from_dir(tiny_model),
+    )
     bridge = Bridge(st, kv_events, list(vllm_bed))
     bridge.pump()  # everything the bed published so far
-    app = build_app(RouterConfig(replicas=urls, policy="kv_cost", admin_key="adm",
-                                 metrics_interval_s=0.2), **st.app_kwargs())
+    app = build_app(
+        RouterConfig(replicas=urls, policy="kv_cost", admin_key="adm", metrics_interval_s=0.2),
+        **st.app_kwargs(),
+    )
     runner, url = await start_site(app)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         yield url, http, st, bridge
@@ -104,16 +129,23 @@ async def test_calls_go_where_their_blocks_are(router, vllm_bed):
         assert await post(http, rep.url + "/v1/chat/completions", warm) == 200
         await bridge.until_stored(rep.topic, keys_of(st, warm)[:-1])
         # a new session that shares the prefix: only the blocks can point to `name`
-        body = chat(prefix, messages=[{"role": "user", "content": prefix},
-                                      {"role": "assistant", "content": "ok"},
-                                      {"role": "user", "content": "and now the tests"}])
+        body = chat(
+            prefix,
+            messages=[
+                {"role": "user", "content": prefix},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "and now the tests"},
+            ],
+        )
         winner, cached = await routed(http, url, body, f"fresh-{name}-{seed}")
         assert winner == rep.url
         assert cached >= 1000  # vLLM confirms: the prefix was served from its cache
         # the same session's next call stays where its (now longer) prefix is
         await bridge.until_stored(rep.topic, keys_of(st, body)[:-1])
-        body["messages"] += [{"role": "assistant", "content": "done"},
-                             {"role": "user", "content": "thanks"}]
+        body["messages"] += [
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": "thanks"},
+        ]
         winner2, cached2 = await routed(http, url, body, f"fresh-{name}-{seed}")
         assert winner2 == rep.url and cached2 >= cached
 
@@ -133,8 +165,12 @@ async def test_reset_replica_is_no_longer_preferred(router, vllm_bed):
     seen = len(bridge.ev.snapshot(a.topic))
     assert await post(http, a.url + "/reset_prefix_cache") == 200
     # vLLM queues AllBlocksCleared and publishes it with the next engine step's events
-    assert await post(http, a.url + "/v1/completions",
-                      {"model": "tiny", "prompt": "flush", "max_tokens": 1}) == 200
+    assert (
+        await post(
+            http, a.url + "/v1/completions", {"model": "tiny", "prompt": "flush", "max_tokens": 1}
+        )
+        == 200
+    )
     await bridge.until_cleared(a.topic, seen)
     assert st.index.match(keys_of(st, body), [a.url]) == {}
     winner, cached = await routed(http, url, chat(prefix + " and again"), "reset-2")

@@ -10,20 +10,46 @@ from tests.vllm.conftest import BLOCK_SIZE, unique_text
 
 CHATS = [
     [{"role": "user", "content": "hello there"}],
-    [{"role": "system", "content": "You are a coding agent.\nBe brief."},
-     {"role": "user", "content": [{"type": "text", "text": "part one"},
-                                  {"type": "text", "text": " part two\n\n"}]}],
-    [{"role": "system", "content": [{"type": "text", "text":
-                                     "x-anthropic-billing-header: cch=42\nreal system"}]},
-     {"role": "user", "content": "grep for the bug"},
-     {"role": "assistant", "content": None, "tool_calls": [
-         {"id": "c1", "type": "function",
-          "function": {"name": "grep", "arguments": "{\"pattern\": \"def f\"}"}}]},
-     {"role": "tool", "tool_call_id": "c1",
-      "content": [{"type": "text", "text": "a.py:1: def f(x):"},
-                  {"type": "text", "text": "b.py:9: def f(y):"}]},
-     {"role": "assistant", "content": "Found two definitions. 日本 🙂"},
-     {"role": "user", "content": "  fix   both\t\tplease  "}],
+    [
+        {"role": "system", "content": "You are a coding agent.\nBe brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "part one"},
+                {"type": "text", "text": " part two\n\n"},
+            ],
+        },
+    ],
+    [
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "x-anthropic-billing-header: cch=42\nreal system"}
+            ],
+        },
+        {"role": "user", "content": "grep for the bug"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "grep", "arguments": '{"pattern": "def f"}'},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": [
+                {"type": "text", "text": "a.py:1: def f(x):"},
+                {"type": "text", "text": "b.py:9: def f(y):"},
+            ],
+        },
+        {"role": "assistant", "content": "Found two definitions. 日本 🙂"},
+        {"role": "user", "content": "  fix   both\t\tplease  "},
+    ],
 ]
 
 
