@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from loadtest.sweep.bench import SweepConfig, run_sweep
 from loadtest.sweep.stack import Router, TwinCluster, cleanup
 from loadtest.traces import load_trace
 
+DATA = Path(__file__).resolve().parents[2] / "loadtest" / "data"
 REQUIRED = [
     "p90_interactivity_tok_s",
     "tokens_per_gpu_s",
@@ -136,3 +138,33 @@ def test_sweep_writes_results_plots_and_a_self_contained_report(tmp_path):
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 3 and "http://" not in page.split("<pre>")[0]
     assert "kvroute:round_robin" in page and "unknown router" in page
+
+
+@pytest.mark.timeout(60)
+async def test_open_loop_mooncake_starts_calls_at_their_scaled_arrival_times(stack, tmp_path):
+    _cluster, router = stack
+    trace = load_trace(DATA / "mooncake-slice.jsonl.gz", jitter_s=3.0, seed=1)
+    # 512-token ids shrunk to one 32-token block each (tiny model, 4k context).
+    builder = PromptBuilder(
+        tinymodel.ensure(),
+        block_size=32,
+        trace_block_size=512,
+        tokens_per_id=32,
+        max_prompt_tokens=3000,
+    )
+    cfg = ReplayConfig(
+        target=router.url,
+        open_loop=True,
+        max_plays=12,
+        time_scale=10.0,
+        convention="none",
+        progress=False,
+    )
+    summary = await replay(trace, builder, cfg, tmp_path)
+    assert summary["requests_ok"] == 12 and summary["requests_failed"] == 0
+    calls = {c.session: c for c in read_jsonl(tmp_path / "calls.jsonl", CallRecord)}
+    first = trace.sessions[0].arrival_s
+    for s in trace.sessions[:12]:
+        want = (s.arrival_s - first) / 10.0
+        assert want - 0.005 <= calls[s.id].t_start <= want + 0.5, s.id
+    assert all(c.prompt_tokens == c.expected_prompt_tokens for c in calls.values())

@@ -238,3 +238,34 @@ def test_synthetic_sessions_are_deterministic_valid_dags():
             assert y.input_tokens >= x.input_tokens
     c = synthetic.generate(synthetic.AgentXParams(sessions=6, seed=4))
     assert a.sessions[0].calls != c.sessions[0].calls
+
+
+def test_replay_cli_reports_bad_traces_and_prompt_settings_clearly(tmp_path, capsys):
+    from kvroute.cli import main
+
+    rc = main(
+        [
+            "replay",
+            str(tmp_path / "nope.tar.gz"),
+            "--target",
+            "http://127.0.0.1:9",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert rc == 2 and "no such trace" in capsys.readouterr().err
+    rc = main(
+        [
+            "replay",
+            str(WEKA),
+            "--target",
+            "http://127.0.0.1:9",
+            "--out",
+            str(tmp_path / "o"),
+            "--block-size",
+            "32",
+            "--tokens-per-id",
+            "48",
+        ]
+    )
+    assert rc == 2 and "multiple of the replica block size" in capsys.readouterr().err
