@@ -334,10 +334,10 @@ class KVState:
             self.profile(replica)
             self.approx.record(replica, keys)
             predicted = ctx.extra.get("kv_cost", {}).get(replica)
-            depth = predicted["match_blocks"] if predicted else 0
-            self.stats.setdefault(replica, ReplicaStat()).add(
-                max(n_tok - depth * self.cfg.block_size, 0), n_tok
-            )
+            cached = ctx.extra.get("kv_cached_tokens")  # the engine's own count, when given
+            if cached is None:
+                cached = (predicted["match_blocks"] if predicted else 0) * self.cfg.block_size
+            self.stats.setdefault(replica, ReplicaStat()).add(max(n_tok - int(cached), 0), n_tok)
             ttft = outcome.get("ttft_s")
             if predicted and ttft and outcome.get("status") == "200":
                 modelled = (predicted.get("queue_s") or 0.0) + predicted["fetch_or_recompute_s"]

@@ -225,3 +225,23 @@ def test_kv_config_from_env_and_mapping():
         KVConfig.from_mapping({"blocksize": 3})
     with pytest.raises(ValueError, match="positive"):
         KVConfig(block_size=0)
+
+
+def test_observer_learns_from_usage_and_releases_final_sessions():
+    st = state()
+    c = ctx_for(session="obs")
+    st.analyze(c)  # no tokenizer: only the footprint is opened
+    c.extra["kv_prompt_tokens"] = 10_000
+    tail = (
+        b'data: {"choices":[],"usage":{"prompt_tokens":10000,"completion_tokens":120,'
+        b'"prompt_tokens_details":{"cached_tokens":9000}}}\n\ndata: [DONE]\n\n'
+    )
+    st.observe(c, {"replica": "A", "status": "200", "ttft_s": 0.5, "duration_s": 2.0,
+                   "events": 5, "tail": tail})  # fmt: skip
+    assert st.stats["A"].uncached_ewma == 1000  # from the engine's cached_tokens
+    fp = st.sessions["t/obs"]
+    assert (fp.replica, fp.tokens, fp.outputs) == ("A", 10_120, [120])
+    assert "t/obs" in {w.key for w in st.view().warm_and_reserved("A", None)[0]}
+    done = ctx_for(session="obs", final=True)
+    st.observe(done, {"replica": "A", "status": "200", "tail": b""})
+    assert "t/obs" not in st.sessions  # released after its final call
