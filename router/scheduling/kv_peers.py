@@ -8,7 +8,8 @@ llm-d (inference scheduler) — weighted scorers summed by the pipeline:
   requests (router in-flight when unknown); all 1 when equal — llm-d's queue scorer;
 * ``kv_util``: 1 − KV-cache usage — llm-d's kv-cache-utilization scorer.
 
-Policy ``llmd`` = 3·kv_prefix + 2·kv_queue + 2·kv_util (llm-d's default weights).
+Policy ``llmd`` = 3·kv_prefix + 2·kv_queue + 2·kv_util (the weights of llm-d's example
+scheduling profiles as remembered; not checked against an llm-d release here).
 
 SGLang (model gateway, cache-aware policy) — ``kv_sglang_tree``, over the approximate cache
 (SGLang's per-worker radix tree of routed text; here the chain of block keys routed to each
@@ -20,8 +21,9 @@ replica, :mod:`router.approx`, fed only by routing history — never by events):
   match rate;
 * else pick the replica with the smallest tree (most free cache space).
 
-Policy ``sglang_tree`` uses it alone. Thresholds default to sgl-router's documented defaults
-(cache_threshold 0.5, balance_abs 32, balance_rel 1.0001); they are parameters.
+Policy ``sglang_tree`` uses it alone. Thresholds default to sglang-router 0.3.2's defaults
+(``router_args.py``: cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold
+1.5); they are parameters.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class SGLangTree:
     name = "kv_sglang_tree"
 
     def __init__(
-        self, cache_threshold: float = 0.5, balance_abs: float = 32.0, balance_rel: float = 1.0001
+        self, cache_threshold: float = 0.3, balance_abs: float = 64.0, balance_rel: float = 1.5
     ):
         if not 0 <= cache_threshold <= 1 or balance_abs < 0 or balance_rel < 1:
             raise TypeError("0 <= cache_threshold <= 1, balance_abs >= 0, balance_rel >= 1")
@@ -128,7 +130,7 @@ def _kv_util() -> KVUtil:
 
 @register("scorer", "kv_sglang_tree")
 def _kv_sglang_tree(
-    cache_threshold: float = 0.5, balance_abs: float = 32.0, balance_rel: float = 1.0001
+    cache_threshold: float = 0.3, balance_abs: float = 64.0, balance_rel: float = 1.5
 ) -> SGLangTree:
     return SGLangTree(cache_threshold, balance_abs, balance_rel)
 

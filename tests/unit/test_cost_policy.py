@@ -195,7 +195,7 @@ def test_llmd_prefix_scorer_and_policy():
 @pytest.mark.parametrize(
     ("loads", "history", "expect"),
     [
-        ((0, 40), {}, "A"),  # imbalanced: least loaded wins
+        ((0, 80), {}, "A"),  # imbalanced (> 64 apart and > 1.5x): least loaded wins
         ((1, 0), {"A": N}, "A"),  # balanced, A's tree matches: cache wins
         ((0, 1), {"A": 10, "B": 50}, "A"),  # low match everywhere: smallest tree wins
     ],
