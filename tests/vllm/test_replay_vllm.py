@@ -47,7 +47,14 @@ async def test_replay_against_real_vllm_writes_a_valid_summary(replica, tiny_mod
     builder = PromptBuilder(
         tiny_model, block_size=32, trace_block_size=trace.block_size, max_prompt_tokens=4000
     )
-    cfg = ReplayConfig(target=replica.url, concurrency=2, convention="claude", progress=False)
+    cfg = ReplayConfig(
+        target=replica.url,
+        concurrency=2,
+        convention="claude",
+        progress=False,
+        metrics_urls=[replica.url + "/metrics"],
+        queue_sample_s=0.1,
+    )
     summary = await replay(trace, builder, cfg, tmp_path)
 
     on_disk = json.loads((tmp_path / "summary.json").read_text())
@@ -70,3 +77,4 @@ async def test_replay_against_real_vllm_writes_a_valid_summary(replica, tiny_mod
     assert summary["sessions_completed"] == len(trace.sessions)
     assert summary["p90_interactivity_tok_s"] > 0 and summary["tokens_per_gpu_s"] > 0
     assert summary["queue_depth_max"] >= 1
+    assert summary["waiting_p90"] is not None  # vllm:num_requests_waiting was sampled
