@@ -1,7 +1,9 @@
 """The scheduling pipeline: filters, weighted scorers, picker; records the pick after.
 
 Owns: running one request through the configured plugins over a :class:`Snapshot`, the
-explanation of the decision (for ``/admin/route?explain=1`` and debug logs) and the only
+explanation of the decision (for ``/admin/route?explain=1`` and debug logs: every scorer's
+score per endpoint, plus the terms a scorer left in ``ctx.extra[<scorer>][<endpoint>]``, e.g.
+``kv_cost``'s cost terms in seconds) and the only
 mutable scheduling state, the pick counter (``seq``) that round-robin-like scorers read from
 the snapshot. Must not import aiohttp, the proxy or stores.
 
@@ -41,6 +43,20 @@ def _clamp(x: float) -> float:
     if not isinstance(x, (int, float)) or math.isnan(x):
         return 0.0
     return 0.0 if x < 0.0 else 1.0 if x > 1.0 else float(x)
+
+
+def _terms(ctx: RequestContext, scorers: Sequence[tuple[Scorer, float]], name: str) -> dict:
+    """Per-endpoint terms a scorer chose to explain, by scorer name.
+
+    Convention: a scorer that wants its inputs shown leaves them in
+    ``ctx.extra[<scorer name>][<endpoint name>]`` (request-scoped scratch).
+    """
+    out = {}
+    for scorer, _ in scorers:
+        per_ep = ctx.extra.get(scorer.name)
+        if isinstance(per_ep, dict) and name in per_ep:
+            out[scorer.name] = per_ep[name]
+    return out
 
 
 class Pipeline:
@@ -87,6 +103,7 @@ class Pipeline:
                 "weights": {s.name: w for s, w in self.scorers},
                 "candidates": [
                     {"replica": e.name, "total": round(t, 6), "scores": detail[e.name],
+                     "terms": _terms(ctx, self.scorers, e.name),
                      "load": e.load, "kv_usage": e.kv_usage}
                     for e, t in ranked
                 ],

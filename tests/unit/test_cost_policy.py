@@ -155,8 +155,9 @@ def test_explain_names_every_term_through_the_pipeline():
     c = ctx_for()
     d = pipe.schedule(c, snap(st, [ep("A"), ep("B")]), explain=True)
     assert d.explain["policy"] == "kv_cost"
+    cands = {x["replica"]: x for x in d.explain["candidates"]}
     for r in ("A", "B"):
-        terms = c.extra["kv_cost"][r]
+        terms = cands[r]["terms"]["kv_cost"]
         assert {
             "queue_s",
             "fetch_or_recompute_s",
