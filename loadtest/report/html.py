@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loadtest.replay.records import CallRecord, read_jsonl
+from loadtest.replay.records import CallRecord, QueueSample, read_jsonl
 from loadtest.report import plots
 from loadtest.report.tables import COLUMNS, fmt
 
@@ -37,6 +37,21 @@ def ttfts_at(results: dict[str, Any], root: Path, concurrency: int) -> dict[str,
     return out
 
 
+def queues_at(
+    results: dict[str, Any], root: Path, concurrency: int
+) -> tuple[dict[str, list[tuple[float, float, float | None]]], float]:
+    out: dict[str, list[tuple[float, float, float | None]]] = {}
+    speedup = 1.0
+    for p in results["points"]:
+        if p["concurrency"] != concurrency or not p.get("summary") or not p.get("dir"):
+            continue
+        f = root / p["dir"] / "queue.jsonl"
+        if f.exists():
+            speedup = float(p["summary"].get("speedup", 1.0))
+            out[p["target"]] = [(q.t, q.in_flight, q.waiting) for q in read_jsonl(f, QueueSample)]
+    return out, speedup
+
+
 def build_report(root: str | Path) -> Path:
     root = Path(root)
     results = json.loads((root / "results.json").read_text())
@@ -52,6 +67,15 @@ def build_report(root: str | Path) -> Path:
                 ttfts_at(results, root, top),
                 root / "ttft_cdf.png",
                 title=f"TTFT CDF at concurrency {top}",
+            )
+        )
+        queues, speedup = queues_at(results, root, top)
+        figs.append(
+            plots.queue_depth(
+                queues,
+                root / "queue_depth.png",
+                speedup,
+                title=f"Queue depth over time at concurrency {top}",
             )
         )
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in COLUMNS)

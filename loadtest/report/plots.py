@@ -114,3 +114,40 @@ def ttft_cdf(ttfts: Mapping[str, Sequence[float]], path: Path, title: str = "TTF
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def queue_depth(
+    series: Mapping[str, Sequence[tuple[float, float, float | None]]],
+    path: Path,
+    speedup: float = 1.0,
+    title: str = "Queue depth over time",
+) -> Path:
+    """Per target: the client's in-flight calls (solid) and the engines' waiting queue summed
+    over replicas (dashed, when scraped), against modelled time."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (target, pts) in enumerate(series.items()):
+        if not pts:
+            continue
+        color = f"C{i % 10}"
+        t = [p[0] * speedup for p in pts]
+        ax.step(t, [p[1] for p in pts], where="post", color=color, label=f"{target} in flight")
+        w = [(p[0] * speedup, p[2]) for p in pts if p[2] is not None]
+        if w:
+            ax.step(
+                [x for x, _ in w],
+                [y for _, y in w],
+                where="post",
+                color=color,
+                linestyle="--",
+                label=f"{target} waiting",
+            )
+    ax.set_xlabel("time (s, modelled)")
+    ax.set_ylabel("requests")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

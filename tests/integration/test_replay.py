@@ -133,10 +133,10 @@ def test_sweep_writes_results_plots_and_a_self_contained_report(tmp_path):
     assert "unknown router" in bad["error"]  # a broken target degrades to an error row
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["points"][0]["summary"]["requests_ok"] == ok["summary"]["requests_ok"]
-    for png in ("pareto.png", "hit_ratio.png", "ttft_cdf.png"):
+    for png in ("pareto.png", "hit_ratio.png", "ttft_cdf.png", "queue_depth.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tmp_path / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 3 and "http://" not in page.split("<pre>")[0]
+    assert page.count("data:image/png;base64,") == 4 and "http://" not in page.split("<pre>")[0]
     assert "kvroute:round_robin" in page and "unknown router" in page
 
 
