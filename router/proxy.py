@@ -204,6 +204,7 @@ async def forward(
                         e.reason, name)  # fmt: skip
         finally:
             replica.inflight -= 1
+            replica.finished += 1
             replica.breaker.on_abandon()  # no-op unless a half-open probe ended undecided
     metrics.requests.labels(route_label, "-", "503").inc()
     return error_response(

@@ -116,6 +116,10 @@ class Replica:
     waiting: float | None = None
     kv_usage: float | None = None
     last_error: str | None = None
+    # Calls this router finished on the replica (monotonic), and the value when the last
+    # /metrics scrape was sent: the scraped engine count still includes those calls.
+    finished: int = 0
+    finished_at_scrape: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @property
@@ -125,9 +129,17 @@ class Replica:
     def view(self) -> EndpointView:
         return EndpointView(
             self.name, self.url, self.healthy, self.models, self.inflight,
-            self.running, self.waiting, self.kv_usage, self.breaker.state,
+            self.running_now(), self.waiting, self.kv_usage, self.breaker.state,
             self.breaker.allows(),
         )  # fmt: skip
+
+    def running_now(self) -> float | None:
+        """The engine's running count at the last scrape, less the calls this router has
+        finished there since (clamped at 0). Without this, a session whose previous call just
+        ended still sees that call in a stale scrape, and bounded-load affinity moves it."""
+        if self.running is None:
+            return None
+        return max(0.0, self.running - (self.finished - self.finished_at_scrape))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -281,6 +293,7 @@ class ReplicaMonitor:
         self.health_rounds += 1
 
     async def scrape_one(self, r: Replica) -> None:
+        mark = r.finished
         try:
             async with self.session.get(
                 r.url + "/metrics", timeout=self._probe_timeout, headers=self._headers
@@ -292,6 +305,7 @@ class ReplicaMonitor:
             return
         m = parse_vllm_metrics(text)
         r.running, r.waiting, r.kv_usage = m.get("running"), m.get("waiting"), m.get("kv_usage")
+        r.finished_at_scrape = mark
 
     async def health_loop(self) -> None:
         while True:

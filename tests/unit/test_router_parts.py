@@ -270,3 +270,27 @@ def test_breaker_probe_abandoned_by_the_client_frees_the_slot():
     assert not b.allows(now=11)
     b.on_abandon()  # the probing client disconnected: no verdict
     assert b.state == "half_open" and b.allows(now=12)
+
+
+def test_calls_finished_after_a_scrape_leave_the_engine_count():
+    """A stale scrape must not make a session's own finished call look like load, or
+    bounded-load affinity moves the session (its KV stays behind) between two turns."""
+    from router.replicas import Replica
+    from router.scheduling.session_affinity import ring_scores
+
+    reps = [Replica(f"http://r{i}") for i in range(4)]
+    for r in reps:
+        r.running, r.waiting = 0.0, 0.0
+    home = reps[2]
+    home.running = 1.0  # scraped while the session's previous call was running
+    stale = ring_scores("sess", [r.view() for r in reps], 1.25, sticky=home.name)
+    assert stale.get(home.name, 0.0) < 1.0  # the stale count pushes the session away
+
+    home.finished += 1  # the router saw that call end after the scrape
+    assert home.view().running == 0.0 and home.view().load == 0.0
+    fresh = ring_scores("sess", [r.view() for r in reps], 1.25, sticky=home.name)
+    assert fresh[home.name] == 1.0
+
+    home.finished_at_scrape = home.finished  # a new scrape starts from the engine's own count
+    home.running = 3.0
+    assert home.view().running == 3.0
