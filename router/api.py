@@ -34,7 +34,14 @@ from router.app import (
     STATE_PROVIDERS,
     STORE,
 )
-from router.proxy import error_response, forward, request_id, run_analyzer, snapshot
+from router.proxy import (
+    error_response,
+    forward,
+    observe_once,
+    request_id,
+    run_analyzer,
+    snapshot,
+)
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import NoCandidates
 from router.sessions import identify
@@ -134,6 +141,8 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         try:
             return await forward(request, ctx, raw, record, t0, route)
         finally:
+            # a call that never got a complete answer (503, client gone, upstream failure)
+            observe_once(app, ctx, {"replica": None, "status": "not_completed"})
             await store.end_call(ctx.identity.key, time.time())
     finally:
         rt.leave()
@@ -251,6 +260,9 @@ async def admin_route(request: web.Request) -> web.Response:
         )
     except NoCandidates as e:
         return web.json_response({"winner": None, "filtered_out": e.removed_by}, status=503)
+    finally:
+        # undo what the analyzer counted for this request
+        observe_once(app, ctx, {"replica": None, "status": "dry_run"})
     ident = ctx.identity
     out = {
         "winner": d.endpoint.name,

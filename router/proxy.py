@@ -299,9 +299,10 @@ async def _stream_from(
         if sse and first_at is not None and events > 1:
             metrics.tpot.labels(name).observe((end - first_at) / (events - 1))
         metrics.requests.labels(route_label, name, status).inc()
-        _observe(app, ctx, {"replica": name, "status": status, "bytes": nbytes, "events": events,
-                            "ttft_s": None if first_at is None else first_at - t0,
-                            "duration_s": end - t0, "tail": tail})  # fmt: skip
+        outcome = {"replica": name, "status": status, "bytes": nbytes, "events": events,
+                   "ttft_s": None if first_at is None else first_at - t0,
+                   "duration_s": end - t0, "tail": tail}  # fmt: skip
+        observe_once(app, ctx, outcome)
         return out
     except asyncio.CancelledError:
         # The client went away: closing the upstream connection makes vLLM abort the request.
@@ -330,6 +331,9 @@ async def _buffered(
         body = await resp.read()
     except UPSTREAM_ERRORS as e:
         resp.close()
+        r = app[REPLICAS].get(name)
+        if r is not None:
+            r.breaker.on_failure()
         log.warning("request %s: replica %s failed mid-body: %r", ctx.request_id, name, e)
         metrics.requests.labels(route_label, name, "upstream_error").inc()
         return error_response(
@@ -345,13 +349,16 @@ async def _buffered(
     headers.popall("Content-Length", None)
     out = web.Response(status=resp.status, reason=resp.reason, body=body, headers=headers)
     metrics.requests.labels(route_label, name, str(resp.status)).inc()
-    _observe(app, ctx, {"replica": name, "status": str(resp.status), "bytes": len(body),
+    observe_once(app, ctx, {"replica": name, "status": str(resp.status), "bytes": len(body),
                         "events": 0, "ttft_s": first - t0, "duration_s": first - t0,
                         "tail": body[-4096:]})  # fmt: skip
     return out
 
 
-def _observe(app: web.Application, ctx: RequestContext, outcome: dict[str, Any]) -> None:
+def observe_once(app: web.Application, ctx: RequestContext, outcome: dict[str, Any]) -> None:
+    if ctx.observed:
+        return
+    ctx.observed = True
     for fn in app[OBSERVERS]:
         try:
             fn(ctx, outcome)

@@ -29,7 +29,11 @@ Seams for KV-aware routing (kept deliberately small):
    when no such provider is installed, so scorers degrade instead of crashing).
 3. **Observers.** ``app[OBSERVERS]`` is a list of callables ``observer(ctx, outcome)`` run
    after each proxied call with the replica, status, TTFT, bytes and the parsed ``usage`` when
-   the response carried one (for calibration and index feedback).
+   the response carried one (for calibration and index feedback). Every request that went
+   through the analyzer is observed exactly once, whatever its end: calls that never got a
+   complete answer (no replica, client gone, upstream failure, an ``/admin/route`` dry run)
+   are observed with ``replica=None`` and a ``status`` saying why, so anything an analyzer
+   counted up can be counted down.
 
 A plugin registers itself with ``@register("scorer", "name")`` on a factory taking keyword
 parameters; ``discover()`` imports ``router.scheduling.scorers.*`` and
@@ -58,6 +62,7 @@ class RequestContext:
     block_keys: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     excluded: frozenset[str] = frozenset()  # replicas already tried for this request
+    observed: bool = False  # the observers have been told how this request ended
     _prefix: str | None = None
 
     def prompt_prefix(self, chars: int = 2048) -> str:

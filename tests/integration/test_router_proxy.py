@@ -423,14 +423,61 @@ async def test_prompt_analyzer_state_providers_and_observers_are_wired(fakes, ht
             async with http.post(url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200
         assert len(picks["5"]) == 1
-        assert [o["keys"] for o in seen_outcomes] == [[5] * 4, [5] * 4, [9] * 4]
-        assert all(o["status"] == "200" and o["bytes"] > 0 for o in seen_outcomes)
+        done = [o for o in seen_outcomes if o["replica"] is not None]
+        assert [o["keys"] for o in done] == [[5] * 4, [5] * 4, [9] * 4]
+        assert all(o["status"] == "200" and o["bytes"] > 0 for o in done)
+        # the three explain calls were dry runs: observed, with no replica
+        assert [o["status"] for o in seen_outcomes if o["replica"] is None] == ["dry_run"] * 3
         assert INDEX_SEEN and all(s == {"version": 7} for s in INDEX_SEEN)
     finally:
         await runner.cleanup()
 
 
 INDEX_SEEN: list[Any] = []
+
+
+async def test_every_analyzed_request_is_observed_exactly_once(fakes, http):
+    """Whatever the end (answer, no replica, client gone, dry run), observers hear of each
+    analyzed request once, so what an analyzer counts up (sessions in flight) comes down."""
+    (slow,) = await fakes(1, chunk_delay_s=0.05, chunks=[b"data: {}\n\n"] * 400)
+    counted: dict[str, int] = {}
+
+    def analyzer(ctx):
+        counted[ctx.request_id] = counted.get(ctx.request_id, 0) + 1
+
+    def observer(ctx, out):
+        counted[ctx.request_id] -= 1
+        ends.append(out["status"])
+
+    ends: list[str] = []
+    runners = []
+    try:
+        apps = []
+        for urls in ([slow.url], [dead_url()]):
+            app = build_app(RouterConfig(replicas=urls, admin_key="adm", health_interval_s=30,
+                                         retries=0),
+                            analyzer=analyzer, observers=[observer])  # fmt: skip
+            runner, url = await start_site(app)
+            runners.append(runner)
+            apps.append(url)
+        live, dead = apps
+        async with http.post(live + "/v1/chat/completions", json=CHAT) as r:  # client leaves
+            await r.content.readuntil(b"\n\n")
+            r.close()
+        await asyncio.wait_for(slow.aborted.wait(), timeout=5)
+        async with http.post(dead + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 503  # nothing listens there
+        async with http.post(live + "/admin/route", json=CHAT,
+                             headers={"X-Admin-Key": "adm"}) as r:  # fmt: skip
+            assert r.status == 200
+        async with asyncio.timeout(5):
+            while len(ends) < 3:
+                await asyncio.sleep(0.01)
+        assert len(counted) == 3 and all(v == 0 for v in counted.values()), counted
+        assert sorted(ends) == ["dry_run", "not_completed", "not_completed"]
+    finally:
+        for r in runners:
+            await r.cleanup()
 
 
 def _register_index_reader() -> None:
