@@ -99,7 +99,9 @@ async def _read_json(request: web.Request, route: str) -> tuple[bytes, dict[str,
 
 
 def known_models(app: web.Application) -> set[str]:
-    return {m for r in app[REPLICAS] if r.healthy for m in r.models}
+    """Models any replica has listed, healthy or not: a model whose replicas are all down is
+    unavailable (503 with Retry-After from scheduling), not unknown (404)."""
+    return {m for r in app[REPLICAS] for m in r.models}
 
 
 def _check_model(app: web.Application, route: str, model: str | None) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
@@ -22,6 +23,16 @@ SECRET_FIELDS = frozenset({"upstream_api_key", "admin_key", "api_keys"})
 
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or contradictory."""
+
+
+def mask_url_password(url: str) -> str:
+    """``redis://user:secret@host`` -> ``redis://user:***@host`` (for repr, logs, admin)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 @dataclass
@@ -70,6 +81,8 @@ class RouterConfig:
             v = getattr(self, f.name)
             if f.name in SECRET_FIELDS and v:
                 v = "***"
+            elif f.name == "redis_url" and v:
+                v = mask_url_password(v)
             parts.append(f"{f.name}={v!r}")
         return f"RouterConfig({', '.join(parts)})"
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import ssl
@@ -30,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("kvroute.replicas")
 
@@ -191,20 +193,20 @@ class ReplicaSet:
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Sum the gauges the router needs over all label sets (one engine may list several)."""
+    """Sum the gauges the router needs over all label sets (one engine may list several).
+
+    Parsed with prometheus_client's exposition parser (labels, escapes and timestamps are its
+    business); a malformed exposition yields what was parsed before the error.
+    """
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_end = min(i for i in (line.find("{"), line.find(" ")) if i >= 0)
-        key = VLLM_GAUGES.get(line[:name_end])
-        if key is None:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[-1] if "}" not in line else line.rsplit("}", 1)[1])
-        except ValueError:
-            continue
-        out[key] = out.get(key, 0.0) + value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = VLLM_GAUGES.get(sample.name)
+                if key is not None and math.isfinite(sample.value):
+                    out[key] = out.get(key, 0.0) + sample.value
+    except (ValueError, TypeError, IndexError) as e:
+        log.warning("malformed /metrics exposition (%s); using what parsed", e)
     return out
 
 
@@ -277,7 +279,10 @@ class ReplicaMonitor:
                     r.url + "/v1/models", timeout=self._probe_timeout, headers=self._headers
                 ) as resp:
                     if resp.status == 200:
-                        data = orjson.loads(await resp.read()).get("data") or []
+                        doc = orjson.loads(await resp.read())
+                        data = doc.get("data") if isinstance(doc, dict) else None
+                        if not isinstance(data, list):
+                            raise ValueError("/v1/models answered without a data list")
                         r.model_cards = [m for m in data if isinstance(m, dict) and "id" in m]
                         r.models = frozenset(str(m["id"]) for m in r.model_cards)
             if ok != r.healthy:
@@ -310,7 +315,10 @@ class ReplicaMonitor:
     async def health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # one odd replica answer must not stop health checks for good
+                log.exception("health round failed; retrying next interval")
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape_one(r) for r in self.replicas if r.healthy))
@@ -318,7 +326,10 @@ class ReplicaMonitor:
     async def metrics_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.metrics_interval_s)
-            await self.scrape_all()
+            try:
+                await self.scrape_all()
+            except Exception:
+                log.exception("metrics round failed; retrying next interval")
 
     async def resolve_dns(self) -> None:
         """Re-resolve every ``replica_dns`` name; one replica per address (headless service)."""

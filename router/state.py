@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import orjson
+from redis.exceptions import RedisError
 
 from router.sessions import SessionIdentity
 
@@ -236,8 +237,13 @@ class RedisStore:
         try:
             async with asyncio.timeout(self.timeout_s * 2):
                 return await coro_fn()
-        except (TimeoutError, OSError, Exception) as e:  # redis errors vary widely
+        except (TimeoutError, OSError, RedisError) as e:
             self._down(e, key)
+            return None
+        except Exception:  # a bug or a corrupt record: not an outage, so do not flap
+            log.exception("session store operation failed (redis is up)")
+            if key:
+                self._dirty.add(key)
             return None
 
     def _fields(self, rec: SessionRecord) -> dict[str, str]:

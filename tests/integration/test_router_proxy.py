@@ -448,8 +448,11 @@ async def test_every_analyzed_request_is_observed_exactly_once(fakes, http):
     def observer(ctx, out):
         counted[ctx.request_id] -= 1
         ends.append(out["status"])
+        if len(ends) == 3:
+            all_seen.set()
 
     ends: list[str] = []
+    all_seen = asyncio.Event()
     runners = []
     try:
         apps = []
@@ -470,9 +473,7 @@ async def test_every_analyzed_request_is_observed_exactly_once(fakes, http):
         async with http.post(live + "/admin/route", json=CHAT,
                              headers={"X-Admin-Key": "adm"}) as r:  # fmt: skip
             assert r.status == 200
-        async with asyncio.timeout(5):
-            while len(ends) < 3:
-                await asyncio.sleep(0.01)
+        await asyncio.wait_for(all_seen.wait(), timeout=5)
         assert len(counted) == 3 and all(v == 0 for v in counted.values()), counted
         assert sorted(ends) == ["dry_run", "not_completed", "not_completed"]
     finally:
@@ -616,3 +617,13 @@ async def test_kubernetes_endpointslice_discovery_against_a_loopback_api(fakes, 
         assert {r.url for r in app[REPLICAS]} == {reps[0].url}
     finally:
         await api_runner.cleanup()
+
+
+async def test_model_whose_replicas_are_all_down_is_503_not_404(fakes, router, http):
+    (f,) = await fakes(1)
+    url, app = await router([f.url])
+    app[REPLICAS].get(f.url).healthy = False  # as after a failed health check: models kept
+    async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 503 and "Retry-After" in r.headers  # retryable, not "unknown"
+    async with http.post(url + "/v1/chat/completions", json={**CHAT, "model": "nope"}) as r:
+        assert r.status == 404 and (await r.json())["error"]["type"] == "model_not_found"

@@ -294,3 +294,23 @@ def test_calls_finished_after_a_scrape_leave_the_engine_count():
     home.finished_at_scrape = home.finished  # a new scrape starts from the engine's own count
     home.running = 3.0
     assert home.view().running == 3.0
+
+
+def test_malformed_metrics_never_raise_and_timestamps_are_not_values():
+    text = (
+        "vllm:num_requests_running 2 1700000000000\n"  # a sample with a timestamp
+        'vllm:num_requests_waiting{engine="0"} 1\n'
+        "vllm:broken_line_without_value\n"
+    )
+    got = parse_vllm_metrics(text)  # must not raise
+    assert got.get("running") in (2.0, None) and got.get("running") != 1700000000000
+
+
+def test_redis_password_is_masked_in_repr():
+    cfg = load_config(
+        env={
+            "KVROUTE_REPLICAS": "http://a:1",
+            "KVROUTE_REDIS_URL": "redis://app:hunter2@redis:6379/0",
+        }
+    )
+    assert "hunter2" not in repr(cfg) and "redis://app:***@redis:6379/0" in repr(cfg)
