@@ -74,6 +74,7 @@ async def stream_chat(
     """Send one streaming chat call and time it (see the module docstring)."""
     t0 = clock()
     first: float | None = None
+    done = False
     usage: dict[str, Any] | None = None
     n_deltas = 0
     status: int | None = None
@@ -103,6 +104,7 @@ async def stream_chat(
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
+                    done = True
                     break
                 try:
                     ev = orjson.loads(data)
@@ -144,6 +146,15 @@ async def stream_chat(
             error=f"connection: {type(e).__name__}: {e}"[:300],
         )
     t1 = clock()
+    if not done:  # cut short (replica or router died mid-stream): not a completed call
+        return CallResult(
+            False,
+            t0,
+            t1,
+            status=status,
+            replica=replica,
+            error="truncated: stream ended without [DONE]",
+        )
     if first is None:
         return CallResult(
             False,

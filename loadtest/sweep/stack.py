@@ -76,6 +76,15 @@ class TwinCluster:
         log = self.workdir / f"cluster-{uuid.uuid4().hex[:6]}.log"
         self._proc = ManagedProcess(argv, env, log, Path.cwd())
         self._proc.start()
+        try:
+            self._wait_ready(log, timeout_s)
+        except BaseException:  # never leave a half-started cluster process behind
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, log: Path, timeout_s: float) -> None:
+        assert self._proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and len(self.urls) < self.replicas:
             if not self._proc.alive():
@@ -92,11 +101,9 @@ class TwinCluster:
                 }
             time.sleep(0.05)
         if len(self.urls) < self.replicas:
-            self.stop()
             raise StackError(f"twin cluster did not report {self.replicas} replicas")
         for u in self.urls:
             _wait_http(self._proc, u + "/health", deadline, "twin cluster")
-        return self
 
     def stop(self) -> None:
         if self._proc is not None:

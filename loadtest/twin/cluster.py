@@ -124,8 +124,10 @@ async def start_cluster(
                 enable_auto_tool_choice=enable_auto_tool_choice,
             )
             twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx)
-            runner = await serve(twin, host, base_port + i if base_port else 0)
+            # owned by the cluster before serve() can fail (a busy --base-port), so the
+            # finally below closes its publisher and Context.term() cannot hang on it
             cluster.replicas.append(twin)
+            runner = await serve(twin, host, base_port + i if base_port else 0)
             cluster.runners.append(runner)
             cluster.urls.append(f"http://{host}:{runner_port(runner)}")
         # connecting publishers: give each subscriber's subscription a moment to arrive, so

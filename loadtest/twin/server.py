@@ -691,6 +691,13 @@ async def _stream(
             c["text"] = text
             c["stop_reason"] = None
         await resp.write(chunk([c]))
+    if twin.failed is not None:  # the engine died under this stream: say so, as vLLM does
+        err = {"message": f"EngineCore encountered an issue: {twin.failed!r}",
+               "type": "EngineDeadError", "param": None, "code": 500}  # fmt: skip
+        await resp.write(b"data: " + orjson.dumps({"error": err}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
     if include_usage:
         usage = _usage(req, twin.profile.block_size, chat, stream=True)
         await resp.write(chunk([], usage=usage, system_fingerprint="kvroute-twin"))

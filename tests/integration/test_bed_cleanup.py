@@ -45,7 +45,11 @@ def _start_tree(tmp_path: Path) -> tuple[str, ManagedProcess]:
     deadline = time.monotonic() + 10
     while len(processes_with_marker(bed_id)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(processes_with_marker(bed_id)) == 3  # reaper, server, grandchild
+    try:
+        assert len(processes_with_marker(bed_id)) == 3  # reaper, server, grandchild
+    except AssertionError:
+        p.stop(grace_s=0.5)  # never leave the tree behind, even when this check fails
+        raise
     return bed_id, p
 
 

@@ -346,7 +346,6 @@ async def test_client_disconnect_aborts_the_request(cluster, http):
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 break
-    assert twin.engine.has_work or twin.engine.num_running() == 0
     for _ in range(200):  # the server notices the closed connection on its next write
         if not twin.engine.has_work:
             break
