@@ -40,7 +40,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from costmodel.placement import CallShape, CostTerms, ReplicaLoad, placement_cost
+from costmodel.placement import (
+    CallShape,
+    CostTerms,
+    ReplicaLoad,
+    placement_cost,
+    queue_time,
+    segment_costs,
+)
 from router.replicas import EndpointView
 from router.scheduling import RequestContext, Snapshot
 from router.scheduling.registry import register, register_policy
@@ -138,6 +145,10 @@ class KVCost:
             call = CallShape(n_tok, g, c, s, out_tok)
             load = replica_load(view, e, ctx.identity.key, n_tok)
             terms = placement_cost(prof, call, load, overlap=self.overlap)
+            # the same TTFT terms before calibration: what the calibrator must fit against
+            # (fitting the calibrated figure would fit the calibration against itself)
+            raw_queue = queue_time(prof, load.queued_prefill_tokens) or 0.0
+            raw_fetch = segment_costs(prof, call, overlap=self.overlap)[0]
             res[e.name] = (
                 terms,
                 {
@@ -146,6 +157,7 @@ class KVCost:
                     "source": view.source(e.name),
                     "free_gpu_blocks": load.free_gpu_blocks,
                     "queued_prefill_tokens": load.queued_prefill_tokens,
+                    "model_ttft_s": raw_queue + raw_fetch,
                 },
             )
         return res

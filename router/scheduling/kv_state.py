@@ -340,7 +340,7 @@ class KVState:
             self.stats.setdefault(replica, ReplicaStat()).add(max(n_tok - int(cached), 0), n_tok)
             ttft = outcome.get("ttft_s")
             if predicted and ttft and outcome.get("status") == "200":
-                modelled = (predicted.get("queue_s") or 0.0) + predicted["fetch_or_recompute_s"]
+                modelled = predicted["model_ttft_s"]  # uncalibrated: the fit is absolute
                 self.calibrators.setdefault(replica, Calibrator()).observe_ttft(modelled, ttft)
         if fp.last_end is not None and fp.inflight == 0:
             start = now - float(outcome.get("duration_s") or 0.0)

@@ -246,3 +246,22 @@ def test_observer_learns_from_usage_and_releases_final_sessions():
     done = ctx_for(session="obs", final=True)
     st.observe(done, {"replica": "A", "status": "200", "tail": b""})
     assert "t/obs" not in st.sessions  # released after its final call
+
+
+def test_calibration_loop_converges_to_the_true_factor():
+    """Route, observe, refit, repeat: a replica whose real TTFT is 2x the model + 0.1 s must
+    end with scale ~2 and offset ~0.1 (fitting the already-calibrated figure would settle
+    at sqrt(2))."""
+    st = state()
+    rng = __import__("random").Random(0)
+    for i in range(60):
+        keys = KEYS[: rng.randrange(50, N)]
+        c = ctx_for(session=f"s{i}", keys=keys)
+        c.request_id = f"r{i}"
+        KVCost().score(c, snap(st, [ep("A"), ep("B")], session=f"s{i}"), [ep("A"), ep("B")])
+        st.analyze(c)  # creates the session footprint the observer updates
+        raw = c.extra["kv_cost"]["A"]["model_ttft_s"]
+        st.observe(c, {"replica": "A", "status": "200", "ttft_s": 2.0 * raw + 0.1})
+    cal = st.calibrators["A"].current()
+    assert cal.prefill_scale == pytest.approx(2.0, rel=0.05)
+    assert cal.ttft_offset_s == pytest.approx(0.1, abs=0.05)
