@@ -247,8 +247,10 @@ class KVState:
                 self.cfg.profiles.get(replica, self.cfg.profile)
             )
             self._profiles[replica] = p
-            if self.approx.capacity(replica) == 0:
-                self.approx.set_capacity(replica, p.gpu_kv_blocks)
+            if self.approx.capacity(replica) == 0:  # in the index's (router's) block size
+                self.approx.set_capacity(
+                    replica, p.gpu_kv_blocks * p.block_size // self.cfg.block_size
+                )
         return p
 
     def calibration(self, replica: str) -> Calibration:
@@ -412,9 +414,15 @@ class KVView:
         return self._st.calibration(replica)
 
     def gpu_blocks_used(self, replica: str) -> int | None:
+        """GPU blocks in use, in the replica *profile's* block size (the index counts blocks
+        of the router's ``block_size``, which may differ)."""
         if self.source(replica) == "events":
-            return self.index.blocks(replica)["GPU"]
-        return self._st.approx.blocks(replica) if self._st.approx.capacity(replica) else None
+            n = self.index.blocks(replica)["GPU"]
+        elif self._st.approx.capacity(replica):
+            n = self._st.approx.blocks(replica)
+        else:
+            return None
+        return n * self.block_size // self.profile(replica).block_size
 
     def replica_stat(self, replica: str) -> ReplicaStat | None:
         return self._st.stats.get(replica)

@@ -265,3 +265,15 @@ def test_calibration_loop_converges_to_the_true_factor():
     cal = st.calibrators["A"].current()
     assert cal.prefill_scale == pytest.approx(2.0, rel=0.05)
     assert cal.ttft_offset_s == pytest.approx(0.1, abs=0.05)
+
+
+def test_index_and_profile_block_sizes_may_differ():
+    """Router hashing 16-token blocks in front of a 64-token-block profile: capacities and
+    free space are converted, not mixed."""
+    st = KVState(KVConfig(block_size=16, profile="h200-70b-fp8-offload"), clock=lambda: 0.0)
+    st.index.add_replica("A")
+    st.index.store("A", list(range(4 * 1000)))  # 4,000 16-token blocks = 1,000 64-token ones
+    view = st.view()
+    assert view.gpu_blocks_used("A") == 1000
+    prof = st.profile("A")
+    assert st.approx.capacity("A") == prof.gpu_kv_blocks * prof.block_size // 16
