@@ -192,7 +192,9 @@ async def forward(
         tried.add(name)
         if attempt == 0:
             metrics.added_latency.observe(time.perf_counter() - t0)
-        replica.breaker.on_send()
+        if not replica.breaker.allows():  # another call took the half-open probe meanwhile
+            continue
+        is_probe = replica.breaker.on_send()
         replica.inflight += 1  # exported as kvroute_inflight at scrape time
         try:
             return await _stream_from(request, ctx, raw, headers, path, replica, t0, route_label,
@@ -205,7 +207,8 @@ async def forward(
         finally:
             replica.inflight -= 1
             replica.finished += 1
-            replica.breaker.on_abandon()  # no-op unless a half-open probe ended undecided
+            if is_probe and replica.breaker.probe_inflight:
+                replica.breaker.on_abandon()  # the probe ended undecided (client went away)
     metrics.requests.labels(route_label, "-", "503").inc()
     return error_response(
         route, 503, f"no replica could take the request ({last_problem})", "service_unavailable",

@@ -62,18 +62,23 @@ class CircuitBreaker:
             return now - self.opened_at >= self.cooldown_s
         return not self.probe_inflight
 
-    def on_send(self, now: float | None = None) -> None:
+    def on_send(self, now: float | None = None) -> bool:
+        """A call is being sent; True when it is the half-open probe (its owner must then
+        report the verdict, or :meth:`on_abandon` it)."""
         now = time.monotonic() if now is None else now
         if self.state == OPEN and now - self.opened_at >= self.cooldown_s:
             self.state = HALF_OPEN
         if self.state == HALF_OPEN:
             self.probe_inflight = True
+            return True
+        return False
 
     def on_success(self) -> None:
         self.state, self.failures, self.probe_inflight = CLOSED, 0, False
 
     def on_abandon(self) -> None:
-        """The call ended without a verdict (client went away): free the probe slot."""
+        """The probe call ended without a verdict (client went away): free the probe slot.
+        Only the probe's own call may call this (see :meth:`on_send`)."""
         self.probe_inflight = False
 
     def on_failure(self, now: float | None = None) -> None:

@@ -314,3 +314,14 @@ def test_redis_password_is_masked_in_repr():
         }
     )
     assert "hunter2" not in repr(cfg) and "redis://app:***@redis:6379/0" in repr(cfg)
+
+
+def test_only_the_half_open_probe_is_marked_as_the_probe():
+    from router.replicas import CircuitBreaker
+
+    b = CircuitBreaker(failures=1, cooldown_s=5.0)
+    assert b.on_send(now=0.0) is False  # closed: an ordinary call
+    b.on_failure(now=0.0)  # opens
+    assert not b.allows(now=1.0)
+    assert b.allows(now=6.0) and b.on_send(now=6.0) is True  # the one probe
+    assert not b.allows(now=6.1)  # a second call must wait for the probe's verdict
