@@ -86,7 +86,7 @@ def summarize(
     ok = [c for c in calls if c.ok]
     # Calls cut off by the run's own time bound are not failures of the target.
     cancelled = [c for c in calls if not c.ok and (c.error or "").startswith(CANCELLED)]
-    failed = [c for c in calls if not c.ok and c not in cancelled]
+    failed = [c for c in calls if not c.ok and not (c.error or "").startswith(CANCELLED)]
     ttft = [c.ttft_s * speedup for c in ok if c.ttft_s is not None]
     tpot_ms = [
         c.tpot_s * speedup * 1e3 for c in ok if c.tpot_s is not None and c.completion_tokens >= 2
@@ -98,8 +98,10 @@ def summarize(
     reported = [c for c in ok if c.cached_tokens is not None]
     prompt_rep = sum(c.prompt_tokens for c in reported)
     hit = sum(c.cached_tokens or 0 for c in reported) / prompt_rep if prompt_rep else None
-    prompt_all = sum(c.prompt_tokens for c in ok)
-    bound = sum(c.bound_cached_tokens for c in ok) / prompt_all if prompt_all else None
+    # the bound over the same calls as the ratio it is drawn next to
+    basis = reported or ok
+    prompt_basis = sum(c.prompt_tokens for c in basis)
+    bound = sum(c.bound_cached_tokens for c in basis) / prompt_basis if prompt_basis else None
     done = [s for s in sessions if s.complete]
     completion = [(s.t_end - s.t_start) * speedup for s in done]
     depth = [q.in_flight for q in queue]
@@ -125,7 +127,7 @@ def summarize(
         "sessions_started": len(sessions),
         "cache_hit_ratio": hit,
         "cache_hit_bound": bound,
-        "prompt_tokens": prompt_all,
+        "prompt_tokens": sum(c.prompt_tokens for c in ok),
         "cached_tokens": sum(c.cached_tokens or 0 for c in ok),
         "completion_tokens": sum(c.completion_tokens for c in ok),
         "requests_ok": len(ok),

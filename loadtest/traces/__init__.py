@@ -56,6 +56,19 @@ def _first_line(p: Path) -> dict[str, Any]:
     raise TraceError(f"{p}: empty trace")
 
 
+def cap_gaps(session: Session, max_gap_s: float) -> Session:
+    """The session with every idle gap (dependency delay, start delay) capped."""
+    calls = [
+        dataclasses.replace(
+            c,
+            deps=tuple(dataclasses.replace(d, delay_s=min(d.delay_s, max_gap_s)) for d in c.deps),
+            start_delay_s=min(c.start_delay_s, max_gap_s),
+        )
+        for c in session.calls
+    ]
+    return dataclasses.replace(session, calls=calls)
+
+
 def load_trace(
     spec: str | Path,
     *,
@@ -79,6 +92,9 @@ def load_trace(
             from loadtest.traces.weka import truncate
 
             t.sessions = [truncate(x, max_calls) for x in t.sessions]
+        if max_gap_s is not None:
+            t.sessions = [cap_gaps(x, max_gap_s) for x in t.sessions]
+            t.meta["max_gap_s"] = max_gap_s
         return t
     p = Path(s)
     if not p.exists():
@@ -94,7 +110,12 @@ def load_trace(
         from loadtest.traces import mooncake
 
         if fmt == "aiperf" or (fmt is None and "session_id" in _first_line(p)):
-            return mooncake.load_aiperf(p, max_sessions=max_sessions)
+            t = mooncake.load_aiperf(p, max_sessions=max_sessions)
+            if max_calls is not None:
+                from loadtest.traces.weka import truncate
+
+                t.sessions = [truncate(x, max_calls) for x in t.sessions]
+            return t
         kw3: dict[str, Any] = {"seed": seed, "max_requests": max_sessions}
         if jitter_s is not None:
             kw3["jitter_s"] = jitter_s

@@ -269,3 +269,14 @@ def test_replay_cli_reports_bad_traces_and_prompt_settings_clearly(tmp_path, cap
         ]
     )
     assert rc == 2 and "multiple of the replica block size" in capsys.readouterr().err
+
+
+def test_idle_gap_cap_applies_to_synthetic_traces_too():
+    from loadtest.traces import load_trace as _load
+
+    spec = "synthetic:sessions=4,gap_median_s=300,seed=3"
+    raw = _load(spec)
+    capped = _load(spec, max_gap_s=30)
+    delays = lambda t: [d.delay_s for s in t.sessions for c in s.calls for d in c.deps]  # noqa: E731
+    assert max(delays(raw)) > 30  # the uncapped trace has long gaps to cap
+    assert max(delays(capped)) <= 30 and capped.meta["max_gap_s"] == 30
