@@ -30,6 +30,19 @@ import numpy as np
 
 from loadtest.replay.records import CallRecord, QueueSample, SessionRecord
 
+# The fields every summary.json must carry (the replay harness's contract, issue 5).
+SUMMARY_REQUIRED = (
+    "p90_interactivity_tok_s",
+    "tokens_per_gpu_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "session_completion_p90_s",
+    "cache_hit_ratio",
+    "cache_hit_bound",
+    "requests_ok",
+    "requests_failed",
+)
 CANCELLED = "cancelled"  # CallRecord.error prefix for calls cut off by the run bound
 
 

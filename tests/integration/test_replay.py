@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from loadtest import tinymodel
+from loadtest.metrics import SUMMARY_REQUIRED
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.records import CallRecord, read_jsonl
 from loadtest.replay.runner import ReplayConfig, replay
@@ -21,18 +22,6 @@ from loadtest.sweep.stack import Router, TwinCluster, cleanup
 from loadtest.traces import load_trace
 
 DATA = Path(__file__).resolve().parents[2] / "loadtest" / "data"
-REQUIRED = [
-    "p90_interactivity_tok_s",
-    "tokens_per_gpu_s",
-    "ttft_p50_s",
-    "ttft_p90_s",
-    "ttft_p99_s",
-    "session_completion_p90_s",
-    "cache_hit_ratio",
-    "cache_hit_bound",
-    "requests_ok",
-    "requests_failed",
-]
 TRACE = (
     "synthetic:sessions=6,calls_median=4,calls_sigma=0.2,prefix_tokens=512,"
     "first_user_tokens=128,growth_median=100,output_median=5,gap_median_s=0.02,"
@@ -81,7 +70,7 @@ async def test_replay_through_kvroute_keeps_sessions_on_one_replica(stack, tmp_p
     summary = await replay(trace, builder, cfg, tmp_path)
 
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert all(k in on_disk for k in REQUIRED)
+    assert all(k in on_disk for k in SUMMARY_REQUIRED)
     assert on_disk["requests_failed"] == 0 and on_disk["requests_ok"] == trace.n_calls
     calls = read_jsonl(tmp_path / "calls.jsonl", CallRecord)
     # The twins tokenize the synthesized chat exactly as predicted.

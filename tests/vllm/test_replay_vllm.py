@@ -12,23 +12,11 @@ import json
 import httpx
 import pytest
 
+from loadtest.metrics import SUMMARY_REQUIRED
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.records import CallRecord, read_jsonl
 from loadtest.replay.runner import ReplayConfig, replay
 from loadtest.traces import load_trace
-
-REQUIRED = [
-    "p90_interactivity_tok_s",
-    "tokens_per_gpu_s",
-    "ttft_p50_s",
-    "ttft_p90_s",
-    "ttft_p99_s",
-    "session_completion_p90_s",
-    "cache_hit_ratio",
-    "cache_hit_bound",
-    "requests_ok",
-    "requests_failed",
-]
 
 TINY_TRACE = (
     "synthetic:sessions=3,calls_median=4,calls_sigma=0.2,prefix_tokens=640,"
@@ -58,7 +46,7 @@ async def test_replay_against_real_vllm_writes_a_valid_summary(replica, tiny_mod
     summary = await replay(trace, builder, cfg, tmp_path)
 
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    for k in REQUIRED:
+    for k in SUMMARY_REQUIRED:
         assert k in on_disk, k
     assert on_disk["requests_failed"] == 0
     assert on_disk["requests_ok"] == trace.n_calls == summary["requests_ok"]
