@@ -50,6 +50,24 @@ def _pct(xs: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else None
 
 
+def _time_weighted_pct(samples: Sequence[QueueSample], q: float) -> float | None:
+    """Percentile of the in-flight step function over time: each sample's depth holds until
+    the next sample (samples come at every call start and end and on a timer, so counting
+    them equally would weight busy moments by their call rate, not their duration)."""
+    pts = sorted(samples, key=lambda s: s.t)
+    if not pts:
+        return None
+    if len(pts) == 1:
+        return float(pts[0].in_flight)
+    depth = np.array([s.in_flight for s in pts[:-1]], dtype=float)
+    dt = np.diff(np.array([s.t for s in pts], dtype=float))
+    if dt.sum() <= 0:
+        return _pct(depth.tolist(), q)
+    order = np.argsort(depth, kind="stable")
+    cum = np.cumsum(dt[order]) / dt.sum()
+    return float(depth[order][np.searchsorted(cum, q / 100.0)])
+
+
 class UnlimitedCache:
     """vLLM-style prefix caching over full blocks, with no capacity limit.
 
@@ -147,7 +165,7 @@ def summarize(
         "requests_failed": len(failed),
         "requests_cancelled": len(cancelled),
         "failures": errors,
-        "queue_depth_p50": _pct(depth, 50),
+        "queue_depth_p50": _time_weighted_pct(queue, 50),
         "queue_depth_max": max(depth) if depth else None,
         "waiting_p90": _pct(waiting, 90),
         "wall_s": wall_s,

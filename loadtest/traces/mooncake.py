@@ -162,6 +162,8 @@ def load_aiperf(
             )
         arrival = float(groups[sid][0]["timestamp"]) / 1000.0 if timed else None
         sessions.append(Session(id=sid, calls=calls, arrival_s=arrival))
+    if timed:  # the open loop starts sessions in list order: make that arrival order
+        sessions.sort(key=lambda x: x.arrival_s or 0.0)
     return Trace(
         name=p.name.removesuffix(".gz").removesuffix(".jsonl"),
         block_size=block_size,

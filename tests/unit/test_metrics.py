@@ -72,7 +72,9 @@ def test_summary_by_hand():
     assert s["requests_ok"] == 5 and s["requests_failed"] == 1
     assert s["requests_cancelled"] == 1
     assert s["failures"] == {"http 503": 1}
-    assert s["queue_depth_max"] == 3 and s["queue_depth_p50"] == 2
+    # depth 1 during [0, 1) and 3 during [1, 2) (the last sample closes the series): the
+    # time-weighted median is the lower of the two halves
+    assert s["queue_depth_max"] == 3 and s["queue_depth_p50"] == 1
     assert s["replicas_used"] == ["a", "b"]
 
 
@@ -102,3 +104,11 @@ def test_unlimited_cache_counts_full_block_prefix_hits_like_vllm():
     b = [0, 1, 2, 3, 99, 5, 6, 7, 8, 9]
     assert c.observe(b) == 4  # diverges in block 2: chained hashes stop matching there
     assert c.observe([99, 1, 2, 3, 4, 5, 6, 7, 1]) == 0  # same blocks later, different prefix
+
+
+def test_queue_depth_median_weights_time_not_sample_count():
+    # 9 s at depth 1, then a 1 s burst with many start/end samples at depth 8
+    q = [QueueSample(0.0, 1)] + [QueueSample(9.0 + i / 20, 8) for i in range(20)]
+    q.append(QueueSample(10.0, 0))
+    s = summarize(RECORDS, SESSIONS, q, wall_s=10.0, gpus=2)
+    assert s["queue_depth_p50"] == 1 and s["queue_depth_max"] == 8
