@@ -79,6 +79,10 @@ async def stream_chat(
     n_deltas = 0
     status: int | None = None
     replica: str | None = None
+
+    def failed(error: str) -> CallResult:
+        return CallResult(False, t0, clock(), status=status, replica=replica, error=error)
+
     try:
         async with http.post(
             url,
@@ -90,14 +94,7 @@ async def stream_chat(
             replica = next((resp.headers[h] for h in REPLICA_HEADERS if h in resp.headers), None)
             if resp.status != 200:
                 text = (await resp.read())[:300].decode(errors="replace")
-                return CallResult(
-                    False,
-                    t0,
-                    clock(),
-                    status=status,
-                    replica=replica,
-                    error=f"http {resp.status}: {text}",
-                )
+                return failed(f"http {resp.status}: {text}")
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -109,23 +106,9 @@ async def stream_chat(
                 try:
                     ev = orjson.loads(data)
                 except orjson.JSONDecodeError:
-                    return CallResult(
-                        False,
-                        t0,
-                        clock(),
-                        status=status,
-                        replica=replica,
-                        error="bad sse: undecodable data line",
-                    )
+                    return failed("bad sse: undecodable data line")
                 if "error" in ev:
-                    return CallResult(
-                        False,
-                        t0,
-                        clock(),
-                        status=status,
-                        replica=replica,
-                        error=f"stream error: {str(ev['error'])[:200]}",
-                    )
+                    return failed(f"stream error: {str(ev['error'])[:200]}")
                 for ch in ev.get("choices") or ():
                     delta = ch.get("delta") or {}
                     if delta.get("content") or delta.get("reasoning_content"):
@@ -135,35 +118,14 @@ async def stream_chat(
                 if ev.get("usage"):
                     usage = ev["usage"]
     except TimeoutError:
-        return CallResult(False, t0, clock(), status=status, replica=replica, error="timeout")
+        return failed("timeout")
     except aiohttp.ClientError as e:
-        return CallResult(
-            False,
-            t0,
-            clock(),
-            status=status,
-            replica=replica,
-            error=f"connection: {type(e).__name__}: {e}"[:300],
-        )
+        return failed(f"connection: {type(e).__name__}: {e}"[:300])
     t1 = clock()
     if not done:  # cut short (replica or router died mid-stream): not a completed call
-        return CallResult(
-            False,
-            t0,
-            t1,
-            status=status,
-            replica=replica,
-            error="truncated: stream ended without [DONE]",
-        )
+        return failed("truncated: stream ended without [DONE]")
     if first is None:
-        return CallResult(
-            False,
-            t0,
-            t1,
-            status=status,
-            replica=replica,
-            error="no tokens: stream ended without content",
-        )
+        return failed("no tokens: stream ended without content")
     n_out = int(usage.get("completion_tokens", n_deltas)) if usage else n_deltas
     details = (usage or {}).get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")

@@ -22,6 +22,26 @@ def _plt() -> Any:
     return plt
 
 
+def _finish(
+    plt: Any,
+    fig: Any,
+    ax: Any,
+    path: Path,
+    title: str,
+    *,
+    grid: bool = True,
+    legend_size: int = 8,
+) -> None:
+    """Title, grid, legend, write the PNG and free the figure (common to every plot)."""
+    ax.set_title(title)
+    if grid:
+        ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _by_target(points: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
     out: dict[str, list[Mapping[str, Any]]] = {}
     for p in points:
@@ -61,12 +81,7 @@ def pareto(points: Sequence[Mapping[str, Any]], path: Path, line_tok_s: float = 
     )
     ax.set_xlabel("P90 interactivity (tok/s per user)")
     ax.set_ylabel("throughput (tokens per GPU-second)")
-    ax.set_title("Pareto: throughput vs interactivity over concurrency")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, "Pareto: throughput vs interactivity over concurrency")
     return path
 
 
@@ -86,11 +101,7 @@ def hit_bars(points: Sequence[Mapping[str, Any]], path: Path) -> Path:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(conc))], [f"c={c}" for c in conc])
     ax.set_ylim(0, 1)
     ax.set_ylabel("token cache-hit ratio (— = unlimited-cache bound)")
-    ax.set_title("Prefix-cache hits by target")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, "Prefix-cache hits by target", grid=False)
     return path
 
 
@@ -107,12 +118,7 @@ def ttft_cdf(ttfts: Mapping[str, Sequence[float]], path: Path, title: str = "TTF
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s, modelled time)")
     ax.set_ylabel("fraction of calls")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, title)
     return path
 
 
@@ -144,10 +150,5 @@ def queue_depth(
             )
     ax.set_xlabel("time (s, modelled)")
     ax.set_ylabel("requests")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, title, legend_size=7)
     return path

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from loadtest.twin.cli_common import add_overrides_arg, profile_from_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2)
@@ -25,14 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--name-prefix", default="twin")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=None,
-        metavar="KEY=VALUE",
-        help="override an engine setting of the profile, e.g. "
-        "prefill_interval_steps=2 or gpu_kv_blocks=4000 (repeatable)",
-    )
+    add_overrides_arg(p)
     p.add_argument(
         "--kv-events-replay",
         action="store_true",
@@ -48,11 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from costmodel.profiles import ProfileError, load_profile, parse_overrides, with_overrides
+    from costmodel.profiles import ProfileError
     from loadtest.twin.cluster import start_cluster
 
     async def main() -> None:
-        prof = with_overrides(load_profile(args.profile), parse_overrides(args.set))
+        prof = profile_from_args(args)
         async with start_cluster(
             args.replicas,
             prof,

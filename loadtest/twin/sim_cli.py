@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from loadtest.twin.cli_common import add_overrides_arg, profile_from_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=8)
@@ -28,14 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hours", type=float, default=1.0, help="simulated duration")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--set",
-        action="append",
-        default=None,
-        metavar="KEY=VALUE",
-        help="override an engine setting of the profile, e.g. "
-        "prefill_interval_steps=2 or gpu_kv_blocks=4000 (repeatable)",
-    )
+    add_overrides_arg(p)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summaries")
 
 
@@ -43,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from costmodel.profiles import ProfileError, load_profile, parse_overrides, with_overrides
+    from costmodel.profiles import ProfileError
     from loadtest.twin.sim import ROUTERS, RouteFn, Simulator, synthetic_agentx
     from loadtest.twin.sim_router import RouterPolicy
 
@@ -51,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvroute sim: --replicas must be >= 1 and --hours > 0")
         return 2
     try:
-        prof = with_overrides(load_profile(args.profile), parse_overrides(args.set))
+        prof = profile_from_args(args)
     except ProfileError as e:
         print(f"kvroute sim: {e}")
         return 2

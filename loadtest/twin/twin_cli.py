@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from loadtest.twin.cli_common import add_overrides_arg, profile_from_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
@@ -30,14 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model seconds per wall second; multiply measured times by it",
     )
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
-        "--set",
-        action="append",
-        default=None,
-        metavar="KEY=VALUE",
-        help="override an engine setting of the profile, e.g. "
-        "prefill_interval_steps=2 or gpu_kv_blocks=4000 (repeatable)",
-    )
+    add_overrides_arg(p)
     p.add_argument(
         "--kv-events-replay",
         default=None,
@@ -60,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from costmodel.profiles import ProfileError, load_profile, parse_overrides, with_overrides
+    from costmodel.profiles import ProfileError
     from loadtest import tinymodel
     from loadtest.twin.server import (
         TwinConfig,
@@ -71,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     try:
-        prof = with_overrides(load_profile(args.profile), parse_overrides(args.set))
+        prof = profile_from_args(args)
     except ProfileError as e:
         print(f"kvroute twin: {e}")
         return 2
