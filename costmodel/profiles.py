@@ -44,6 +44,8 @@ class HardwareProfile:
     storage_bw: float = 5e9  # storage -> device, B/s
     storage_latency_s: float = 200e-6
     step_overhead_s: float = 4e-3  # fixed cost of one engine step
+    interconnect_bw: float = 360e9  # GPU-GPU all-reduce bus bandwidth per GPU, B/s
+    allreduce_latency_s: float = 8e-6  # one small all-reduce (tensor parallelism)
     description: str = ""
 
 
@@ -83,8 +85,10 @@ class ModelProfile:
 class ReplicaProfile:
     """One vLLM replica: hardware, model and engine configuration.
 
-    ``gpu_kv_blocks`` is derived from memory unless the profile gives it:
-    ``(hbm_bytes * gpu_memory_utilization - weight_bytes - activation_reserve_bytes)
+    ``tensor_parallel_size`` GPUs of ``hardware`` serve the replica (weights, KV heads,
+    FLOPs and HBM bandwidth split across them; :mod:`costmodel.steptime` adds the
+    all-reduces). ``gpu_kv_blocks`` is derived from memory unless the profile gives it:
+    ``tp * (hbm_bytes * gpu_memory_utilization - weight_bytes / tp - activation_reserve_bytes)
     // kv_bytes_per_block``. ``cpu_kv_blocks`` / ``storage_kv_blocks`` of 0 mean no such tier.
     ``prefill_interval_steps`` > 1 admits new prefills only every N engine steps (a local
     prefill cadence); 0 or 1 means every step (vLLM's default). ``request_overhead_s`` is the
@@ -96,6 +100,7 @@ class ReplicaProfile:
     model: ModelProfile
     block_size: int
     gpu_kv_blocks: int
+    tensor_parallel_size: int = 1
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0
@@ -109,6 +114,11 @@ class ReplicaProfile:
     activation_reserve_bytes: float = 0.0
     description: str = ""
     source: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one replica occupies (its tensor-parallel size)."""
+        return self.tensor_parallel_size
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -170,6 +180,7 @@ def _int(d: Mapping[str, Any], key: str, where: str, default: Any = ..., positiv
 _HW_KEYS = {
     "description", "hbm_bytes", "hbm_bw", "flops", "host_dram_bytes", "host_load_bw",
     "host_latency_s", "storage_bytes", "storage_bw", "storage_latency_s", "step_overhead_s",
+    "interconnect_bw", "allreduce_latency_s",
 }  # fmt: skip
 _MODEL_KEYS = {
     "name", "params", "layers", "hidden", "heads", "kv_heads", "head_dim", "kv_dtype_bytes",
@@ -180,7 +191,7 @@ _REPLICA_KEYS = {
     "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "prefill_mfu",
     "hbm_efficiency", "cpu_kv_blocks", "storage_kv_blocks", "cpu_kv_bytes", "storage_kv_bytes",
     "prefill_interval_steps", "gpu_memory_utilization", "activation_reserve_bytes",
-    "request_overhead_s",
+    "request_overhead_s", "tensor_parallel_size",
 }  # fmt: skip
 
 
@@ -217,6 +228,8 @@ def hardware_from_dict(name: str, d: Mapping[str, Any], compute_dtype: str) -> H
         storage_bw=_num(d, "storage_bw", where, 5e9),
         storage_latency_s=_num(d, "storage_latency_s", where, 200e-6, positive=False),
         step_overhead_s=_num(d, "step_overhead_s", where, 4e-3, positive=False),
+        interconnect_bw=_num(d, "interconnect_bw", where, 360e9),
+        allreduce_latency_s=_num(d, "allreduce_latency_s", where, 8e-6, positive=False),
         description=str(d.get("description", "")),
     )
 
@@ -273,6 +286,11 @@ def profile_from_dict(
         raise ProfileError(f"{where}: 'hardware' must name an entry or be a mapping")
 
     block_size = _int(d, "block_size", where)
+    tp = _int(d, "tensor_parallel_size", where, 1)
+    if model.kv_heads % tp and tp % model.kv_heads:
+        raise ProfileError(
+            f"{where}: tensor_parallel_size {tp} does not split {model.kv_heads} KV heads"
+        )
     util = _num(d, "gpu_memory_utilization", where, 0.9)
     if util > 1:
         raise ProfileError(f"{where}: gpu_memory_utilization must be <= 1, got {util}")
@@ -280,12 +298,12 @@ def profile_from_dict(
     kv_block = model.kv_bytes_per_token * block_size
     gpu_blocks = _int(d, "gpu_kv_blocks", where, None)
     if gpu_blocks is None:
-        free = hw.hbm_bytes * util - model.weight_bytes - reserve
-        gpu_blocks = int(free // kv_block)
+        free = hw.hbm_bytes * util - model.weight_bytes / tp - reserve  # per GPU
+        gpu_blocks = int(tp * free // kv_block)
         if gpu_blocks <= 0:
             raise ProfileError(
                 f"{where}: no room for KV: {hw.hbm_bytes:.3g} B x {util} - weights "
-                f"{model.weight_bytes:.3g} B - reserve {reserve:.3g} B <= 0"
+                f"{model.weight_bytes:.3g} B / {tp} GPUs - reserve {reserve:.3g} B <= 0"
             )
 
     def tier(blocks_key: str, bytes_key: str, cap: float, cap_name: str) -> int:
@@ -296,19 +314,23 @@ def profile_from_dict(
         if nbytes is not None:
             if nbytes > cap:
                 raise ProfileError(
-                    f"{where}: {bytes_key} {nbytes:.3g} exceeds {cap_name} {cap:.3g}"
+                    f"{where}: {bytes_key} {nbytes:.3g} exceeds {cap_name} x "
+                    f"tensor_parallel_size {tp} = {cap:.3g}"
                 )
             n = int(nbytes // kv_block)
         return int(n or 0)
 
-    cpu_blocks = tier("cpu_kv_blocks", "cpu_kv_bytes", hw.host_dram_bytes, "host_dram_bytes")
-    sto_blocks = tier("storage_kv_blocks", "storage_kv_bytes", hw.storage_bytes, "storage_bytes")
+    # host DRAM and NVMe are per-GPU shares of the node: a TP replica gets tp shares
+    dram, nvme = tp * hw.host_dram_bytes, tp * hw.storage_bytes
+    cpu_blocks = tier("cpu_kv_blocks", "cpu_kv_bytes", dram, "host_dram_bytes")
+    sto_blocks = tier("storage_kv_blocks", "storage_kv_bytes", nvme, "storage_bytes")
     prof = ReplicaProfile(
         name=name,
         hardware=hw,
         model=model,
         block_size=block_size,
         gpu_kv_blocks=gpu_blocks,
+        tensor_parallel_size=tp,
         max_num_seqs=_int(d, "max_num_seqs", where, 256),
         max_num_batched_tokens=_int(d, "max_num_batched_tokens", where, 8192),
         long_prefill_token_threshold=_int(d, "long_prefill_token_threshold", where, 0, False),

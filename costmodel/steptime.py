@@ -11,7 +11,12 @@ The model (a roofline per engine step; derivation and numbers in ``docs/twin.md`
   and a prefill chunk of n new tokens after c cached ones attends n·(c + (n+1)/2) positions;
 * memory   = (weight_bytes + KV bytes read) / (hbm_bw·hbm_efficiency), KV bytes read =
   kv_bytes_per_token · (every decoding request's context + every prefill chunk's context);
-* step     = step_overhead_s + max(compute, memory).
+* comm     = 2·layers·(allreduce_latency + 2·(tp−1)/tp · T·hidden·2 B / interconnect_bw)
+  for a tensor-parallel replica (two all-reduces of bf16 activations per layer), else 0;
+* step     = step_overhead_s + comm + max(compute, memory).
+
+A replica of ``tensor_parallel_size`` tp GPUs has tp× the FLOP/s and HBM bandwidth (weights and
+KV heads are split across them), and loads from lower tiers over tp host links at once.
 
 Decode-only steps are memory-bound (weights + KV reads), large prefill chunks compute-bound.
 Loads from a lower tier cost ``latency + n_blocks·kv_bytes_per_block / bandwidth``.
@@ -37,6 +42,8 @@ class StepCoefficients:
     attn_flops_per_pair: float  # 4 · layers · heads · head_dim
     weight_bytes: float
     kv_bytes_per_token: float
+    comm_s: float = 0.0  # all-reduce latency per step (tensor parallelism)
+    comm_s_per_token: float = 0.0  # all-reduce transfer per token processed
 
     def step(self, tokens: float, attended: float, kv_read_tokens: float) -> float:
         """Seconds for one step that processes ``tokens`` tokens attending ``attended``
@@ -45,20 +52,25 @@ class StepCoefficients:
             self.s_per_flop
         )
         memory = (self.weight_bytes + self.kv_bytes_per_token * kv_read_tokens) * self.s_per_byte
-        return self.overhead_s + (compute if compute > memory else memory)
+        comm = self.comm_s + self.comm_s_per_token * tokens
+        return self.overhead_s + comm + (compute if compute > memory else memory)
 
 
 @lru_cache(maxsize=64)
 def coefficients(profile: ReplicaProfile) -> StepCoefficients:
     hw, m = profile.hardware, profile.model
+    tp = profile.tensor_parallel_size
+    allreduces = 2 * m.layers if tp > 1 else 0  # after attention and after the MLP
     return StepCoefficients(
         overhead_s=hw.step_overhead_s,
-        s_per_flop=1.0 / (hw.flops * profile.prefill_mfu),
-        s_per_byte=1.0 / (hw.hbm_bw * profile.hbm_efficiency),
+        s_per_flop=1.0 / (hw.flops * profile.prefill_mfu * tp),
+        s_per_byte=1.0 / (hw.hbm_bw * profile.hbm_efficiency * tp),
         linear_flops_per_token=m.linear_flops_per_token,
         attn_flops_per_pair=m.attn_flops_per_token_per_ctx,
         weight_bytes=m.weight_bytes,
         kv_bytes_per_token=m.kv_bytes_per_token,
+        comm_s=allreduces * hw.allreduce_latency_s,
+        comm_s_per_token=allreduces * 2.0 * (tp - 1) / tp * m.hidden * 2.0 / hw.interconnect_bw,
     )
 
 
@@ -143,7 +155,8 @@ def load_time(profile: ReplicaProfile, n_blocks: int, tier: str) -> float:
     if tier == "gpu" or n_blocks == 0:
         return 0.0
     hw = profile.hardware
-    nbytes = n_blocks * profile.kv_bytes_per_block
+    # each GPU of a tensor-parallel replica loads its own KV heads over its own link
+    nbytes = n_blocks * profile.kv_bytes_per_block / profile.tensor_parallel_size
     if tier == "cpu":
         return hw.host_latency_s + nbytes / hw.host_load_bw
     return hw.storage_latency_s + nbytes / hw.storage_bw

@@ -67,6 +67,12 @@ def _block_size(profile: str) -> int:
     return int(load_profile(profile).block_size)
 
 
+def _gpus_per_replica(profile: str) -> int:
+    from costmodel.profiles import load_profile
+
+    return int(load_profile(profile).gpus)
+
+
 def _max_model_len(profile: str) -> int:
     from costmodel.profiles import load_profile
 
@@ -117,7 +123,7 @@ def run_point(
                 grace_s=cfg.grace_s,
                 time_scale=cfg.speedup,
                 speedup=cfg.speedup,
-                gpus=cfg.replicas,
+                gpus=cfg.replicas * _gpus_per_replica(cfg.profile),
                 open_loop=cfg.open_loop,
                 convention=PEERS[target][2] if target in PEERS else cfg.convention,
                 metrics_urls=cluster.metrics_urls,

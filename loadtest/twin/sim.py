@@ -277,6 +277,11 @@ class SimResult:
     sessions: int
     engine_busy_s: list[float] = field(default_factory=list)
     tier_hit_blocks: dict[str, int] = field(default_factory=dict)
+    gpus_per_replica: int = 1  # the profile's tensor-parallel size
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.gpus_per_replica
 
     def summary(self) -> dict[str, Any]:
         r = self.records
@@ -298,7 +303,7 @@ class SimResult:
             "tpot_p90_s": p90_tpot,
             "p90_interactivity_tok_s": 1.0 / p90_tpot if p90_tpot > 0 else float("nan"),
             "cache_hit_ratio": cached / prompt if prompt else 0.0,
-            "throughput_tok_per_gpu_s": (prompt + out) / (self.replicas * self.sim_time_s),
+            "throughput_tok_per_gpu_s": (prompt + out) / (self.gpus * self.sim_time_s),
             "preemptions": sum(x.preemptions for x in r),
             "tier_hit_blocks": dict(self.tier_hit_blocks),
             "sim_time_s": self.sim_time_s,
@@ -585,7 +590,7 @@ class Simulator:
             replicas=len(self.replicas), events=self.events, steps=self.steps,
             sessions_done=done_sessions, sessions=len(sessions),
             engine_busy_s=[r.engine.busy_time for r in self.replicas],
-            tier_hit_blocks=tier_hits,
+            tier_hit_blocks=tier_hits, gpus_per_replica=self.profile.gpus,
         )  # fmt: skip
 
 

@@ -142,3 +142,26 @@ def test_engine_settings_can_be_overridden_with_checks():
     ):
         with pytest.raises(ProfileError, match=msg):
             with_overrides(base, parse_overrides(bad))
+
+
+def test_tensor_parallel_replica_pools_the_kv_memory_of_its_gpus():
+    tp1, tp4 = load_profile("h200-70b-fp8"), load_profile("h200-70b-fp8-tp4")
+    assert (tp1.gpus, tp4.gpus) == (1, 4)
+    per_gpu = 141e9 * 0.95 - 70.6e9 / 4 - 2.5e9
+    assert tp4.gpu_kv_blocks == int(4 * per_gpu // (163_840 * 64))
+    assert tp4.gpu_kv_tokens > 7 * tp1.gpu_kv_tokens  # weights paid once, not four times
+    off = load_profile("h200-70b-fp8-tp4-offload")
+    assert off.cpu_kv_blocks == int(800e9 // (163_840 * 64))
+
+
+def test_tensor_parallel_size_must_split_the_kv_heads():
+    raw = {
+        "name": "bad-tp",
+        "hardware": "h200",
+        "model": load_profile("h200-70b-fp8").source["model"],
+        "block_size": 64,
+        "tensor_parallel_size": 3,
+    }
+    hw = {"h200": {"hbm_bytes": 141e9, "hbm_bw": 4.8e12, "flops": 1.58e15}}
+    with pytest.raises(ProfileError, match="does not split 8 KV heads"):
+        profile_from_dict(raw, hw)

@@ -92,3 +92,32 @@ def test_decode_time_grows_with_batch_and_output():
     shared = st.decode_time(P70, 100, 50_000, batch=[100_000, 100_000])
     assert shared > alone > 0
     assert st.decode_time(P70, 200, 50_000) > alone
+
+
+P70_TP4 = load_profile("h200-70b-fp8-tp4")
+
+
+def test_one_h200_cannot_decode_a_70b_at_the_agentx_line_but_tp4_can():
+    # the P90 >= 50 tok/s line needs steps <= 20 ms; a 70B replica on one H200 reads 70.6 GB
+    # of weights per step (>= 17 ms at 4.08 TB/s) before any KV
+    assert st.decode_step_time(P70, 1, 1_000) > 0.020
+    assert st.decode_step_time(P70_TP4, 1, 1_000) < 0.012
+    # ten 100k-token sessions decoding together still fit the line on TP4
+    assert st.decode_step_time(P70_TP4, 10, 1_000_000) < 0.020
+
+
+def test_tensor_parallel_step_splits_weights_and_flops_and_adds_allreduces():
+    hw, m = P70_TP4.hardware, P70_TP4.model
+    bw = hw.hbm_bw * P70_TP4.hbm_efficiency * 4
+    allreduces = 2 * m.layers
+    comm = allreduces * (hw.allreduce_latency_s + 1.5 * 3 * m.hidden * 2 / hw.interconnect_bw)
+    want = hw.step_overhead_s + comm + (m.weight_bytes + 300_000 * 163_840) / bw
+    assert st.decode_step_time(P70_TP4, 3, 300_000) == pytest.approx(want)
+    # prefill compute runs on 4 GPUs: the same chunk is 3-4x faster (all-reduces eat the rest)
+    ratio = st.step_time(P70, [(8192, 0)]) / st.step_time(P70_TP4, [(8192, 0)])
+    assert 2.5 < ratio < 4.0
+    # each GPU loads its own quarter of the KV heads from host DRAM
+    off1 = P70_OFF.hardware.host_latency_s
+    assert st.load_time(P70_TP4, 1000, "cpu") - off1 == pytest.approx(
+        (st.load_time(P70_OFF, 1000, "cpu") - off1) / 4
+    )
