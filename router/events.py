@@ -12,6 +12,11 @@ when the stream is not clean:
   and mark the replica fresh. If not (no replay endpoint, timeout, or the buffer no longer
   reaches back), the replica stays stale — scorers then use approximate mode for it — until
   an ``AllBlocksCleared`` or a restart gives a known-empty cache to start from again.
+* the replay runs in its own task, per publisher stream: meanwhile that stream's later
+  batches are buffered (at most ``max_buffered_batches``) and applied in order once the
+  replay is over; every other stream, on the same socket or not, keeps being applied at once.
+  A buffer that overflows abandons the replay: the batches held so far are applied and the
+  replica stays stale, as after a failed replay.
 * **restart** (``seq`` goes back to 0): the replica's cache is empty; clear it in the index.
 * ``AllBlocksCleared``: clear the replica (done by :meth:`BlockIndex.apply`), mark fresh.
 * bad messages are counted and logged, never raised; one broken replica never stops the others.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,6 +58,8 @@ class PublisherState:
     gaps: int = 0
     replayed: int = 0
     restarts: int = 0
+    buffered: int = 0  # batches held back while a replay was in flight
+    abandoned: int = 0  # replays given up because the buffer overflowed
 
 
 @dataclass
@@ -62,13 +70,26 @@ class SubscriberStats:
     streams: dict[tuple[str, int | None], PublisherState] = field(default_factory=dict)
 
 
+StreamKey = tuple[str, int | None]
+
+
+@dataclass
+class _Resync:
+    """A stream waiting for its replay: the batch that showed the gap and those after it."""
+
+    start: int
+    trigger: EventBatch
+    pending: deque[EventBatch] = field(default_factory=deque)
+    task: asyncio.Task[None] | None = None
+
+
 class KVEventSubscriber:
     """Feeds a :class:`BlockIndex` from vLLM KV event streams.
 
     Start sockets with :meth:`bind` / :meth:`connect` inside a running event loop; each
-    socket gets one reader task. :meth:`close` cancels the tasks and closes the sockets.
-    ``replica_for_topic`` maps a topic to a replica name in bind mode (``None`` drops the
-    message as unknown).
+    socket gets one reader task. :meth:`close` cancels the tasks (replays in flight included)
+    and closes the sockets. ``replica_for_topic`` maps a topic to a replica name in bind mode
+    (``None`` drops the message as unknown).
     """
 
     def __init__(
@@ -77,17 +98,21 @@ class KVEventSubscriber:
         *,
         replica_for_topic: Callable[[str], str | None] = topic_to_replica,
         replay_timeout_s: float = 2.0,
+        max_buffered_batches: int = 4096,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.index = index
         self.replica_for_topic = replica_for_topic
         self.replay_timeout_s = replay_timeout_s
+        self.max_buffered_batches = max_buffered_batches
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         self._tasks: list[asyncio.Task[None]] = []
         self._socks: list[zmq.asyncio.Socket] = []
         self._replay: dict[str, str] = {}  # replica -> replay endpoint
         self._removed: set[str] = set()
+        self._resync: dict[StreamKey, _Resync] = {}  # streams whose replay is in flight
+        self._replays: set[asyncio.Task[None]] = set()  # until done (cancelled ones too)
         self._changed = asyncio.Event()
         self.stats = SubscriberStats()
 
@@ -121,24 +146,38 @@ class KVEventSubscriber:
         self._tasks.append(asyncio.get_running_loop().create_task(self._read(s, replica)))
 
     def add_replica(self, replica: str, replay_endpoint: str | None = None) -> None:
-        """Expect events from ``replica`` (again, after a removal); optional replay endpoint."""
+        """Expect events from ``replica`` (again, after a removal); optional replay endpoint.
+
+        A re-added replica starts from an empty index entry and no stream state: its next
+        batch is a first message (``seq`` 0: exact from there; else a gap, replayed from 0)."""
         self._removed.discard(replica)
         if replay_endpoint:
             self._replay[replica] = replay_endpoint
         self.index.add_replica(replica)
 
     def remove_replica(self, replica: str) -> None:
-        """Forget a replica: its blocks leave the index; its events are ignored from now on."""
+        """Forget a replica: its blocks leave the index, its replays in flight are cancelled;
+        its events are ignored until :meth:`add_replica`."""
         self._removed.add(replica)
         self._replay.pop(replica, None)
+        for key in [k for k in self._resync if k[0] == replica]:
+            rs = self._resync.pop(key)
+            if rs.task is not None:
+                rs.task.cancel()
         for key in [k for k in self.stats.streams if k[0] == replica]:
             del self.stats.streams[key]
         self.index.remove_replica(replica)
 
+    def resyncing(self, replica: str) -> bool:
+        """Whether a replay for one of ``replica``'s streams is in flight."""
+        return any(k[0] == replica for k in self._resync)
+
     async def close(self) -> None:
-        for t in self._tasks:
+        replays = list(self._replays)
+        self._resync.clear()
+        for t in [*self._tasks, *replays]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *replays]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         for s in self._socks:
@@ -149,7 +188,7 @@ class KVEventSubscriber:
             self.ctx.term()
 
     async def wait_changed(self) -> None:
-        """Wait until the next batch (or replay) has been applied (tests, admin)."""
+        """Wait until the next batch (or replay) has been handled (tests, admin)."""
         self._changed.clear()
         await self._changed.wait()
 
@@ -167,7 +206,10 @@ class KVEventSubscriber:
             self._changed.set()
 
     async def handle(self, parts: list[bytes], replica: str | None = None) -> None:
-        """Decode one multipart message and apply it (public for tests and tools)."""
+        """Decode one multipart message and apply it (public for tests and tools).
+
+        Never waits on a replay: a gap starts one in the background (see the module
+        docstring) and this stream's later batches are held until it is over."""
         try:
             batch = decode_message(parts)
         except EventDecodeError as e:
@@ -182,7 +224,23 @@ class KVEventSubscriber:
         if name in self._removed:
             self.stats.ignored_removed += 1
             return
+        self._ingest(name, batch)
+
+    def _ingest(self, name: str, batch: EventBatch) -> None:
         key = (name, batch.dp_rank)
+        while (rs := self._resync.get(key)) is not None:
+            st = self.stats.streams.setdefault(key, PublisherState())
+            if len(rs.pending) < self.max_buffered_batches:
+                rs.pending.append(batch)
+                st.buffered += 1
+                return
+            # Too far behind: give the replay up (the held batches may start a new one).
+            log.warning("kv events: %s fell %d batches behind its replay", name, len(rs.pending))
+            st.abandoned += 1
+            self._finish(name, key, rs, None)
+        self._process(name, key, batch)
+
+    def _process(self, name: str, key: StreamKey, batch: EventBatch) -> None:
         st = self.stats.streams.setdefault(key, PublisherState())
         if st.last_seq is not None and batch.seq <= st.last_seq:
             # seq went back: the publisher restarted, so its cache starts empty.
@@ -192,13 +250,13 @@ class KVEventSubscriber:
             self.index.mark_fresh(name)
             st.last_seq = None
             if batch.seq != 0:
-                await self._gap(name, st, 0, batch)
+                self._gap(name, key, st, 0, batch)
                 return
         elif (st.last_seq is None and batch.seq != 0) or (
             st.last_seq is not None and batch.seq != st.last_seq + 1
         ):
             start = 0 if st.last_seq is None else st.last_seq + 1
-            await self._gap(name, st, start, batch)
+            self._gap(name, key, st, start, batch)
             return
         self._apply(name, st, batch)
 
@@ -209,17 +267,56 @@ class KVEventSubscriber:
         if any(isinstance(e, AllBlocksCleared) for e in batch.events):
             self.index.mark_fresh(name)  # a known-empty cache: whatever we missed is gone
 
-    async def _gap(self, name: str, st: PublisherState, start: int, batch: EventBatch) -> None:
+    def _gap(
+        self, name: str, key: StreamKey, st: PublisherState, start: int, batch: EventBatch
+    ) -> None:
         st.gaps += 1
         self.index.mark_stale(name, f"seq gap: expected {start}, got {batch.seq}")
         log.warning("kv events: %s seq gap %d..%d", name, start, batch.seq - 1)
-        missed = await self._fetch_replay(name, start, batch.seq)
+        if name not in self._replay:  # nothing to wait for: stale from here on
+            self._apply(name, st, batch)
+            return
+        rs = _Resync(start, batch)
+        self._resync[key] = rs
+        rs.task = asyncio.get_running_loop().create_task(
+            self._run_replay(name, key, rs), name=f"kv-replay-{name}"
+        )
+        self._replays.add(rs.task)
+        rs.task.add_done_callback(self._replays.discard)
+
+    async def _run_replay(self, name: str, key: StreamKey, rs: _Resync) -> None:
+        try:
+            missed = await self._fetch_replay(name, rs.start, rs.trigger.seq)
+        except Exception:
+            log.exception("kv events: replay for %s failed", name)
+            missed = None
+        if self._resync.get(key) is not rs:  # removed or abandoned meanwhile
+            return
+        try:
+            self._finish(name, key, rs, missed)
+        except Exception:
+            log.exception("kv events: failed to apply the replay for %s", name)
+        self._changed.set()
+
+    def _finish(
+        self, name: str, key: StreamKey, rs: _Resync, missed: list[EventBatch] | None
+    ) -> None:
+        """End a stream's resync: apply what the replay returned (``None``: nothing, the
+        replica stays stale), the batch that showed the gap, then the held batches in order
+        (which may start another resync)."""
+        del self._resync[key]
+        if rs.task is not None and not rs.task.done() and rs.task is not asyncio.current_task():
+            rs.task.cancel()
+        st = self.stats.streams.setdefault(key, PublisherState())
         if missed is not None:
             for b in missed:
                 self._apply(name, st, b)
             st.replayed += len(missed)
-            self.index.mark_fresh(name)
-        self._apply(name, st, batch)
+            if not self.resyncing(name):
+                self.index.mark_fresh(name)
+        self._apply(name, st, rs.trigger)
+        while rs.pending:
+            self._ingest(name, rs.pending.popleft())
 
     async def _fetch_replay(self, name: str, start: int, stop: int) -> list[EventBatch] | None:
         """Batches ``start..stop-1`` from the replica's replay endpoint, or ``None`` when they

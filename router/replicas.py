@@ -23,7 +23,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,13 +161,29 @@ def normalize_url(url: str) -> str:
     return url.rstrip("/")
 
 
+ReplicaListener = Callable[[frozenset[str], frozenset[str]], None]
+
+
 class ReplicaSet:
-    """The live replicas, keyed by URL; each discovery source replaces only its own entries."""
+    """The live replicas, keyed by URL; each discovery source replaces only its own entries.
+
+    Listeners (:meth:`add_listener`) are called with ``(added, removed)`` names after each
+    change of membership, from whichever source: names that entered or left the set, not a
+    source's own view (a URL another source still lists neither leaves nor re-enters)."""
 
     def __init__(self, breaker_failures: int = 3, breaker_cooldown_s: float = 5.0):
         self._by_name: dict[str, Replica] = {}
         self._breaker = (breaker_failures, breaker_cooldown_s)
+        self._listeners: list[ReplicaListener] = []
         self.version = 0
+
+    def add_listener(self, fn: ReplicaListener) -> None:
+        """Call ``fn(added, removed)`` after every membership change (errors are logged)."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: ReplicaListener) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(fn)
 
     def __iter__(self) -> Any:
         return iter(list(self._by_name.values()))
@@ -183,14 +199,20 @@ class ReplicaSet:
         want = {normalize_url(u) for u in urls}
         have = {n for n, r in self._by_name.items() if r.source == source}
         added, removed = want - have, have - want
+        entered = frozenset(n for n in added if n not in self._by_name)
         for n in removed:
             del self._by_name[n]
-        for n in added:
-            if n not in self._by_name:  # another source may list the same URL
-                self._by_name[n] = Replica(n, source, breaker=CircuitBreaker(*self._breaker))
+        for n in entered:  # another source may list the same URL already
+            self._by_name[n] = Replica(n, source, breaker=CircuitBreaker(*self._breaker))
         if added or removed:
             self.version += 1
             log.info("replicas from %s: +%s -%s", source, sorted(added), sorted(removed))
+        if entered or removed:
+            for fn in list(self._listeners):
+                try:
+                    fn(entered, frozenset(removed))
+                except Exception:  # a listener must not break discovery
+                    log.exception("replica listener %r failed", fn)
         return added, removed
 
     def views(self) -> tuple[EndpointView, ...]:

@@ -6,7 +6,15 @@ and fill ``ctx.block_keys``), a *state provider* ``"kv"`` (a read-only :class:`K
 scorers) and an *observer* (after each call: session footprints, approximate-mode history,
 calibration from observed TTFT) — plus the lifetime of the ZMQ subscribers feeding the block
 index (:meth:`start` / :meth:`close`; the caller pairs them in a cleanup context). Also
-:class:`KVConfig`. Must not import aiohttp, the proxy, torch or vllm.
+:class:`KVConfig`. Must not import aiohttp, the proxy, torch or vllm (:meth:`lifespan`, which
+only runs inside the router's aiohttp app, looks the app's replica set up when it runs).
+
+Replica membership: :meth:`watch` subscribes to a :class:`router.replicas.ReplicaSet`'s
+changes (``lifespan`` does it for the app's set). A replica that discovery removes is
+forgotten everywhere here — index, approximate cache, event streams (its events are ignored
+from then on), load stats, calibration, and sessions' homes on it; one that (re-)appears is
+expected by the subscriber again (with its ``replay`` endpoint from the config) and starts
+from an empty index entry, its next event batch deciding fresh or stale.
 
 Per-session footprints (what the cost model's eviction-harm and reserved terms need) live
 here, keyed by the session table key: the replica holding the session's KV, its context
@@ -28,10 +36,12 @@ from costmodel.placement import Reservation, WarmSession, p_return_after
 from costmodel.profiles import ReplicaProfile, load_profile
 from router.approx import ApproxCache
 from router.hashing import BlockHasher
-from router.index import BlockIndex, BlockIndexView, TierDepth
+from router.index import BlockIndex, BlockIndexError, BlockIndexView, TierDepth
 from router.tokens import ChatTemplateError, ModelTokenizer, SessionTokenizer
 
 log = logging.getLogger("kvroute.kv")
+
+MAX_GONE = 1024  # removed replicas remembered (late call outcomes there are not recorded)
 
 
 @dataclass
@@ -197,6 +207,7 @@ class KVState:
         self.subscriber: Any = None
         self.events_endpoint: str | None = None
         self._calls = 0
+        self._gone: dict[str, None] = {}  # removed by discovery and not back (insertion order)
 
     # ---- lifetime (the caller pairs these in an aiohttp cleanup context) --------------------
 
@@ -217,6 +228,8 @@ class KVState:
         for url, ep in self.cfg.replay.items():
             if url not in self.cfg.events_connect:
                 sub.add_replica(url, ep)
+        for url in self._gone:  # removed by discovery before the subscriber existed
+            sub.remove_replica(url)
         self.subscriber = sub
 
     async def close(self) -> None:
@@ -225,10 +238,56 @@ class KVState:
             self.subscriber = None
 
     async def lifespan(self, app: Any) -> Any:
-        """An aiohttp cleanup context (``app.cleanup_ctx.append(state.lifespan)``)."""
+        """An aiohttp cleanup context (``app.cleanup_ctx.append(state.lifespan)``): starts the
+        subscribers and follows the app's replica set (:meth:`watch`)."""
         await self.start()
+        replicas = _app_replicas(app)
+        if replicas is not None:
+            self.watch(replicas)
         yield
+        if replicas is not None:
+            replicas.remove_listener(self.replicas_changed)
         await self.close()
+
+    # ---- replica membership (discovery) -------------------------------------------------------
+
+    def watch(self, replicas: Any) -> None:
+        """Follow ``replicas`` (a :class:`router.replicas.ReplicaSet`): its current members
+        are expected from now on and every later change reaches :meth:`replicas_changed`."""
+        replicas.add_listener(self.replicas_changed)
+        self.replicas_changed(frozenset(r.name for r in replicas), frozenset())
+
+    def replicas_changed(self, added: frozenset[str], removed: frozenset[str]) -> None:
+        """A :class:`router.replicas.ReplicaSet` listener: forget removed replicas, expect
+        (re-)added ones."""
+        for name in removed:
+            self.forget_replica(name)
+        for name in added:
+            self._gone.pop(name, None)
+            if self.subscriber is None:
+                continue
+            try:
+                self.subscriber.add_replica(name, self.cfg.replay.get(name))
+            except BlockIndexError as e:
+                log.warning("kv: cannot index replica %s: %s", name, e)
+
+    def forget_replica(self, name: str) -> None:
+        """Drop everything known about ``name``: its blocks (index and approximate mode), its
+        event streams and replays in flight (its events are ignored until it is added again),
+        load stats, calibration, and the home of every session that lived there."""
+        if self.subscriber is not None:
+            self.subscriber.remove_replica(name)
+        self.index.remove_replica(name)
+        self.approx.remove_replica(name)
+        self.stats.pop(name, None)
+        self.calibrators.pop(name, None)
+        self._profiles.pop(name, None)  # re-sets the approximate capacity if it comes back
+        for fp in self.sessions.values():
+            if fp.replica == name:
+                fp.replica = None
+        self._gone[name] = None
+        while len(self._gone) > MAX_GONE:
+            del self._gone[next(iter(self._gone))]
 
     def app_kwargs(self) -> dict[str, Any]:
         """``build_app(cfg, **state.app_kwargs())`` wires the analyzer, provider and observer."""
@@ -320,6 +379,8 @@ class KVState:
                 parent.children_inflight = max(parent.children_inflight - 1, 0)
         if replica is None or fp is None:
             return
+        if replica in self._gone:  # the call ended on a replica discovery has removed since
+            replica = None
         keys = ctx.block_keys or []
         n_tok = int(ctx.extra.get("kv_prompt_tokens") or len(keys) * self.cfg.block_size)
         usage = usage_from_tail(outcome.get("tail") or b"")
@@ -331,7 +392,7 @@ class KVState:
                 ctx.extra["kv_cached_tokens"] = int(details["cached_tokens"])
         elif outcome.get("events"):
             out_tokens = max(int(outcome["events"]) - 2, 0) or None  # SSE chunks ~ tokens
-        if keys:
+        if keys and replica is not None:
             # routing history (approximate mode, and the SGLang-style baseline's tree)
             self.profile(replica)
             self.approx.record(replica, keys)
@@ -375,6 +436,19 @@ class KVState:
 
     def view(self) -> KVView:
         return KVView(self)
+
+
+def _app_replicas(app: Any) -> Any:
+    """The router app's :class:`router.replicas.ReplicaSet`, or ``None`` (no app, or not the
+    router's). Imported here, not at module level, so this module stays free of aiohttp."""
+    if app is None:
+        return None
+    try:
+        from router.app import REPLICAS
+
+        return app.get(REPLICAS)
+    except (ImportError, AttributeError, TypeError):
+        return None
 
 
 class KVView:

@@ -1,0 +1,171 @@
+"""Discovery changes reach the KV layer: ReplicaSet listeners -> KVState.
+
+A replica that discovery removes leaves the block index, approximate mode, the event
+subscriber (its events are ignored) and sessions' homes; one that comes back is expected
+again and its new events are applied. Everything in-process (``handle()`` and ``inproc://``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from costmodel.profiles import load_profile
+from router.events import END_SEQ
+from router.kvevents import encode_block_stored, encode_message
+from router.replicas import EndpointView, ReplicaSet
+from router.scheduling import RequestContext, Snapshot
+from router.scheduling.kv_cost import KVCost
+from router.scheduling.kv_state import KVConfig, KVState, SessionFootprint
+from router.sessions import SessionIdentity
+
+pytestmark = pytest.mark.timeout(20)
+
+PROF = load_profile("h200-70b-fp8-offload")
+BS = PROF.block_size
+A, B = "http://a:8000", "http://b:8000"
+TOPICS = {"kv@a": A, "kv@b": B}
+KEYS = list(range(5_000, 5_064))
+
+
+def msg(topic: str, seq: int, keys) -> list[bytes]:
+    return encode_message(topic, seq, 0.0, [encode_block_stored(list(keys), None, [], BS)])
+
+
+def ep(name: str) -> EndpointView:
+    return EndpointView(name, name, True, frozenset({"m"}), 0, 0.0, 0.0, 0.1, "closed")
+
+
+def ctx_for(session: str = "s") -> RequestContext:
+    ident = SessionIdentity("t", session, None, None, False, "test")
+    c = RequestContext("r1", "/v1/chat/completions", "m", ident, {"max_tokens": 100})
+    c.block_keys = list(KEYS)
+    c.extra["kv_prompt_tokens"] = len(KEYS) * BS
+    return c
+
+
+@pytest.fixture
+async def kv():
+    cfg = KVConfig(block_size=BS, profile=PROF.name, events_bind="inproc://kv-disc", topics=TOPICS)
+    st = KVState(cfg, profile=PROF, clock=lambda: 1000.0)
+    await st.start()
+    yield st
+    await st.close()
+
+
+def test_replica_set_tells_listeners_what_entered_and_left():
+    rs = ReplicaSet()
+    seen = []
+    rs.add_listener(lambda added, removed: seen.append((set(added), set(removed))))
+    rs.add_listener(lambda added, removed: 1 / 0)  # a broken listener breaks nothing
+    rs.set_source("static", [A, B + "/"])
+    rs.set_source("dns:0", [B])  # already there from another source: no change
+    rs.set_source("static", [B])
+    rs.set_source("static", [])  # B leaves with its owner (the set holds one entry per URL)
+    rs.set_source("dns:0", [B])  # ... and comes back from the other source
+    assert seen == [({A, B}, set()), (set(), {A}), (set(), {B}), ({B}, set())]
+    assert [r.name for r in rs] == [B]
+
+
+async def test_removal_forgets_replica_everywhere_and_readd_accepts_events(kv):
+    rs = ReplicaSet()
+    rs.set_source("static", [A, B])
+    kv.watch(rs)
+    sub = kv.subscriber
+    await sub.handle(msg("kv@a", 0, KEYS))
+    await sub.handle(msg("kv@b", 0, KEYS[:8]))
+    kv.profile(A)
+    kv.approx.record(A, KEYS)
+    kv.sessions["t/s"] = SessionFootprint("t/s", replica=A, tokens=len(KEYS) * BS)
+    kv.sessions["t/o"] = SessionFootprint("t/o", replica=B, tokens=8 * BS)
+    view = kv.view()
+    assert view.match(KEYS, [A, B])[A].depth == len(KEYS)
+    assert view.warm_and_reserved(A, None)[0]
+
+    rs.set_source("static", [B])  # discovery drops A
+
+    assert A not in kv.index.replicas() and A not in kv.index.match(KEYS)
+    assert A not in kv.approx.match(KEYS) and kv.approx.capacity(A) == 0
+    view = kv.view()
+    assert set(view.match(KEYS, [A, B])) == {B}  # even if A were still offered
+    assert view.warm_and_reserved(A, None) == ([], [])
+    assert kv.sessions["t/s"].replica is None and kv.sessions["t/o"].replica == B
+    scores = KVCost().score(ctx_for(), Snapshot((ep(B),), None, 0, {"kv": view}), [ep(B)])
+    assert set(scores) == {B}
+    # A's events are ignored while it is gone
+    await sub.handle(msg("kv@a", 1, [1, 2]))
+    assert sub.stats.ignored_removed == 1 and A not in kv.index.replicas()
+    # a call that ends on A after its removal does not make A a home again
+    c = ctx_for()
+    kv.observe(c, {"replica": A, "status": "200", "ttft_s": 0.1, "duration_s": 1.0})
+    assert kv.sessions["t/s"].replica is None and A not in kv.approx.match(KEYS)
+
+    rs.set_source("static", [A, B])  # A is back (say, a new pod at the same address)
+    assert A in kv.index.replicas() and not kv.index.state(A).stale
+    assert kv.index.view().blocks(A)["GPU"] == 0
+    await sub.handle(msg("kv@a", 0, [7, 8]))  # its publisher starts from seq 0 again
+    assert kv.index.holds(A, 8) == ("GPU",) and not kv.index.state(A).stale
+    await sub.handle(msg("kv@a", 1, [9]))
+    assert kv.index.match([7, 8, 9])[A].depth == 3
+    assert set(kv.view().match([7, 8, 9], [A, B])) == {A}
+    kv.observe(ctx_for(), {"replica": A, "status": "200"})
+    assert kv.sessions["t/s"].replica == A  # routing history counts again
+
+
+async def test_readded_replica_uses_its_configured_replay_endpoint():
+    cfg = KVConfig(block_size=BS, events_bind="inproc://kv-disc-2", topics=TOPICS,
+                   replay={A: "inproc://replay-a"})  # fmt: skip
+    st = KVState(cfg, profile=PROF)
+    await st.start()
+    router = st.subscriber.ctx.socket(zmq.ROUTER)  # inproc: the subscriber's own context
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("inproc://replay-a")
+    asked: list[int] = []
+
+    async def serve():  # has nothing buffered: answers with the end marker only
+        while True:
+            cid, _, start = await router.recv_multipart()
+            asked.append(int.from_bytes(start, "big"))
+            await router.send_multipart([cid, b"", b"", END_SEQ, b""])
+
+    task = asyncio.get_running_loop().create_task(serve())
+    rs = ReplicaSet()
+    rs.set_source("static", [A])
+    st.watch(rs)
+    rs.set_source("static", [])
+    rs.set_source("static", [A])
+    await st.subscriber.handle(msg("kv@a", 5, [1]))  # missed 0..4 while it was away
+    async with asyncio.timeout(5):
+        while st.subscriber.resyncing(A):
+            await st.subscriber.wait_changed()  # set once the replay has been handled
+    assert asked == [0]
+    assert st.index.holds(A, 1) and st.index.state(A).stale  # replay came back short
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    router.close(0)
+    await st.close()
+
+
+async def test_lifespan_follows_the_app_replica_set():
+    from router.app import REPLICAS, build_app
+    from router.config import RouterConfig
+
+    st = KVState(KVConfig(block_size=BS, events_bind="inproc://kv-disc-3", topics=TOPICS),
+                 profile=PROF)  # fmt: skip
+    app = build_app(RouterConfig(replicas=[A, B]))
+    app[REPLICAS].set_source("static", [A, B])  # what the replicas context does first
+    life = st.lifespan(app)
+    await life.__anext__()
+    await st.subscriber.handle(msg("kv@a", 0, [1]))
+    app[REPLICAS].set_source("static", [B])
+    assert A not in st.index.replicas()
+    await st.subscriber.handle(msg("kv@a", 1, [2]))
+    assert st.subscriber.stats.ignored_removed == 1
+    with pytest.raises(StopAsyncIteration):
+        await life.__anext__()
+    assert st.subscriber is None and app[REPLICAS]._listeners == []
