@@ -20,6 +20,13 @@ Workload semantics (closed loop, like AgentX replays): a session's call k+1 is i
 (previous prompt + its output + the new tool result / user turn), so prefix sharing inside a
 session is exact; the first ``shared_prefix_tokens`` (tools + system prompt) are identical
 across sessions when the workload says so.
+
+DAG sessions (:class:`DagSession`, e.g. real traces via :mod:`loadtest.twin.sim_trace`): each
+:class:`TraceCall` carries its own prompt (length and full-block keys) and starts ``delay_s``
+after all its dependencies *end* (end-to-start), or ``start_delay_s`` after its session starts
+when it has none. A :class:`SessionFeed` chains sessions on closed-loop lanes: when a lane's
+session has ended (its last call finished), the feed is asked for the lane's next one.
+Subagent calls are routed as their own sessions (``f"{session}/{agent}"``) with a parent.
 """
 
 from __future__ import annotations
@@ -115,6 +122,57 @@ def synthetic_agentx(
     return sessions
 
 
+@dataclass(slots=True)
+class TraceCall:
+    """One call of a :class:`DagSession`: its whole prompt (``prompt_tokens``, and the keys of
+    its full blocks in the simulated profile's block size, chained: equal key at position i
+    means equal prompt up to and including block i), tokens to generate, and when it starts:
+    ``delay_s`` after the last of its dependencies (``(index of an earlier call, delay_s)``)
+    ends, or ``start_delay_s`` after the session starts if it has none."""
+
+    prompt_tokens: int
+    output_tokens: int
+    block_keys: Sequence[int]
+    deps: tuple[tuple[int, float], ...] = ()
+    start_delay_s: float = 0.0
+    agent: str = "main"
+    id: str = ""  # the trace's call id (information only)
+
+
+@dataclass(slots=True)
+class DagSession:
+    """A session whose calls form a DAG (topological order: deps point to earlier calls).
+
+    Calls of ``main_agent`` are routed as session ``id``; a subagent's as ``f"{id}/{agent}"``
+    with ``parent_session=id``. ``start`` is when it starts if handed to :meth:`Simulator.run`
+    directly (a :class:`SessionFeed` starts its sessions itself)."""
+
+    id: str
+    calls: list[TraceCall]
+    start: float = 0.0
+    main_agent: str = "main"
+
+    def __post_init__(self) -> None:
+        if not self.calls:
+            raise ValueError(f"session {self.id}: no calls")
+        for k, c in enumerate(self.calls):
+            for d, delay in c.deps:
+                if not 0 <= d < k:
+                    raise ValueError(f"session {self.id}: call {k} depends on {d}, not earlier")
+                if delay < 0:
+                    raise ValueError(f"session {self.id}: negative delay on call {k}")
+
+
+class SessionFeed(Protocol):
+    """Closed-loop lanes: ``lanes`` sessions in flight, one per lane; when a lane's session
+    ends at ``now``, ``next_session(lane, now)`` gives the lane's next one (None: the lane
+    stops). At start, each lane in order is asked once at time 0."""
+
+    lanes: int
+
+    def next_session(self, lane: int, now: float) -> DagSession | None: ...
+
+
 # ---- the replicas' read-only view for routing ----------------------------------------------
 
 
@@ -128,7 +186,9 @@ class CallView:
     block_keys: list[int]
     max_tokens: int
     now: float
-    final: bool = False  # the session's last call
+    final: bool = False  # the session's (for a subagent: the agent's) last call
+    agent_id: str | None = None  # a subagent's name (None: the session's main agent)
+    parent_session: str | None = None  # a subagent call's root session id
 
 
 class ReplicaView:
@@ -253,6 +313,8 @@ class CallRecord:
     first_token: float
     finish: float
     preemptions: int
+    agent: str | None = None  # DAG sessions: the call's agent ("main" for the root)
+    bound_cached_tokens: int | None = None  # DAG sessions: unlimited-cache prefix hit
 
     @property
     def ttft(self) -> float:
@@ -278,6 +340,7 @@ class SimResult:
     engine_busy_s: list[float] = field(default_factory=list)
     tier_hit_blocks: dict[str, int] = field(default_factory=dict)
     gpus_per_replica: int = 1  # the profile's tensor-parallel size
+    failed: int = 0  # DAG calls refused (prompt + output over max_model_len)
 
     @property
     def gpus(self) -> int:
@@ -312,10 +375,50 @@ class SimResult:
             "steps": self.steps,
             "utilization": (sum(self.engine_busy_s) / (self.replicas * self.sim_time_s)
                             if self.sim_time_s else 0.0),
+            **self._bound(prompt),
         }  # fmt: skip
 
+    def _bound(self, prompt: int) -> dict[str, Any]:
+        """``hit_bound`` (unlimited-cache hit ratio over the same calls) and failures, for
+        runs with DAG sessions only (synthetic sessions do not track the bound)."""
+        b = [x.bound_cached_tokens for x in self.records if x.bound_cached_tokens is not None]
+        if not b:
+            return {}
+        return {"hit_bound": sum(b) / prompt if prompt else 0.0, "requests_failed": self.failed}
 
-_ARRIVE, _STEP, _WAKE, _ENQUEUE = 0, 1, 2, 3
+
+_ARRIVE, _STEP, _WAKE, _ENQUEUE, _DAG_ARRIVE, _SESSION = 0, 1, 2, 3, 4, 5
+
+
+class _DagRun:
+    """One DAG session in flight: dependency counters, ready times, routing identities."""
+
+    __slots__ = ("agent_index", "children", "final", "lane", "left", "pending", "ready",
+                 "session", "sids")  # fmt: skip
+
+    def __init__(self, s: DagSession, lane: int | None):
+        n = len(s.calls)
+        self.session = s
+        self.lane = lane
+        self.left = n
+        self.pending = [len(c.deps) for c in s.calls]
+        self.ready = [-math.inf] * n
+        self.children: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        self.agent_index = [0] * n
+        self.sids: list[tuple[str, str | None, str | None]] = []  # (session, agent, parent)
+        count: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for k, c in enumerate(s.calls):
+            for d, delay in c.deps:
+                self.children[d].append((k, delay))
+            self.agent_index[k] = count.get(c.agent, 0)
+            count[c.agent] = self.agent_index[k] + 1
+            last[c.agent] = k
+            if c.agent == s.main_agent:
+                self.sids.append((s.id, None, None))
+            else:
+                self.sids.append((f"{s.id}/{c.agent}", c.agent, s.id))
+        self.final = [last[c.agent] == k for k, c in enumerate(s.calls)]
 
 
 class _Replica:
@@ -485,18 +588,62 @@ class Simulator:
 
     # -- main loop --
 
-    def run(self, sessions: Sequence[Session], until: float | None = None) -> SimResult:
+    def run(
+        self,
+        sessions: Sequence[Session | DagSession],
+        until: float | None = None,
+        *,
+        feed: SessionFeed | None = None,
+    ) -> SimResult:
+        """Run ``sessions`` (and ``feed``'s lanes) until no event is left or ``until``.
+
+        ``feed``: closed-loop lanes of DAG sessions (see :class:`SessionFeed`)."""
         wall0 = time.perf_counter()
         bs = self.profile.block_size
         max_len = self.profile.max_model_len
         overhead = self.profile.request_overhead_s
         shared_salt = 0x5EED
         state: dict[str, dict[str, Any]] = {}
+        n_sessions = 0
         for sess in sessions:
+            n_sessions += 1
+            if isinstance(sess, DagSession):
+                self._push(sess.start, _SESSION, (sess, None))
+                continue
             state[sess.id] = {"keys": [], "ctx": 0, "k": 0, "session": sess}
             self._push(sess.start, _ARRIVE, sess.id)
+        if feed is not None:
+            for lane in range(feed.lanes):
+                nxt = feed.next_session(lane, 0.0)
+                if nxt is not None:
+                    n_sessions += 1
+                    self._push(0.0, _SESSION, (nxt, lane))
         records: list[CallRecord] = []
         done_sessions = 0
+        failed = 0
+        # DAG sessions: request id -> (run, call, unlimited-cache hit); the bound's block set
+        dag_reqs: dict[str, tuple[_DagRun, int, int]] = {}
+        seen: set[int] = set()
+
+        def dag_end(run: _DagRun, k: int, now: float) -> None:
+            """Call ``k`` of ``run`` ended at ``now``: release its dependants; at the
+            session's end, the lane's next session starts."""
+            nonlocal done_sessions, n_sessions
+            for c, delay in run.children[k]:
+                if now + delay > run.ready[c]:
+                    run.ready[c] = now + delay
+                run.pending[c] -= 1
+                if run.pending[c] == 0:
+                    self._push(run.ready[c], _DAG_ARRIVE, (run, c))
+            run.left -= 1
+            if run.left == 0:
+                done_sessions += 1
+                if feed is not None and run.lane is not None:
+                    nxt = feed.next_session(run.lane, now)
+                    if nxt is not None:
+                        n_sessions += 1
+                        self._push(now, _SESSION, (nxt, run.lane))
+
         tier_hits = {"gpu": 0, "cpu": 0, "storage": 0}
         now = 0.0
         heap = self._heap
@@ -547,6 +694,47 @@ class Simulator:
             if kind == _ENQUEUE:
                 self._enqueue(payload[0], payload[1], now)
                 continue
+            if kind == _DAG_ARRIVE:
+                run, k = payload
+                tc: TraceCall = run.session.calls[k]
+                n_tok = tc.prompt_tokens
+                keys = list(tc.block_keys[: n_tok // bs])
+                # the unlimited-cache bound: keys are chained and every issued prompt's keys
+                # are remembered, so the hit is monotone in the prefix length (bisect)
+                lo, hi = 0, len(keys)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if keys[mid - 1] in seen:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                seen.update(keys[lo:])
+                bound = min(lo, (n_tok - 1) // bs) * bs
+                if n_tok < 1 or n_tok + tc.output_tokens > max_len:
+                    failed += 1  # refused like the HTTP twin (400); dependants go on
+                    dag_end(run, k, now)
+                    continue
+                sid, agent_id, parent = run.sids[k]
+                idx = run.agent_index[k]
+                view = CallView(sid, idx, n_tok, keys, tc.output_tokens, now,
+                                final=run.final[k], agent_id=agent_id,
+                                parent_session=parent)  # fmt: skip
+                i = self.route(view, self.views)
+                req = Request(f"{sid}/{idx}", n_tok, tc.output_tokens, block_keys=keys,
+                              arrival=now, session_id=sid, tag=i)  # fmt: skip
+                dag_reqs[req.id] = (run, k, bound)
+                if overhead > 0:
+                    self._push(now + overhead, _ENQUEUE, (i, req))
+                else:
+                    self._enqueue(i, req, now)
+                continue
+            if kind == _SESSION:
+                ds, lane = payload
+                run = _DagRun(ds, lane)
+                for k, tc in enumerate(ds.calls):
+                    if not tc.deps:
+                        self._push(now + tc.start_delay_s, _DAG_ARRIVE, (run, k))
+                continue
             i, version = payload
             rep = self.replicas[i]
             if version != rep.version:
@@ -566,6 +754,20 @@ class Simulator:
                 res = eng.complete(step, now)
                 self._flush_events(i, now)
                 for req in res.finished:
+                    if dag_reqs:
+                        got = dag_reqs.pop(req.id, None)
+                        if got is not None:
+                            run, k, bound = got
+                            rec = CallRecord(
+                                req.session_id or "", run.agent_index[k], i, req.arrival,
+                                req.prompt_len, req.num_output, req.cached_tokens or 0,
+                                req.first_token_time or now, now, req.num_preemptions,
+                                run.session.calls[k].agent, bound)  # fmt: skip
+                            records.append(rec)
+                            if self.observer is not None:
+                                self.observer.on_finish(rec)
+                            dag_end(run, k, now)
+                            continue
                     st = state[req.session_id]
                     s = st["session"]
                     rec = CallRecord(
@@ -588,9 +790,9 @@ class Simulator:
         return SimResult(
             records=records, sim_time_s=now, wall_s=time.perf_counter() - wall0,
             replicas=len(self.replicas), events=self.events, steps=self.steps,
-            sessions_done=done_sessions, sessions=len(sessions),
+            sessions_done=done_sessions, sessions=n_sessions,
             engine_busy_s=[r.engine.busy_time for r in self.replicas],
-            tier_hit_blocks=tier_hits, gpus_per_replica=self.profile.gpus,
+            tier_hit_blocks=tier_hits, gpus_per_replica=self.profile.gpus, failed=failed,
         )  # fmt: skip
 
 
@@ -607,5 +809,5 @@ def simulate(
     return Simulator(profile, n_replicas, fn, **kw).run(sessions, until=until)
 
 
-__all__ = ["RUNNING", "Call", "CallView", "ReplicaView", "Session", "SimResult", "Simulator",
-           "simulate", "synthetic_agentx"]  # fmt: skip
+__all__ = ["RUNNING", "Call", "CallView", "DagSession", "ReplicaView", "Session", "SessionFeed",
+           "SimResult", "Simulator", "TraceCall", "simulate", "synthetic_agentx"]  # fmt: skip

@@ -1,0 +1,224 @@
+"""Real traces (DAG sessions with subagents) in the in-process simulator, closed loop."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from costmodel.profiles import load_profile
+from loadtest.traces import Call, Dep, Session, Trace, load_trace
+from loadtest.twin.sim import DagSession, Simulator, TraceCall
+from loadtest.twin.sim_trace import TraceFeed, simulate_trace, trace_workload
+
+P70 = load_profile("h200-70b-fp8")  # block 64
+WEKA = Path("/work/shared/data/traces/weka-dev.tar.gz")
+
+
+def ids(a: int, b: int) -> tuple[int, ...]:
+    return tuple(range(a, b))
+
+
+def dag_trace() -> Trace:
+    """main/0 spawns subagents a (two calls) and b (one); main/1 joins both."""
+    calls = [
+        Call("main/0", "main", ids(1, 40), 39 * 64 - 10, 30, prefix_blocks=8),
+        Call("a/0", "a", ids(100, 120), 20 * 64, 20, deps=(Dep("main/0", 2.0),),
+             parent_agent="main", prefix_blocks=4, prefix_group="Explore"),
+        Call("a/1", "a", ids(100, 130), 30 * 64, 40, deps=(Dep("a/0", 1.0),),
+             parent_agent="main", prefix_blocks=4, prefix_group="Explore"),
+        Call("b/0", "b", ids(200, 210), 10 * 64, 500, deps=(Dep("main/0", 0.5),),
+             parent_agent="main"),
+        Call("main/1", "main", ids(1, 50), 49 * 64, 10,
+             deps=(Dep("main/0", 3.0), Dep("a/1"), Dep("b/0")), prefix_blocks=8),
+    ]  # fmt: skip
+    return Trace("t", 64, [Session("s", calls)])
+
+
+def by_key(res):
+    return {(r.session_id, r.call_index): r for r in res.records}
+
+
+def test_dag_order_end_to_start_delays_and_subagent_identities():
+    views = []
+
+    def route(call, replicas):
+        views.append(call)
+        return 0
+
+    res = simulate_trace(P70, 2, dag_trace(), route, concurrency=1)
+    r = by_key(res)
+    m0, m1 = r[("t/s#0", 0)], r[("t/s#0", 1)]
+    a0, a1, b0 = r[("t/s#0/a", 0)], r[("t/s#0/a", 1)], r[("t/s#0/b", 0)]
+    assert len(res.records) == 5 and res.sessions_done == res.sessions == 1
+    assert m0.arrival == 0.0
+    assert a0.arrival == pytest.approx(m0.finish + 2.0)
+    assert a1.arrival == pytest.approx(a0.finish + 1.0)
+    assert b0.arrival == pytest.approx(m0.finish + 0.5)
+    # the join waits for the later of its three gates (b decodes 500 tokens: the last)
+    assert b0.finish > max(a1.finish, m0.finish + 3.0)
+    assert m1.arrival == pytest.approx(b0.finish)
+    assert [x.agent for x in (m0, a0, a1, b0, m1)] == ["main", "a", "a", "b", "main"]
+    v = {(x.session_id, x.call_index): x for x in views}
+    assert v[("t/s#0", 0)].agent_id is None and v[("t/s#0", 0)].parent_session is None
+    assert (v[("t/s#0/a", 1)].agent_id, v[("t/s#0/a", 1)].parent_session) == ("a", "t/s#0")
+    finals = {k for k, x in v.items() if x.final}
+    assert finals == {("t/s#0", 1), ("t/s#0/a", 1), ("t/s#0/b", 0)}
+    # prompts: input tokens kept inside the last id's block; keys for full blocks only
+    assert v[("t/s#0", 0)].prompt_tokens == 39 * 64 - 10
+    assert len(v[("t/s#0", 0)].block_keys) == 38
+    # main/1 extends main/0's prompt: everything main/0 had in full blocks is a hit
+    assert m1.cached_tokens == 38 * 64
+
+
+def test_start_delay_of_calls_without_dependencies():
+    calls = [
+        Call("main/0", "main", ids(1, 5), 256, 5),
+        Call("x/0", "x", ids(50, 55), 300, 5, start_delay_s=7.5, parent_agent="main"),
+    ]
+    res = simulate_trace(P70, 1, Trace("t", 64, [Session("s", calls)]), "round_robin")
+    r = by_key(res)
+    assert r[("t/s#0", 0)].arrival == 0.0
+    assert r[("t/s#0/x", 0)].arrival == 7.5
+
+
+def small_trace(n: int, block: int = 64) -> Trace:
+    sessions = [
+        Session(f"s{i}", [Call(f"main/{i}", "main", ids(1, 20), 19 * block, 20 + 40 * i)])
+        for i in range(n)
+    ]
+    return Trace("t", block, sessions)
+
+
+def test_lanes_chain_sessions_from_one_shared_counter():
+    feed = trace_workload(small_trace(3), 64, concurrency=2, duration_s=None)
+    got = [feed.next_session(lane, 0.0) for lane in (0, 1, 1, 0)]
+    assert [g.id if g else None for g in got] == ["t/s0#0", "t/s1#0", "t/s2#0", None]
+    res = simulate_trace(P70, 2, small_trace(3), "round_robin", concurrency=2)
+    first = {r.session_id: r for r in res.records}
+    assert set(first) == {"t/s0#0", "t/s1#0", "t/s2#0"}  # no recycling without a bound
+    assert first["t/s0#0"].arrival == first["t/s1#0"].arrival == 0.0
+    # s0 decodes fewer tokens, so its lane is free first and takes s2 when s0 ends
+    assert first["t/s0#0"].finish < first["t/s1#0"].finish
+    assert first["t/s2#0"].arrival == first["t/s0#0"].finish
+    assert res.sessions_done == res.sessions == 3
+    # under a time bound lanes recycle the trace as new plays, and stop at the bound
+    res = simulate_trace(P70, 2, small_trace(3), "round_robin", concurrency=2, duration_s=30)
+    plays = {r.session_id for r in res.records}
+    assert {"t/s0#1", "t/s1#1"} <= plays
+    assert max(r.arrival for r in res.records) < 30 and res.sim_time_s == 30
+
+
+def test_lanes_replaying_one_session_share_only_the_tools_system_prefix():
+    one = Trace("t", 64, [Session("s", [Call("main/0", "main", ids(1, 41), 40 * 64, 10,
+                                              prefix_blocks=12)])])  # fmt: skip
+    for shared, want in ((False, 0), (True, 12 * 64)):
+        feed = TraceFeed(one, 64, concurrency=2, duration_s=100, shared_prefix=shared)
+        k0, k1 = (feed.instance(0, play).calls[0].block_keys for play in (0, 1))
+        assert len(k0) == len(k1) == 40
+        assert sum(a == b for a, b in zip(k0, k1, strict=True)) == want // 64
+        assert len(set(k0) & set(k1)) == want // 64
+        # both lanes start the same session at t=0 on one replica: play 1 hits only the
+        # shared prefix (blocks are cached when allocated, as in vLLM)
+        res = simulate_trace(P70, 1, one, "round_robin", concurrency=2, duration_s=5,
+                             shared_prefix=shared)  # fmt: skip
+        r = by_key(res)
+        assert r[("t/s#0", 0)].arrival == r[("t/s#1", 0)].arrival == 0.0
+        assert sorted([r[("t/s#0", 0)].cached_tokens, r[("t/s#1", 0)].cached_tokens]) == [0, want]
+        assert r[("t/s#1", 0)].bound_cached_tokens == want
+
+
+def expansion_trace() -> Trace:
+    """512-token trace blocks; call 1 extends call 0, call 2 repeats call 1, call 3 is 30
+    full blocks and call 4 repeats it (the last token is always computed: 29 blocks hit)."""
+    calls = [
+        Call("main/0", "main", (1, 2, 3), 1300, 10),
+        Call("main/1", "main", (1, 2, 3, 4), 1900, 10, deps=(Dep("main/0", 1.0),)),
+        Call("main/2", "main", (1, 2, 3, 4), 1900, 10, deps=(Dep("main/1", 1.0),)),
+        Call("main/3", "main", (1, 2, 3, 4), 1920, 10, deps=(Dep("main/2", 1.0),)),
+        Call("main/4", "main", (1, 2, 3, 4), 1920, 10, deps=(Dep("main/3", 1.0),)),
+    ]
+    return Trace("m", 512, [Session("s", calls)])
+
+
+def test_trace_blocks_expand_to_profile_blocks_and_the_hit_bound():
+    feed = trace_workload(expansion_trace(), 64, concurrency=1, duration_s=None)
+    ks = [c.block_keys for c in feed.instance(0).calls]
+    assert [len(k) for k in ks] == [20, 29, 29, 30, 30]
+    assert ks[1][:20] == ks[0] and ks[2] == ks[1] and ks[3][:29] == ks[1]
+    res = simulate_trace(P70, 1, expansion_trace(), "round_robin")
+    r = sorted(res.records, key=lambda x: x.call_index)
+    # call 0's 20 full prompt blocks (ids 1, 2 and half of 3) are hits for call 1; the block
+    # call 0 finished with its own output differs from call 1's prompt
+    want = [0, 20 * 64, 29 * 64, 29 * 64, 29 * 64]
+    assert [x.cached_tokens for x in r] == want
+    assert [x.bound_cached_tokens for x in r] == want
+    s = res.summary()
+    assert s["hit_bound"] == pytest.approx(107 * 64 / (1300 + 1900 * 2 + 1920 * 2))
+    assert s["cache_hit_ratio"] == pytest.approx(s["hit_bound"])
+    # alternating over two replicas: call 1 misses, call 2 finds only call 0's blocks; the
+    # bound does not depend on routing
+    alt = simulate_trace(P70, 2, expansion_trace(), lambda c, reps: c.call_index % 2)
+    got = [x.cached_tokens for x in sorted(alt.records, key=lambda x: x.call_index)]
+    assert got == [0, 0, 20 * 64, 29 * 64, 29 * 64]
+    assert alt.summary()["cache_hit_ratio"] == pytest.approx(78 * 64 / 8940)
+    assert alt.summary()["hit_bound"] == pytest.approx(s["hit_bound"])
+
+
+def test_trace_scope_ids_are_shared_across_sessions_within_a_play():
+    sessions = [Session(f"r{i}", [Call(f"r{i}/0", "main", h, 1100, 5)])
+                for i, h in enumerate([(7, 8, 9), (7, 8, 10), (6, 8, 9)])]  # fmt: skip
+    t = Trace("mc", 512, sessions, id_scope="trace", open_loop=True)
+    feed = TraceFeed(t, 64, concurrency=2, duration_s=None, shared_prefix=False)
+    a, b, c = (feed.instance(i).calls[0].block_keys for i in (0, 1, 2))
+    assert a[:16] == b[:16] and a[16] != b[16]
+    assert not set(a) & set(c)  # keys are chained: equal ids after a different prefix differ
+    assert feed.instance(0, play=1).calls[0].block_keys[0] != a[0]
+
+
+def test_refused_calls_are_counted_and_dependants_go_on():
+    small = P70.replace(model=dataclasses.replace(P70.model, max_model_len=2000))
+    calls = [
+        Call("main/0", "main", ids(1, 40), 39 * 64, 10),  # 2496 tokens: over 2000
+        Call("main/1", "main", ids(1, 10), 9 * 64, 10, deps=(Dep("main/0", 2.0),)),
+    ]
+    res = simulate_trace(small, 1, Trace("t", 64, [Session("s", calls)]), "round_robin")
+    assert [r.call_index for r in res.records] == [1]
+    assert res.records[0].arrival == 2.0
+    assert res.summary()["requests_failed"] == 1 and res.sessions_done == 1
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="multiple"):
+        trace_workload(small_trace(1, block=48), 64, concurrency=1, duration_s=None)
+    with pytest.raises(ValueError, match="concurrency"):
+        trace_workload(small_trace(1), 64, concurrency=0, duration_s=None)
+    with pytest.raises(ValueError, match="not earlier"):
+        DagSession("x", [TraceCall(100, 5, [], deps=((0, 0.0),))])
+
+
+def test_dag_sessions_run_directly_and_with_the_routers_pipeline():
+    from loadtest.twin.sim_router import RouterPolicy
+
+    feed = trace_workload(dag_trace(), 64, concurrency=1, duration_s=None)
+    ds = feed.instance(0, start=3.0)
+    pol = RouterPolicy("session_affinity", P70)
+    res = Simulator(P70, 2, pol).run([ds])
+    assert len(res.records) == 5 and min(r.arrival for r in res.records) == 3.0
+    assert pol.decisions == 5
+
+
+@pytest.mark.skipif(not WEKA.exists(), reason="shared weka-dev trace not present")
+def test_real_weka_trace_smoke():
+    trace = load_trace(WEKA, max_sessions=3, max_gap_s=30)
+    prof = load_profile("h200-70b-fp8-tp4")
+    res = simulate_trace(prof, 2, trace, "session_affinity", concurrency=2, duration_s=120)
+    s = res.summary()
+    assert s["requests"] > 0 and res.sim_time_s == 120
+    assert 0.0 < s["cache_hit_ratio"] < 1.0
+    assert s["cache_hit_ratio"] <= s["hit_bound"] + 1e-9 < 1.0
+    assert s["throughput_tok_per_gpu_s"] > 0 and res.gpus == 8
+    assert {r.session_id.split("#")[0] for r in res.records} <= {
+        f"weka-dev/{x.id}" for x in trace.sessions
+    }
