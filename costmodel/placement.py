@@ -27,6 +27,16 @@ it (the total then sums the known terms and lists the missing ones — never a m
                                                       is a second taken from its queue, so
                                                       moving a long context onto it costs
                                                       more than its own latency
+          + interference_s                            decode interference on the requests
+                                                      already decoding there: each one stalls
+                                                      for this call's prefill steps, then
+                                                      pays the longer step (this call's KV
+                                                      reads) for every token this call makes
+
+The first three terms are this call's own latency; the last four are what it costs others
+(sessions it evicts, agents that will return, calls waiting, calls decoding): minimising the
+sum places for the cluster, not just for the call. The interference term is what keeps
+interactivity (TPOT) even: without it a cached prefix pulls every session onto one replica.
 
 Segments: the matched prefix is ``gpu`` blocks (free), then ``cpu`` and ``storage`` blocks
 (each loaded or recomputed, whichever is faster), then the uncached tail (prefilled).
@@ -115,6 +125,7 @@ class CostTerms:
     eviction_harm_s: float | None
     reserved_s: float | None
     congestion_s: float | None = None
+    interference_s: float | None = None
     # detail (for explain)
     load_s: dict[str, float] = field(default_factory=dict)
     recompute_s: dict[str, float] = field(default_factory=dict)
@@ -129,6 +140,7 @@ class CostTerms:
         "eviction_harm_s",
         "reserved_s",
         "congestion_s",
+        "interference_s",
     )
 
     @property
@@ -290,6 +302,28 @@ def reserved_cost(
     return total
 
 
+def interference(
+    profile: ReplicaProfile, call: CallShape, load: ReplicaLoad, prefill_s: float
+) -> float | None:
+    """Seconds this call adds to the requests already decoding on the replica: B × (its
+    prefill compute, which their steps wait for + expected output × the step-time increase
+    its KV reads cause). ``None`` without the batch or the expected output."""
+    if (
+        call.expected_output_tokens is None
+        or load.decode_batch is None
+        or load.decode_context_tokens is None
+    ):
+        return None
+    b = load.decode_batch
+    if b <= 0:
+        return 0.0
+    ctx = int(load.decode_context_tokens)
+    grow = decode_step_time(profile, b + 1, ctx + call.prompt_tokens) - decode_step_time(
+        profile, b, ctx
+    )
+    return b * (prefill_s + load.decode_scale * call.expected_output_tokens * max(grow, 0.0))
+
+
 def placement_cost(
     profile: ReplicaProfile,
     call: CallShape,
@@ -297,6 +331,7 @@ def placement_cost(
     *,
     overlap: float = 1.0,
     congestion_weight: float = 1.0,
+    interference_weight: float = 1.0,
 ) -> CostTerms:
     """Every term of placing ``call`` on a replica of ``profile`` in state ``load``."""
     queue = queue_time(profile, load.queued_prefill_tokens, load.prefill_scale)
@@ -314,6 +349,7 @@ def placement_cost(
         if load.pending_calls is None
         else congestion_weight * compute * max(load.pending_calls, 0.0)
     )
+    inter = interference(profile, call, load, compute)
     return CostTerms(
         queue_s=queue,
         fetch_or_recompute_s=fetch,
@@ -321,6 +357,7 @@ def placement_cost(
         eviction_harm_s=harm,
         reserved_s=reserved,
         congestion_s=congestion,
+        interference_s=None if inter is None else interference_weight * inter,
         load_s=load_s,
         recompute_s=rec_s,
         chose=chose,

@@ -48,7 +48,7 @@ class RouterConfig:
     k8s_interval_s: float = 5.0
     k8s_api_url: str | None = None  # default: https://$KUBERNETES_SERVICE_HOST:$..._PORT
     k8s_sa_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"  # token + ca.crt
-    policy: str = "session_affinity"
+    policy: str = "kv_cost"
     scheduling: dict[str, Any] | None = None  # explicit pipeline (overrides policy)
     kv: dict[str, Any] | None = None  # KV-aware layer settings (router.scheduling.kv_state)
     redis_url: str | None = None

@@ -9,7 +9,9 @@ Algorithm, per candidate replica r (all in seconds, :func:`costmodel.placement.p
    + eviction harm (sessions whose warm KV this call would evict × their P(return) × the
    cost to bring it back; parents with children in flight are pinned, never evicted)
    + reserved load of paced agents (sessions between calls whose KV lives on r)
-   + congestion (this call's prefill compute × calls already waiting on r);
+   + congestion (this call's prefill compute × calls already waiting on r)
+   + interference (the requests decoding on r stall for this call's prefill, then decode
+   slower while its KV is read with theirs);
 3. session prior with hysteresis: the replica that holds the session (``snap.session.replica``)
    gets ``margin = hysteresis_s + hysteresis_frac · cost`` taken off, so the session moves
    only when another replica is cheaper by more than that;
@@ -19,7 +21,7 @@ Queue and decode inputs come from the replica's load (router in-flight, engine r
 waiting) times its recent mean uncached/prompt tokens per call; free GPU blocks from the
 profile's pool minus the blocks the index (or the approximate cache) holds. Unknown inputs
 stay ``None`` and their terms drop out of the sum (listed under ``missing``). Without the
-``kv`` state provider (no KV layer installed) the scorer degrades to load + affinity.
+``kv`` state provider (no KV layer installed) the scorer degrades to session affinity.
 
 Subagents (``identity.parent``) are placed by the same cost: the shared system/tool prefix
 shows up in the match, and the parent's footprint on its replica is pinned while it waits.
@@ -28,6 +30,9 @@ The per-replica terms are written to ``ctx.extra["kv_cost"]`` (request-scoped sc
 the observer for calibration and by explain). Parameters: ``hysteresis_s`` (default 0.25),
 ``hysteresis_frac`` (0.1), ``overlap`` (1.0: tier loads hide behind compute),
 ``expected_output_tokens`` (None: the session's mean, else the KV layer's default).
+Without the KV layer (no ``kv:`` settings: no tokenizer, no events) the scorer is the
+``session_affinity`` scorer (bounded-load consistent hashing, c = 1.25), so ``kv_cost`` — the
+default policy — never routes worse than plain affinity when it is not wired.
 
 .. code-block:: yaml
 
@@ -51,6 +56,7 @@ from costmodel.placement import (
 from router.replicas import EndpointView
 from router.scheduling import RequestContext, Snapshot
 from router.scheduling.registry import register, register_policy
+from router.scheduling.session_affinity import ring_scores
 
 EPS = 1e-6
 
@@ -119,6 +125,7 @@ class KVCost:
         self.hysteresis_frac = hysteresis_frac
         self.overlap = overlap
         self.expected_output_tokens = expected_output_tokens
+        self.fallback_load_factor = 1.25
 
     def costs(
         self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
@@ -167,14 +174,8 @@ class KVCost:
     ) -> Mapping[str, float]:
         sticky = snap.session.replica if snap.session is not None else None
         costs = self.costs(ctx, snap, endpoints)
-        if not costs:  # no KV layer: load + affinity
-            peak = max((e.load for e in endpoints), default=0.0)
-            return {
-                e.name: 1.0
-                if e.name == sticky
-                else (0.9 if peak <= 0 else 0.9 * (1.0 - e.load / (peak + 1)))
-                for e in endpoints
-            }
+        if not costs:  # no KV layer: bounded-load session affinity
+            return ring_scores(ctx.identity.key, endpoints, self.fallback_load_factor, sticky)
         eff: dict[str, float] = {}
         explain: dict[str, Any] = {}
         for name, (terms, facts) in costs.items():

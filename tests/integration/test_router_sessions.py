@@ -136,8 +136,9 @@ async def test_admin_route_explains_why_a_replica_won(fakes, router, http):
     ex = out["explain"]
     assert out["identity"]["session"] == "abc" and out["identity"]["source"] == "opencode"
     assert ex["winner"] == out["winner"] == ex["candidates"][0]["replica"]
-    assert ex["candidates"][0]["scores"]["session_affinity"] == 1.0
-    assert ex["weights"] == {"session_affinity": 1.0}
+    # the default policy, kv_cost, without a KV layer scores like bounded-load affinity
+    assert ex["policy"] == "kv_cost" and ex["weights"] == {"kv_cost": 1.0}
+    assert ex["candidates"][0]["scores"]["kv_cost"] == 1.0
     assert sum(len(r.seen) for r in reps) == 0  # explaining routes nothing
     async with http.post(
         url + "/admin/route?explain=1", json=body, headers={"X-Admin-Key": "wrong"}

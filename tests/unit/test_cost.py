@@ -254,7 +254,7 @@ def test_placement_cost_names_every_term_and_prefers_dram_over_recompute():
 
 def test_missing_inputs_are_none_not_zero():
     t = placement_cost(H200, CallShape(1000), ReplicaLoad())
-    assert t.missing == ["queue_s", "decode_s", "eviction_harm_s", "congestion_s"]
+    assert t.missing == ["queue_s", "decode_s", "eviction_harm_s", "congestion_s", "interference_s"]
     assert t.total_s == pytest.approx(t.fetch_or_recompute_s)
 
 
@@ -302,3 +302,37 @@ def test_congestion_term_is_own_compute_times_waiting_calls(pending, factor):
         return
     # the DRAM half is loaded, not computed: only the tail's prefill counts
     assert t.congestion_s == pytest.approx(factor * t.tail_prefill_s)
+
+
+TP4 = load_profile("h200-70b-fp8-tp4")
+
+
+@pytest.mark.parametrize(
+    ("batch", "ctx", "out"),
+    [(0, 0, 300), (1, 100_000, 300), (4, 400_000, 300), (8, 800_000, 0), (8, 800_000, 500)],
+)
+def test_interference_term_is_batch_times_stall_plus_slower_steps(batch, ctx, out):
+    call = CallShape(20_000, gpu_blocks=15_000 // TP4.block_size, expected_output_tokens=out)
+    load = ReplicaLoad(decode_batch=batch, decode_context_tokens=ctx)
+    t = placement_cost(TP4, call, load)
+    grow = decode_step_time(TP4, batch + 1, ctx + 20_000) - decode_step_time(TP4, batch, ctx)
+    assert t.interference_s == pytest.approx(batch * (t.tail_prefill_s + out * grow))
+    if batch == 0:
+        assert t.interference_s == 0.0
+    else:  # the stall alone: every decoder waits out this call's 5k-token prefill
+        assert t.interference_s >= batch * t.tail_prefill_s > 0
+
+
+def test_interference_steers_a_cached_prefix_away_from_a_busy_replica():
+    # a new session whose shared 15k prefix is cached on a replica decoding 3 requests,
+    # against an idle replica that must recompute it: the cached replica is the faster
+    # one for the call alone, but not once the decoders it would stall are counted
+    call_hot = CallShape(20_000, gpu_blocks=15_000 // TP4.block_size, expected_output_tokens=300)
+    call_cold = CallShape(20_000, expected_output_tokens=300)
+    busy = ReplicaLoad(decode_batch=3, decode_context_tokens=300_000, pending_calls=0)
+    idle = ReplicaLoad(decode_batch=0, decode_context_tokens=0, pending_calls=0)
+    hot, cold = placement_cost(TP4, call_hot, busy), placement_cost(TP4, call_cold, idle)
+    own = ("fetch_or_recompute_s", "decode_s")
+    assert sum(getattr(hot, k) for k in own) < sum(getattr(cold, k) for k in own)
+    assert hot.total_s > cold.total_s
+    assert placement_cost(TP4, call_hot, busy, interference_weight=0.0).total_s < cold.total_s

@@ -135,16 +135,18 @@ def test_stale_replica_falls_back_to_approximate_mode():
     assert ctx.extra["kv_cost"]["B"]["source"] == "events"
 
 
-def test_without_the_kv_layer_it_degrades_to_affinity_and_load():
+def test_without_the_kv_layer_it_is_bounded_load_session_affinity():
+    from router.scheduling.session_affinity import SessionAffinity
+
     c = ctx_for()
-    s = KVCost().score(
-        c, Snapshot((ep("A", inflight=3), ep("B")), None, 0, {}), [ep("A", inflight=3), ep("B")]
-    )
-    assert s["B"] > s["A"]
+    eps = [ep("A", inflight=3), ep("B")]
+    s = KVCost().score(c, Snapshot(tuple(eps), None, 0, {}), eps)
+    assert s == SessionAffinity().score(c, Snapshot(tuple(eps), None, 0, {}), eps)
+    assert s["B"] > s.get("A", 0.0)  # A is at capacity (ceil(1.25 * 4 / 2) = 3)
+    # the session's replica keeps it while under capacity, even when busier
+    eps = [ep("A", inflight=1), ep("B")]
     rec = SessionRecord("t/s", "t", replica="A")
-    s = KVCost().score(
-        c, Snapshot((ep("A", inflight=3), ep("B")), rec, 0, {}), [ep("A", inflight=3), ep("B")]
-    )
+    s = KVCost().score(c, Snapshot(tuple(eps), rec, 0, {}), eps)
     assert max(s, key=s.get) == "A"
 
 
