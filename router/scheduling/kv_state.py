@@ -314,7 +314,7 @@ class KVState:
 
     def calibration(self, replica: str) -> Calibration:
         c = self.calibrators.get(replica)
-        return c.current() if c is not None else Calibration()
+        return c.current(self.clock()) if c is not None else Calibration()
 
     # ---- the analyzer: tokens + block keys ----------------------------------------------------
 
@@ -404,7 +404,7 @@ class KVState:
             ttft = outcome.get("ttft_s")
             if predicted and ttft and outcome.get("status") == "200":
                 modelled = predicted["model_ttft_s"]  # uncalibrated: the fit is absolute
-                self.calibrators.setdefault(replica, Calibrator()).observe_ttft(modelled, ttft)
+                self.calibrators.setdefault(replica, Calibrator()).observe_ttft(modelled, ttft, now)
         if fp.last_end is not None and fp.inflight == 0:
             start = now - float(outcome.get("duration_s") or 0.0)
             fp.gaps = [*fp.gaps[-19:], max(start - fp.last_end, 0.0)]

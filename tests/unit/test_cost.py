@@ -336,3 +336,18 @@ def test_interference_steers_a_cached_prefix_away_from_a_busy_replica():
     assert sum(getattr(hot, k) for k in own) < sum(getattr(cold, k) for k in own)
     assert hot.total_s > cold.total_s
     assert placement_cost(TP4, call_hot, busy, interference_weight=0.0).total_s < cold.total_s
+
+
+def test_calibration_offset_is_bounded_and_samples_expire():
+    # TTFTs dominated by queueing the model did not see: the offset may not absorb it
+    # (a replica must never look unusable for good) ...
+    c = Calibrator(window=16, min_samples=4, max_age_s=60.0)
+    for i, m in enumerate((0.1, 0.2, 0.3, 0.4, 0.5)):
+        c.observe_ttft(m, 100.0 + m, at=float(i))
+    cal = c.current(now=5.0)
+    assert cal.ttft_offset_s <= 1.0 and cal.ttft_samples == 5
+    # ... and without new traffic the fit ages out back to the uncalibrated model
+    back = c.current(now=100.0)
+    assert (back.prefill_scale, back.ttft_offset_s, back.ttft_samples) == (1.0, 0.0, 0)
+    with pytest.raises(ValueError):
+        Calibrator(max_age_s=0)
