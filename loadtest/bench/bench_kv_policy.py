@@ -42,10 +42,10 @@ SIM_POLICIES = ("session_affinity", "cache_aware")
 PLAIN = ("round_robin", "least_load", "session_affinity", "prefix_hash")  # no KV knowledge
 LINE = 50.0
 
-# workload -> (file, load_trace kwargs, concurrency levels (full, quick))
-WORKLOADS = {
-    "weka-dev": ("weka-dev.tar.gz", {"max_gap_s": 60.0}, (16, 32, 64, 96, 128), (32, 64)),
-    "mooncake": ("mooncake_synthetic_trace.jsonl.gz", {}, (4, 8, 16, 32), (8, 16)),
+# workload -> (file, gaps capped at (s), concurrency levels (full, quick))
+WORKLOADS: dict[str, tuple[str, float | None, tuple[int, ...], tuple[int, ...]]] = {
+    "weka-dev": ("weka-dev.tar.gz", 60.0, (16, 32, 64, 96, 128), (32, 64)),
+    "mooncake": ("mooncake_synthetic_trace.jsonl.gz", None, (4, 8, 16, 32), (8, 16)),
 }
 
 
@@ -65,12 +65,12 @@ def run(quick: bool = False) -> list[dict]:
     prof = load_profile(PROFILE)
     duration = 600.0 if quick else 1200.0
     rows: list[dict] = []
-    for wname, (fname, kw, levels, quick_levels) in WORKLOADS.items():
+    for wname, (fname, max_gap, levels, quick_levels) in WORKLOADS.items():
         path = TRACES / fname
         if not path.is_file():
             rows.append({"name": f"{wname}: skipped", "reason": f"no trace at {path}"})
             continue
-        trace = load_trace(path, **kw)
+        trace = load_trace(path, max_gap_s=max_gap)
         curves: dict[str, list[tuple[float, float]]] = {}
         best_hit: dict[str, tuple[float, float]] = {}
         for pol in policies(quick):
