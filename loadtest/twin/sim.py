@@ -4,7 +4,8 @@ Owns: driving N :class:`loadtest.twin.engine.Engine` instances (the same engine 
 HTTP twin runs) through simulated time with a heap of events — session calls arriving, engine
 steps ending, tier loads completing — and handing each arriving call to a pluggable
 ``route(call, replicas) -> index``; plus per-request records and a summary in AgentX terms.
-Also a synthetic AgentX-like session generator for sweeps. No sockets, no asyncio; must not
+Also :func:`synthetic_agentx`, the AgentX-like synthetic sessions for sweeps (the shape is
+:func:`loadtest.traces.synthetic.agentx_chains`). No sockets, no asyncio; must not
 import aiohttp, zmq, torch or vllm.
 
 Timing: a call reaches its replica's engine ``request_overhead_s`` after it is issued (the
@@ -34,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from costmodel.profiles import ReplicaProfile
+from loadtest.traces.synthetic import agentx_chains
 from loadtest.twin.engine import RUNNING, Engine, Request, Step
 
 MASK64 = (1 << 64) - 1
@@ -91,35 +92,33 @@ def synthetic_agentx(
     """Sessions shaped like the public Claude Code traces (see shared/data/README.md):
     ~15k tokens of tools+system prompt, contexts growing by a few thousand tokens a call to
     ~100k, a few hundred output tokens, think times with median 18 s and p90 130 s
-    (log-normal), ~46 calls (geometric), session starts uniform over ``duration_s``."""
-    rng = random.Random(seed)
-    sigma = math.log(think_p90_s / think_median_s) / 1.2816
-    sessions = []
-    for s in range(n_sessions):
-        n_calls = max(1, min(200, int(rng.expovariate(1.0 / calls_mean)) + 1))
-        calls = []
-        ctx = 0
-        for k in range(n_calls):
-            if k == 0:
-                new = first_call_tokens
-                think = 0.0
-            else:
-                new = max(50, int(rng.lognormvariate(math.log(turn_tokens_median), 1.0)))
-                think = rng.lognormvariate(math.log(think_median_s), sigma)
-            out = max(1, int(rng.lognormvariate(math.log(output_median), 0.8)))
-            if ctx + new + out > max_context:
-                break
-            ctx += new + out
-            calls.append(Call(new, out, think))
-        sessions.append(
-            Session(
-                f"s{s}",
-                rng.uniform(0, duration_s),
-                calls,
-                min(shared_prefix_tokens, first_call_tokens),
-            )
+    (log-normal), ~46 calls (geometric), session starts uniform over ``duration_s``.
+
+    The shape is :func:`loadtest.traces.synthetic.agentx_chains` (the one AgentX-like
+    generator, also behind the replay's ``synthetic:...`` traces), seen as simulator
+    sessions."""
+    chains = agentx_chains(
+        n_sessions,
+        duration_s,
+        seed=seed,
+        shared_prefix_tokens=shared_prefix_tokens,
+        first_call_tokens=first_call_tokens,
+        turn_tokens_median=turn_tokens_median,
+        output_median=output_median,
+        think_median_s=think_median_s,
+        think_sigma=math.log(think_p90_s / think_median_s) / 1.2816,
+        calls_mean=calls_mean,
+        max_context=max_context,
+    )
+    return [
+        Session(
+            f"s{ch.index}",
+            ch.start_s,
+            [Call(c.new_tokens, c.output_tokens, c.think_s) for c in ch.calls],
+            ch.shared_prefix_tokens,
         )
-    return sessions
+        for ch in chains
+    ]
 
 
 @dataclass(slots=True)

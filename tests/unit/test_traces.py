@@ -280,3 +280,29 @@ def test_idle_gap_cap_applies_to_synthetic_traces_too():
     delays = lambda t: [d.delay_s for s in t.sessions for c in s.calls for d in c.deps]  # noqa: E731
     assert max(delays(raw)) > 30  # the uncapped trace has long gaps to cap
     assert max(delays(capped)) <= 30 and capped.meta["max_gap_s"] == 30
+
+
+def test_synthetic_traces_and_the_simulator_share_one_agentx_generator():
+    from loadtest.twin.sim import synthetic_agentx
+
+    t = synthetic.generate(synthetic.AgentXParams(sessions=6, seed=3, subagent_prob=0.3))
+    sim = synthetic_agentx(6, 3600, seed=3)  # the same defaults: the same main chains
+    assert t.stats()["subagents"] > 0 and len(t.sessions) == len(sim)
+    for ts, ss in zip(t.sessions, sim, strict=True):
+        assert ts.arrival_s == ss.start
+        main = [c for c in ts.calls if c.agent == "main"]
+        assert len(main) == len(ss.calls)
+        ctx = 0
+        for c, sc in zip(main, ss.calls, strict=True):
+            ctx += sc.new_tokens  # the prompt: everything so far plus the call's new tokens
+            assert (c.input_tokens, c.output_tokens) == (ctx, sc.output_tokens)
+            assert c.prefix_blocks == ss.shared_prefix_tokens // t.block_size
+            if c.deps and c.deps[0].call.startswith("main/"):
+                assert c.deps[0].delay_s == sc.think_s
+            ctx += sc.output_tokens
+    # subagents come from their own RNG: turning them off leaves the main chains as they are
+    bare = synthetic.generate(synthetic.AgentXParams(sessions=6, seed=3, subagent_prob=0.0))
+    assert bare.stats()["subagents"] == 0
+    for a, b in zip(t.sessions, bare.sessions, strict=True):
+        main = [(c.input_tokens, c.output_tokens) for c in a.calls if c.agent == "main"]
+        assert main == [(c.input_tokens, c.output_tokens) for c in b.calls]
