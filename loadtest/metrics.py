@@ -1,8 +1,11 @@
 """AgentX metrics over replay records.
 
-Owns: :func:`summarize` (records -> the ``summary.json`` dict) and :class:`UnlimitedCache`
-(the prefix-cache hit bound for the same prompts with infinite capacity). Pure: numpy only,
-no HTTP, no router imports.
+Owns: :func:`agentx_numbers` (the one definition of the per-call AgentX numbers: TTFT and
+TPOT percentiles, P90 interactivity, tokens per GPU-second, cache hit ratio and its bound),
+:func:`summarize` (replay records -> the ``summary.json`` dict, built on it; the in-process
+simulator's ``SimResult.summary()`` is built on it too) and :class:`UnlimitedCache` (the
+prefix-cache hit bound for the same prompts with infinite capacity). Pure: numpy only, no
+HTTP, no router imports.
 
 Definitions (AgentX vocabulary, DESIGN.md):
 
@@ -23,8 +26,8 @@ Percentiles use numpy's default (linear interpolation between order statistics).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -50,6 +53,10 @@ def _pct(xs: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else None
 
 
+def _ms(s: float | None) -> float | None:
+    return s * 1e3 if s is not None else None
+
+
 def _time_weighted_pct(samples: Sequence[QueueSample], q: float) -> float | None:
     """Percentile of the in-flight step function over time: each sample's depth holds until
     the next sample (samples come at every call start and end and on a timer, so counting
@@ -66,6 +73,62 @@ def _time_weighted_pct(samples: Sequence[QueueSample], q: float) -> float | None
     order = np.argsort(depth, kind="stable")
     cum = np.cumsum(dt[order]) / dt.sum()
     return float(depth[order][np.searchsorted(cum, q / 100.0)])
+
+
+class CallNumbers(NamedTuple):
+    """What the AgentX numbers need of one successful call, in measured seconds."""
+
+    ttft_s: float | None
+    tpot_s: float | None  # mean time per output token after the first
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None  # None: the server did not report it
+    bound_cached_tokens: int | None = None  # None: no unlimited-cache bound tracked
+
+
+def agentx_numbers(
+    calls: Iterable[CallNumbers], *, wall_s: float, gpus: int = 1, speedup: float = 1.0
+) -> dict[str, Any]:
+    """The AgentX numbers over successful calls (the module docstring's definitions), in
+    modelled seconds (measured × ``speedup``); ``None`` where there is nothing to measure.
+
+    Keys: ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``, ``tpot_p50_s``, ``tpot_p90_s``
+    (calls with ≥2 completion tokens), ``p90_interactivity_tok_s`` (1 / P90 TPOT),
+    ``tokens_per_gpu_s``, ``cache_hit_ratio`` (calls that reported ``cached_tokens``),
+    ``cache_hit_bound`` (the same calls, else all), ``prompt_tokens``, ``cached_tokens``,
+    ``completion_tokens``. Both :func:`summarize` (HTTP replay) and the in-process
+    simulator's summary read these, so their numbers share one definition."""
+    cs = list(calls)
+    ttft = [c.ttft_s * speedup for c in cs if c.ttft_s is not None]
+    tpot = [c.tpot_s * speedup for c in cs if c.tpot_s is not None and c.completion_tokens >= 2]
+    p90_tpot = _pct(tpot, 90)
+    reported = [c for c in cs if c.cached_tokens is not None]
+    prompt_rep = sum(c.prompt_tokens for c in reported)
+    hit = sum(c.cached_tokens or 0 for c in reported) / prompt_rep if prompt_rep else None
+    # the bound over the same calls as the ratio it is drawn next to
+    basis = reported or cs
+    prompt_basis = sum(c.prompt_tokens for c in basis)
+    tracked = any(c.bound_cached_tokens is not None for c in basis)
+    bound = (
+        sum(c.bound_cached_tokens or 0 for c in basis) / prompt_basis
+        if tracked and prompt_basis
+        else None
+    )
+    tokens = sum(c.prompt_tokens + c.completion_tokens for c in cs)
+    return {
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p90_s": p90_tpot,
+        "p90_interactivity_tok_s": (1.0 / p90_tpot) if p90_tpot else None,
+        "tokens_per_gpu_s": tokens / (gpus * (wall_s * speedup)),
+        "cache_hit_ratio": hit,
+        "cache_hit_bound": bound,
+        "prompt_tokens": sum(c.prompt_tokens for c in cs),
+        "cached_tokens": sum(c.cached_tokens or 0 for c in cs),
+        "completion_tokens": sum(c.completion_tokens for c in cs),
+    }
 
 
 class UnlimitedCache:
@@ -118,21 +181,18 @@ def summarize(
     # Calls cut off by the run's own time bound are not failures of the target.
     cancelled = [c for c in calls if not c.ok and (c.error or "").startswith(CANCELLED)]
     failed = [c for c in calls if not c.ok and not (c.error or "").startswith(CANCELLED)]
-    ttft = [c.ttft_s * speedup for c in ok if c.ttft_s is not None]
-    tpot_ms = [
-        c.tpot_s * speedup * 1e3 for c in ok if c.tpot_s is not None and c.completion_tokens >= 2
-    ]
-    p90_tpot = _pct(tpot_ms, 90)
-    interactivity = (1000.0 / p90_tpot) if p90_tpot else None
-    tokens = sum(c.prompt_tokens + c.completion_tokens for c in ok)
+    n = agentx_numbers(
+        (
+            CallNumbers(c.ttft_s, c.tpot_s, c.prompt_tokens, c.completion_tokens,
+                        c.cached_tokens, c.bound_cached_tokens)
+            for c in ok
+        ),
+        wall_s=wall_s,
+        gpus=gpus,
+        speedup=speedup,
+    )  # fmt: skip
+    interactivity = n["p90_interactivity_tok_s"]
     modelled_wall = wall_s * speedup
-    reported = [c for c in ok if c.cached_tokens is not None]
-    prompt_rep = sum(c.prompt_tokens for c in reported)
-    hit = sum(c.cached_tokens or 0 for c in reported) / prompt_rep if prompt_rep else None
-    # the bound over the same calls as the ratio it is drawn next to
-    basis = reported or ok
-    prompt_basis = sum(c.prompt_tokens for c in basis)
-    bound = sum(c.bound_cached_tokens for c in basis) / prompt_basis if prompt_basis else None
     done = [s for s in sessions if s.complete]
     completion = [(s.t_end - s.t_start) * speedup for s in done]
     depth = [q.in_flight for q in queue]
@@ -143,24 +203,24 @@ def summarize(
         errors[k] = errors.get(k, 0) + 1
     return {
         "p90_interactivity_tok_s": interactivity,
-        "tpot_p50_ms": _pct(tpot_ms, 50),
-        "tpot_p90_ms": p90_tpot,
+        "tpot_p50_ms": _ms(n["tpot_p50_s"]),
+        "tpot_p90_ms": _ms(n["tpot_p90_s"]),
         "meets_interactivity_line": (
             interactivity >= interactivity_line_tok_s if interactivity is not None else None
         ),
-        "tokens_per_gpu_s": tokens / (gpus * modelled_wall),
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p90_s": _pct(ttft, 90),
-        "ttft_p99_s": _pct(ttft, 99),
+        "tokens_per_gpu_s": n["tokens_per_gpu_s"],
+        "ttft_p50_s": n["ttft_p50_s"],
+        "ttft_p90_s": n["ttft_p90_s"],
+        "ttft_p99_s": n["ttft_p99_s"],
         "session_completion_p50_s": _pct(completion, 50),
         "session_completion_p90_s": _pct(completion, 90),
         "sessions_completed": len(done),
         "sessions_started": len(sessions),
-        "cache_hit_ratio": hit,
-        "cache_hit_bound": bound,
-        "prompt_tokens": sum(c.prompt_tokens for c in ok),
-        "cached_tokens": sum(c.cached_tokens or 0 for c in ok),
-        "completion_tokens": sum(c.completion_tokens for c in ok),
+        "cache_hit_ratio": n["cache_hit_ratio"],
+        "cache_hit_bound": n["cache_hit_bound"],
+        "prompt_tokens": n["prompt_tokens"],
+        "cached_tokens": n["cached_tokens"],
+        "completion_tokens": n["completion_tokens"],
         "requests_ok": len(ok),
         "requests_failed": len(failed),
         "requests_cancelled": len(cancelled),

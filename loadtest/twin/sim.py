@@ -40,9 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
 from costmodel.profiles import ReplicaProfile
+from loadtest.metrics import CallNumbers, agentx_numbers
 from loadtest.traces.synthetic import agentx_chains
 from loadtest.twin.engine import RUNNING, Engine, Request, Step
 
@@ -346,26 +345,34 @@ class SimResult:
         return self.replicas * self.gpus_per_replica
 
     def summary(self) -> dict[str, Any]:
+        """AgentX numbers in simulated seconds, by :func:`loadtest.metrics.agentx_numbers`
+        (the HTTP replay's definitions: TPOT over calls with ≥2 output tokens, interactivity
+        = 1 / P90 TPOT, tokens per GPU-second over ``sim_time_s``); where there is nothing to
+        measure, NaN (TPOT, interactivity) or 0 (hit ratio) as before."""
         r = self.records
         if not r:
             return {"requests": 0, "wall_s": round(self.wall_s, 2)}
-        ttft = np.array([x.ttft for x in r])
-        tpot = np.array([t for x in r if (t := x.tpot) is not None])
-        prompt = sum(x.prompt_tokens for x in r)
-        cached = sum(x.cached_tokens for x in r)
-        out = sum(x.output_tokens for x in r)
-        p90_tpot = float(np.percentile(tpot, 90)) if len(tpot) else float("nan")
-        return {
+        n = agentx_numbers(
+            (
+                CallNumbers(x.ttft, x.tpot, x.prompt_tokens, x.output_tokens, x.cached_tokens,
+                            x.bound_cached_tokens)
+                for x in r
+            ),
+            wall_s=self.sim_time_s,
+            gpus=self.gpus,
+        )  # fmt: skip
+        nan = float("nan")
+        out = {
             "requests": len(r),
             "sessions_done": self.sessions_done,
             "sessions": self.sessions,
-            "ttft_p50_s": float(np.percentile(ttft, 50)),
-            "ttft_p90_s": float(np.percentile(ttft, 90)),
-            "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "tpot_p90_s": p90_tpot,
-            "p90_interactivity_tok_s": 1.0 / p90_tpot if p90_tpot > 0 else float("nan"),
-            "cache_hit_ratio": cached / prompt if prompt else 0.0,
-            "throughput_tok_per_gpu_s": (prompt + out) / (self.gpus * self.sim_time_s),
+            "ttft_p50_s": n["ttft_p50_s"],
+            "ttft_p90_s": n["ttft_p90_s"],
+            "ttft_p99_s": n["ttft_p99_s"],
+            "tpot_p90_s": _or(n["tpot_p90_s"], nan),
+            "p90_interactivity_tok_s": _or(n["p90_interactivity_tok_s"], nan),
+            "cache_hit_ratio": _or(n["cache_hit_ratio"], 0.0),
+            "throughput_tok_per_gpu_s": n["tokens_per_gpu_s"],
             "preemptions": sum(x.preemptions for x in r),
             "tier_hit_blocks": dict(self.tier_hit_blocks),
             "sim_time_s": self.sim_time_s,
@@ -374,16 +381,16 @@ class SimResult:
             "steps": self.steps,
             "utilization": (sum(self.engine_busy_s) / (self.replicas * self.sim_time_s)
                             if self.sim_time_s else 0.0),
-            **self._bound(prompt),
         }  # fmt: skip
+        # runs with DAG sessions track the unlimited-cache bound (synthetic sessions do not)
+        if any(x.bound_cached_tokens is not None for x in r):
+            out["hit_bound"] = _or(n["cache_hit_bound"], 0.0)
+            out["requests_failed"] = self.failed
+        return out
 
-    def _bound(self, prompt: int) -> dict[str, Any]:
-        """``hit_bound`` (unlimited-cache hit ratio over the same calls) and failures, for
-        runs with DAG sessions only (synthetic sessions do not track the bound)."""
-        b = [x.bound_cached_tokens for x in self.records if x.bound_cached_tokens is not None]
-        if not b:
-            return {}
-        return {"hit_bound": sum(b) / prompt if prompt else 0.0, "requests_failed": self.failed}
+
+def _or(x: float | None, default: float) -> float:
+    return default if x is None else x
 
 
 _ARRIVE, _STEP, _WAKE, _ENQUEUE, _DAG_ARRIVE, _SESSION = 0, 1, 2, 3, 4, 5

@@ -126,3 +126,41 @@ def test_throughput_at_the_interactivity_line_reads_the_pareto_curve():
     # a non-monotone curve: the best crossing wins; NaN counts as below, no interpolation
     assert throughput_at_line([(55.0, 100.0), (45.0, 300.0), (70.0, 900.0)], 50.0) == 900.0
     assert throughput_at_line([(55.0, 100.0), (float("nan"), 300.0)], 50.0) == 100.0
+
+
+def test_the_simulator_summary_uses_the_replay_definitions():
+    from loadtest.metrics import CallNumbers, agentx_numbers
+    from loadtest.twin.sim import CallRecord as SimCall
+    from loadtest.twin.sim import SimResult
+
+    # the same four calls as a replay would record them and as the simulator does
+    # (arrival, first token, finish; TPOT = (finish - first token) / (outputs - 1))
+    sim_calls = [
+        SimCall("s", 0, 0, 0.0, 1000, 11, 500, 0.1, 0.2, 0),  # TPOT 10 ms
+        SimCall("s", 1, 0, 1.0, 2000, 11, 1500, 1.2, 1.4, 0),  # 20 ms
+        SimCall("t", 0, 1, 2.0, 3000, 11, 0, 2.3, 2.6, 0),  # 30 ms
+        SimCall("t", 1, 1, 3.0, 900, 1, 800, 3.5, 3.5, 0),  # one output token: no TPOT
+    ]
+    res = SimResult(sim_calls, sim_time_s=10.0, wall_s=0.1, replicas=2, events=0, steps=0,
+                    sessions_done=2, sessions=2)  # fmt: skip
+    replay = [
+        rec(c.arrival, c.finish, c.ttft, c.tpot, c.prompt_tokens, c.output_tokens, c.cached_tokens)
+        for c in sim_calls
+    ]
+    s, r = res.summary(), summarize(replay, wall_s=10.0, gpus=2)
+    assert s["tpot_p90_s"] == pytest.approx(r["tpot_p90_ms"] / 1e3)
+    assert s["tpot_p90_s"] == pytest.approx(0.028)  # [10, 20, 30] ms; the 1-token call is out
+    assert s["p90_interactivity_tok_s"] == pytest.approx(r["p90_interactivity_tok_s"])
+    assert s["throughput_tok_per_gpu_s"] == pytest.approx(r["tokens_per_gpu_s"])
+    assert s["throughput_tok_per_gpu_s"] == pytest.approx((6900 + 34) / 20)
+    assert s["cache_hit_ratio"] == pytest.approx(r["cache_hit_ratio"])
+    assert s["cache_hit_ratio"] == pytest.approx(2800 / 6900)
+    for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"):
+        assert s[k] == pytest.approx(r[k])
+    # the shared helper, in seconds, with a twin's speedup
+    n = agentx_numbers([CallNumbers(0.1, 0.01, 10, 5), CallNumbers(0.3, None, 10, 1)],
+                       wall_s=2.0, speedup=10.0)  # fmt: skip
+    assert n["ttft_p50_s"] == pytest.approx(2.0) and n["tpot_p90_s"] == pytest.approx(0.1)
+    assert n["p90_interactivity_tok_s"] == pytest.approx(10.0)
+    assert n["tokens_per_gpu_s"] == pytest.approx(26 / 20)
+    assert n["cache_hit_ratio"] is None and n["cache_hit_bound"] is None
