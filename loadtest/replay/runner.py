@@ -5,6 +5,7 @@ starts when its dependencies have ended plus their (scaled) delays — and write
 ``calls.jsonl``, ``sessions.jsonl``, ``queue.jsonl`` and ``summary.json`` into the output
 folder.
 
+- Calls with ``not_before_s`` also wait until that long (scaled) after their session started.
 - **Closed loop** (default): ``concurrency`` lanes; a lane plays one session at a time and
   takes the next when it finishes. When every session has been played, lanes recycle the
   trace as a new *play* whose prompts carry a per-play marker (a new namespace in
@@ -128,6 +129,8 @@ class _Run:
                     )
                 else:
                     ready = start + c.start_delay_s / self.cfg.time_scale
+                if c.not_before_s is not None:  # an absolute turn time (aiperf timestamps)
+                    ready = max(ready, start + c.not_before_s / self.cfg.time_scale)
                 if not await self.sleep_until(ready):
                     oks[c.id] = False
                     return

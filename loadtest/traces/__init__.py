@@ -57,7 +57,8 @@ def _first_line(p: Path) -> dict[str, Any]:
 
 
 def cap_gaps(session: Session, max_gap_s: float) -> Session:
-    """The session with every idle gap (dependency delay, start delay) capped."""
+    """The session with every idle gap (dependency delay, start delay) capped. Absolute turn
+    times (``Call.not_before_s``) are not gaps and stay as they are."""
     calls = [
         dataclasses.replace(
             c,

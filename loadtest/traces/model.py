@@ -4,7 +4,9 @@ Owns: :class:`Call`, :class:`Dep`, :class:`Session`, :class:`Trace` — plain da
 loader (WEKA/AgentX, Mooncake, aiperf ``mooncake_trace``, synthetic) produces and the replay
 runner consumes. A call starts when every dependency has ended and its delay has passed
 (end-to-start); a call without dependencies starts ``start_delay_s`` after its session
-starts, and in open loop a session starts at its ``arrival_s``. Must not import the router, HTTP
+starts; a call with ``not_before_s`` also waits until that long after its session started
+(absolute turn times, e.g. aiperf's later-turn timestamps); in open loop a session starts at
+its ``arrival_s``. Must not import the router, HTTP
 clients or the replay runner.
 """
 
@@ -43,6 +45,7 @@ class Call:
     output_tokens: int
     deps: tuple[Dep, ...] = ()
     start_delay_s: float = 0.0  # a call without deps starts this long after its session
+    not_before_s: float | None = None  # and no call starts before this long after its session
     recorded_s: float = 0.0  # start time in the trace (information only)
     prefix_blocks: int = 0
     prefix_group: str = "main"
@@ -71,6 +74,8 @@ class Session:
                     )
                 if d.delay_s < 0:
                     raise TraceError(f"session {self.id}: negative delay on {c.id}")
+            if c.not_before_s is not None and c.not_before_s < 0:
+                raise TraceError(f"session {self.id}: negative not_before_s on {c.id}")
             seen.add(c.id)
 
     def call(self, call_id: str) -> Call:

@@ -9,10 +9,18 @@ Owns: turning lines ``{"timestamp": ms, "input_length": n, "output_length": m,
   one-call session whose ``arrival_s`` is the jittered timestamp: open loop replays honour it,
   closed loop ignores it.
 - **aiperf ``mooncake_trace``**: the same fields plus optional ``session_id`` (lines of one
-  session are its turns, in file order) and ``delay`` (ms to wait after the previous turn
-  ends); ``timestamp`` is optional. Lines with ``text_input``/``messages``/``payload`` carry
-  literal prompts, which this harness does not replay (it synthesizes prompts from
-  ``hash_ids``): they are rejected with a clear error.
+  session are its turns, in file order) and ``delay``; ``timestamp`` is optional. Turn timing
+  follows aiperf (ai-dynamo/aiperf, ``src/aiperf/timing/strategies/fixed_schedule.py`` and
+  ``request_rate.py``, ``handle_credit_return``; docs/tutorials/multi-turn.md): a later turn
+  is scheduled when the previous turn's response has *ended* — ``delay`` ms after that end
+  (end-to-start, not start-to-start), or at its absolute ``timestamp`` (trace time, not
+  before the previous end) in aiperf's fixed schedule, which it uses when the first turn has
+  a ``timestamp``; the timestamp wins when a turn has both. So a later turn with ``delay``
+  depends on the previous one with that delay; one with a ``timestamp`` (in a session whose
+  first turn has one) depends on it with no delay and waits until ``timestamp - first
+  timestamp`` after the session start (``Call.not_before_s``). Lines with
+  ``text_input``/``messages``/``payload`` carry literal prompts, which this harness does not
+  replay (it synthesizes prompts from ``hash_ids``): they are rejected with a clear error.
 
 Must not import the router or HTTP clients.
 """
@@ -123,7 +131,13 @@ def load_aiperf(
     block_size: int = MOONCAKE_BLOCK_SIZE,
     max_sessions: int | None = None,
 ) -> Trace:
-    """aiperf ``mooncake_trace``: lines grouped by ``session_id`` into chains of turns."""
+    """aiperf ``mooncake_trace``: lines grouped by ``session_id`` into chains of turns.
+
+    Turn k > 0 starts after turn k-1 has *ended* (aiperf issues the next turn on the previous
+    response's return): ``delay`` ms after that end, or — when turn k and the session's first
+    turn carry a ``timestamp`` — not before ``timestamp_k - timestamp_0`` after the session
+    start (aiperf's fixed schedule sends it at its absolute time; a timestamp wins over a
+    delay, as there); otherwise right after the previous end."""
     p = Path(path)
     order: list[str] = []
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -141,14 +155,15 @@ def load_aiperf(
             where = f"{p}:{d['_line']}"
             ids, n_in, n_out = _call_fields(d, where)
             deps: tuple[Dep, ...] = ()
+            not_before: float | None = None
+            first = groups[sid][0]
             if i > 0:
-                if "delay" in d:
-                    delay = float(d["delay"]) / 1000.0
-                elif "timestamp" in d and "timestamp" in groups[sid][i - 1]:
-                    delay = (float(d["timestamp"]) - float(groups[sid][i - 1]["timestamp"])) / 1e3
-                else:
-                    delay = 0.0
-                deps = (Dep(calls[-1].id, max(delay, 0.0)),)
+                delay = 0.0
+                if "timestamp" in d and "timestamp" in first:  # absolute, from the session start
+                    not_before = max(0.0, (float(d["timestamp"]) - float(first["timestamp"])) / 1e3)
+                elif "delay" in d:  # after the previous turn's end
+                    delay = max(0.0, float(d["delay"]) / 1000.0)
+                deps = (Dep(calls[-1].id, delay),)
             calls.append(
                 Call(
                     id=f"{sid}/{i}",
@@ -157,6 +172,7 @@ def load_aiperf(
                     input_tokens=n_in,
                     output_tokens=n_out,
                     deps=deps,
+                    not_before_s=not_before,
                     recorded_s=float(d.get("timestamp", 0.0)) / 1000.0,
                 )
             )

@@ -25,8 +25,10 @@ across sessions when the workload says so.
 DAG sessions (:class:`DagSession`, e.g. real traces via :mod:`loadtest.twin.sim_trace`): each
 :class:`TraceCall` carries its own prompt (length and full-block keys) and starts ``delay_s``
 after all its dependencies *end* (end-to-start), or ``start_delay_s`` after its session starts
-when it has none. A :class:`SessionFeed` chains sessions on closed-loop lanes: when a lane's
-session has ended (its last call finished), the feed is asked for the lane's next one.
+when it has none, and never before ``not_before_s`` after its session starts when that is set
+(aiperf's absolute turn timestamps). A :class:`SessionFeed` chains sessions on closed-loop
+lanes: when a lane's session has ended (its last call finished), the feed is asked for the
+lane's next one.
 Subagent calls are routed as their own sessions (``f"{session}/{agent}"``) with a parent.
 """
 
@@ -126,13 +128,15 @@ class TraceCall:
     its full blocks in the simulated profile's block size, chained: equal key at position i
     means equal prompt up to and including block i), tokens to generate, and when it starts:
     ``delay_s`` after the last of its dependencies (``(index of an earlier call, delay_s)``)
-    ends, or ``start_delay_s`` after the session starts if it has none."""
+    ends, or ``start_delay_s`` after the session starts if it has none; in both cases not
+    before ``not_before_s`` after the session starts, when set."""
 
     prompt_tokens: int
     output_tokens: int
     block_keys: Sequence[int]
     deps: tuple[tuple[int, float], ...] = ()
     start_delay_s: float = 0.0
+    not_before_s: float | None = None
     agent: str = "main"
     id: str = ""  # the trace's call id (information only)
 
@@ -159,6 +163,8 @@ class DagSession:
                     raise ValueError(f"session {self.id}: call {k} depends on {d}, not earlier")
                 if delay < 0:
                     raise ValueError(f"session {self.id}: negative delay on call {k}")
+            if c.not_before_s is not None and c.not_before_s < 0:
+                raise ValueError(f"session {self.id}: negative not_before_s on call {k}")
 
 
 class SessionFeed(Protocol):
@@ -402,13 +408,16 @@ class _DagRun:
     __slots__ = ("agent_index", "children", "final", "lane", "left", "pending", "ready",
                  "session", "sids")  # fmt: skip
 
-    def __init__(self, s: DagSession, lane: int | None):
+    def __init__(self, s: DagSession, lane: int | None, start: float):
         n = len(s.calls)
         self.session = s
         self.lane = lane
         self.left = n
         self.pending = [len(c.deps) for c in s.calls]
-        self.ready = [-math.inf] * n
+        # a call is ready at the latest of its dependencies' ends plus delays and its
+        # not_before_s after the session start
+        self.ready = [-math.inf if c.not_before_s is None else start + c.not_before_s
+                      for c in s.calls]  # fmt: skip
         self.children: list[list[tuple[int, float]]] = [[] for _ in range(n)]
         self.agent_index = [0] * n
         self.sids: list[tuple[str, str | None, str | None]] = []  # (session, agent, parent)
@@ -736,10 +745,11 @@ class Simulator:
                 continue
             if kind == _SESSION:
                 ds, lane = payload
-                run = _DagRun(ds, lane)
+                run = _DagRun(ds, lane, now)
                 for k, tc in enumerate(ds.calls):
                     if not tc.deps:
-                        self._push(now + tc.start_delay_s, _DAG_ARRIVE, (run, k))
+                        self._push(max(now + tc.start_delay_s, run.ready[k]), _DAG_ARRIVE,
+                                   (run, k))  # fmt: skip
                 continue
             i, version = payload
             rep = self.replicas[i]

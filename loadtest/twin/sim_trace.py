@@ -181,6 +181,7 @@ class TraceFeed:
                     block_keys=chained_keys(c.hash_ids, salts, self.per_id, n_tok // bs),
                     deps=tuple((pos[d.call], d.delay_s) for d in c.deps),
                     start_delay_s=c.start_delay_s,
+                    not_before_s=c.not_before_s,
                     agent=c.agent,
                     id=c.id,
                 )

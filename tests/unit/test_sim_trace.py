@@ -222,3 +222,25 @@ def test_real_weka_trace_smoke():
     assert {r.session_id.split("#")[0] for r in res.records} <= {
         f"weka-dev/{x.id}" for x in trace.sessions
     }
+
+
+def test_absolute_turn_times_wait_for_the_previous_end_and_their_time():
+    """aiperf timing in the simulator: call 1 starts 2.5 s after call 0 ends (``delay``);
+    call 2 is due 60 s after the session start (``timestamp``), later than call 1's end;
+    call 3 is due 3 s after the start, long past, so it starts when call 2 ends."""
+    calls = [
+        Call("s/0", "main", ids(1, 5), 256, 5),
+        Call("s/1", "main", ids(1, 6), 300, 5, deps=(Dep("s/0", 2.5),)),
+        Call("s/2", "main", ids(1, 7), 380, 5, deps=(Dep("s/1"),), not_before_s=60.0),
+        Call("s/3", "main", ids(1, 8), 440, 5, deps=(Dep("s/2"),), not_before_s=3.0),
+    ]
+    res = simulate_trace(P70, 1, Trace("t", 64, [Session("s", calls)]), "round_robin")
+    r = [by_key(res)[("t/s#0", k)] for k in range(4)]
+    assert r[0].arrival == 0.0
+    assert r[1].arrival == pytest.approx(r[0].finish + 2.5)
+    assert r[1].finish < 60.0 and r[2].arrival == 60.0
+    assert r[3].arrival == r[2].finish
+    # a call without dependencies also waits for its absolute time
+    lone = [Call("x/0", "x", ids(1, 5), 256, 5, start_delay_s=1.0, not_before_s=4.0)]
+    res = simulate_trace(P70, 1, Trace("t", 64, [Session("s", lone)]), "round_robin")
+    assert res.records[0].arrival == 4.0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.traces import TraceError, load_trace, mooncake, synthetic, weka
+from loadtest.traces import Dep, TraceError, cap_gaps, load_trace, mooncake, synthetic, weka
 
 DATA = Path(__file__).resolve().parents[2] / "loadtest" / "data"
 WEKA = DATA / "weka-dev-slice.tar.gz"
@@ -306,3 +306,40 @@ def test_synthetic_traces_and_the_simulator_share_one_agentx_generator():
     for a, b in zip(t.sessions, bare.sessions, strict=True):
         main = [(c.input_tokens, c.output_tokens) for c in a.calls if c.agent == "main"]
         assert main == [(c.input_tokens, c.output_tokens) for c in b.calls]
+
+
+def test_aiperf_turn_timing_follows_aiperf_delay_after_the_previous_end(tmp_path):
+    """aiperf issues turn k+1 when turn k's response returns: ``delay`` counts from that end
+    (end-to-start); a later turn's ``timestamp`` is an absolute trace time (fixed schedule),
+    which wins over a delay. Hand-checked: session s starts at t=1000 ms."""
+    p = tmp_path / "t.jsonl"
+    rows = [
+        {"session_id": "s", "timestamp": 1000, "input_length": 600, "output_length": 9,
+         "hash_ids": [1, 2]},
+        {"session_id": "s", "delay": 2500, "input_length": 900, "output_length": 9,
+         "hash_ids": [1, 2, 3]},  # 2.5 s after turn 0 ends
+        {"session_id": "s", "timestamp": 61000, "input_length": 1200, "output_length": 9,
+         "hash_ids": [1, 2, 3, 4]},  # not before 60 s after the session start (1000 ms)
+        {"session_id": "s", "timestamp": 4000, "delay": 700, "input_length": 1300,
+         "output_length": 9, "hash_ids": [1, 2, 3, 4, 5]},  # both: the timestamp wins
+        {"session_id": "s", "input_length": 1400, "output_length": 9,
+         "hash_ids": [1, 2, 3, 4, 5, 6]},  # neither: right after turn 3 ends
+        {"session_id": "u", "input_length": 100, "output_length": 9, "hash_ids": [7]},
+        {"session_id": "u", "timestamp": 9000, "delay": 1500, "input_length": 200,
+         "output_length": 9, "hash_ids": [7, 8]},  # no first timestamp: the delay counts
+    ]  # fmt: skip
+    p.write_text("\n".join(json.dumps(x) for x in rows))
+    t = load_trace(p)
+    s, u = t.sessions
+    timing = [(c.deps, c.not_before_s) for c in s.calls]
+    assert timing == [
+        ((), None),
+        ((Dep("s/0", 2.5),), None),
+        ((Dep("s/1", 0.0),), 60.0),
+        ((Dep("s/2", 0.0),), 3.0),
+        ((Dep("s/3", 0.0),), None),
+    ]
+    assert [(c.deps, c.not_before_s) for c in u.calls] == [((), None), ((Dep("u/0", 1.5),), None)]
+    # idle-gap capping leaves absolute turn times alone
+    assert [c.not_before_s for c in cap_gaps(s, 1.0).calls] == [None, None, 60.0, 3.0, None]
+    assert cap_gaps(s, 1.0).calls[1].deps == (Dep("s/0", 1.0),)
