@@ -60,6 +60,7 @@ class KVConfig:
     topics: dict[str, str] = field(default_factory=dict)  # topic -> replica url (bind mode)
     session_idle_ttl_s: float = 1800.0
     expected_output_tokens: int = 400  # until a session has shown its own
+    default_gap_s: float = 18.0  # gap between calls until any session has shown one
     max_cached_tokens: int = 16_000_000  # incremental tokenizer cache bound
 
     def __post_init__(self) -> None:
@@ -207,6 +208,7 @@ class KVState:
         self.subscriber: Any = None
         self.events_endpoint: str | None = None
         self._calls = 0
+        self.gap_ewma: float | None = None  # mean gap between calls over every session
         self._gone: dict[str, None] = {}  # removed by discovery and not back (insertion order)
 
     # ---- lifetime (the caller pairs these in an aiohttp cleanup context) --------------------
@@ -407,7 +409,10 @@ class KVState:
                 self.calibrators.setdefault(replica, Calibrator()).observe_ttft(modelled, ttft, now)
         if fp.last_end is not None and fp.inflight == 0:
             start = now - float(outcome.get("duration_s") or 0.0)
-            fp.gaps = [*fp.gaps[-19:], max(start - fp.last_end, 0.0)]
+            gap = max(start - fp.last_end, 0.0)
+            fp.gaps = [*fp.gaps[-19:], gap]
+            g = self.gap_ewma
+            self.gap_ewma = gap if g is None else 0.95 * g + 0.05 * gap
         fp.replica = replica
         fp.tokens = n_tok + (out_tokens or 0)
         if out_tokens:
@@ -511,15 +516,19 @@ class KVView:
         between calls that will come back to it."""
         warm: list[WarmSession] = []
         res: list[Reservation] = []
+        # a session that has not shown a gap yet is expected to behave like the others: with
+        # no prior at all a one-call session (Mooncake-style traffic) would look certain to
+        # return forever, and its KV could never be evicted without harm
+        prior = self._st.gap_ewma or self._st.cfg.default_gap_s
         for s in self._st.sessions.values():
             if s.replica != replica or s.key == exclude or not s.tokens:
                 continue
             idle = 0.0 if s.last_end is None else max(self.now - s.last_end, 0.0)
-            gap = s.mean_gap()
+            gap = s.mean_gap() or prior
             p = p_return_after(idle, gap, s.final)
             pinned = s.inflight > 0 or s.children_inflight > 0
             warm.append(WarmSession(s.key, s.tokens, idle, p, pinned))
             if s.inflight == 0 and not s.final and p > 0:
-                expect = max((gap if gap is not None else 18.0) - idle, 0.0)
+                expect = max(gap - idle, 0.0)
                 res.append(Reservation(s.key, expect, max(s.turn_tokens, 1), s.tokens, p))
         return warm, res

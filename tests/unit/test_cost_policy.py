@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from costmodel.profiles import load_profile
@@ -279,3 +281,32 @@ def test_index_and_profile_block_sizes_may_differ():
     assert view.gpu_blocks_used("A") == 1000
     prof = st.profile("A")
     assert st.approx.capacity("A") == prof.gpu_kv_blocks * prof.block_size // 16
+
+
+def test_a_session_without_gaps_returns_like_the_population():
+    """One-call sessions (Mooncake-style) must not look certain to return forever: until a
+    session shows its own gap, P(return) decays with the gap every session has shown (or
+    ``default_gap_s``)."""
+    clock = [1000.0]
+    st = KVState(KVConfig(block_size=BS, profile="h200-70b-fp8-offload"), clock=lambda: clock[0])
+    st.index.add_replica("A")
+
+    def p_of(key):
+        warm = st.view().warm_and_reserved("A", None)[0]
+        return {w.key: w.p_return for w in warm}[key]
+
+    one = ctx_for(session="one")
+    st.analyze(one)
+    st.observe(one, {"replica": "A", "status": "200", "duration_s": 1.0})
+    assert p_of("t/one") == 1.0  # within the default 18 s gap
+    clock[0] += 18 + 5 * 18.0
+    assert p_of("t/one") == pytest.approx(math.exp(-5), rel=1e-6)
+    # another session shows 60 s gaps: the population prior follows what sessions do
+    for _ in range(2):
+        c = ctx_for(session="paced")
+        st.analyze(c)
+        st.observe(c, {"replica": "A", "status": "200", "duration_s": 0.0})
+        clock[0] += 60.0
+    assert st.gap_ewma == pytest.approx(60.0)
+    idle = clock[0] - 1000.0  # "one" ended at t = 1000
+    assert p_of("t/one") == pytest.approx(math.exp(-max(0.0, idle - 60.0) / 60.0), rel=1e-6)
