@@ -14,7 +14,12 @@ Definitions (AgentX vocabulary, DESIGN.md):
 - Tokens per GPU-second = (prompt tokens incl. cached + completion tokens of successful calls)
   / (GPUs × wall time).
 - TTFT p50/p90/p99; session completion p50/p90 over completed session plays (first call's
-  start to last call's end).
+  start to last call's end). Under a time bound that is biased toward short sessions (long
+  ones are still running when it falls), so the plays the bound cut short are reported too:
+  their count, their elapsed time (start to when the bound stopped them: a lower bound of
+  their completion time), and the P90 over completed plays' completion times and unfinished
+  plays' elapsed times together — a lower bound of the P90 over every started play that did
+  not fail.
 - Failures exclude calls cut off by the replay's own time bound (``requests_cancelled``).
 - Cache hit ratio = Σ cached_tokens / Σ prompt_tokens over successful calls that reported
   ``cached_tokens``; its bound is the same ratio for :class:`UnlimitedCache`.
@@ -41,6 +46,7 @@ SUMMARY_REQUIRED = (
     "ttft_p90_s",
     "ttft_p99_s",
     "session_completion_p90_s",
+    "sessions_unfinished",
     "cache_hit_ratio",
     "cache_hit_bound",
     "requests_ok",
@@ -195,6 +201,8 @@ def summarize(
     modelled_wall = wall_s * speedup
     done = [s for s in sessions if s.complete]
     completion = [(s.t_end - s.t_start) * speedup for s in done]
+    cut = [s for s in sessions if not s.complete and s.cut]
+    elapsed = [(s.t_end - s.t_start) * speedup for s in cut]
     depth = [q.in_flight for q in queue]
     waiting = [q.waiting for q in queue if q.waiting is not None]
     errors: dict[str, int] = {}
@@ -216,6 +224,11 @@ def summarize(
         "session_completion_p90_s": _pct(completion, 90),
         "sessions_completed": len(done),
         "sessions_started": len(sessions),
+        "sessions_unfinished": len(cut),
+        "sessions_failed": len(sessions) - len(done) - len(cut),
+        "session_unfinished_elapsed_p50_s": _pct(elapsed, 50),
+        "session_unfinished_elapsed_max_s": max(elapsed) if elapsed else None,
+        "session_completion_p90_lower_bound_s": _pct(completion + elapsed, 90),
         "cache_hit_ratio": n["cache_hit_ratio"],
         "cache_hit_bound": n["cache_hit_bound"],
         "prompt_tokens": n["prompt_tokens"],

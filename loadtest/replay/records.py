@@ -50,6 +50,9 @@ class SessionRecord:
     t_end: float
     calls: int
     complete: bool  # every call ran and succeeded
+    # stopped by the run's --duration bound before every call had ended (a call not started,
+    # or cancelled after the grace); t_end is then when the play was stopped
+    cut: bool = False
 
 
 @dataclass

@@ -15,7 +15,9 @@ folder.
   many are in flight.
 - **Bounded**: after ``duration_s`` no new session and no new call starts; calls still in
   flight get ``grace_s`` to finish, then are cancelled (recorded with error ``cancelled``,
-  which the metrics count apart from failures).
+  which the metrics count apart from failures). A session play the bound stopped before
+  every call had ended is recorded with ``cut`` (the metrics report these plays apart, with
+  their elapsed time, so completion times over finished plays can be read for their bias).
 - Recorded delays are divided by ``time_scale`` (set it to a twin's ``speedup`` so idle gaps
   shrink with the simulated hardware).
 
@@ -118,6 +120,7 @@ class _Run:
             c.id: asyncio.get_running_loop().create_future() for c in s.calls
         }
         oks: dict[str, bool] = {}
+        not_started: set[str] = set()  # calls the run's bound kept from starting
 
         async def run_call(c: Call) -> None:
             try:
@@ -133,6 +136,7 @@ class _Run:
                     ready = max(ready, start + c.not_before_s / self.cfg.time_scale)
                 if not await self.sleep_until(ready):
                     oks[c.id] = False
+                    not_started.add(c.id)
                     return
                 rec = await self.one_call(http, s.id, c, ns, sid, play, lane)
                 oks[c.id] = rec.ok
@@ -146,6 +150,11 @@ class _Run:
         finally:
             for t in tasks:
                 t.cancel()
+            complete = len(oks) == len(s.calls) and all(oks.values())
+            # unfinished at the bound: a call never started, or one without an answer
+            # (cancelled after the grace); a play that ran every call is not cut, even if
+            # some failed
+            ran_all = len(oks) == len(s.calls) and not not_started
             self.sessions.append(
                 SessionRecord(
                     session=s.id,
@@ -154,7 +163,8 @@ class _Run:
                     t_start=start,
                     t_end=self.now(),
                     calls=sum(1 for c in s.calls if c.id in oks),
-                    complete=len(oks) == len(s.calls) and all(oks.values()),
+                    complete=complete,
+                    cut=not complete and not ran_all and self.stopped(),
                 )
             )
 

@@ -164,3 +164,30 @@ def test_the_simulator_summary_uses_the_replay_definitions():
     assert n["p90_interactivity_tok_s"] == pytest.approx(10.0)
     assert n["tokens_per_gpu_s"] == pytest.approx(26 / 20)
     assert n["cache_hit_ratio"] is None and n["cache_hit_bound"] is None
+
+
+def test_sessions_cut_by_the_bound_are_reported_apart_with_their_elapsed_time():
+    sessions = [
+        SessionRecord("a", 0, 0, 0.0, 10.0, 3, True),
+        SessionRecord("b", 0, 1, 0.0, 20.0, 3, True),
+        SessionRecord("c", 0, 2, 5.0, 35.0, 2, False, cut=True),  # 30 s so far at the bound
+        SessionRecord("d", 0, 3, 0.0, 50.0, 1, False, cut=True),  # 50 s so far
+        SessionRecord("e", 0, 0, 10.0, 12.0, 3, False),  # ran every call, one failed
+    ]
+    s = summarize(RECORDS, sessions, wall_s=50.0, speedup=2.0)
+    # completed plays as before: [10, 20] s × speedup 2
+    assert s["session_completion_p90_s"] == pytest.approx(2 * 19.0)
+    assert s["sessions_completed"] == 2 and s["sessions_started"] == 5
+    assert s["sessions_unfinished"] == 2 and s["sessions_failed"] == 1
+    assert s["session_unfinished_elapsed_p50_s"] == pytest.approx(2 * 40.0)
+    assert s["session_unfinished_elapsed_max_s"] == pytest.approx(2 * 50.0)
+    # P90 of [10, 20, 30, 50] (linear: 30 + 0.7 × 20 = 44), a lower bound of the true P90
+    assert s["session_completion_p90_lower_bound_s"] == pytest.approx(2 * 44.0)
+    assert s["session_completion_p90_lower_bound_s"] > s["session_completion_p90_s"]
+    # none cut: the bound equals the completed plays' P90
+    plain = summarize(RECORDS, SESSIONS, wall_s=10.0)
+    assert plain["sessions_unfinished"] == 0 and plain["session_unfinished_elapsed_max_s"] is None
+    assert plain["session_completion_p90_lower_bound_s"] == plain["session_completion_p90_s"]
+    from loadtest.metrics import SUMMARY_REQUIRED
+
+    assert "sessions_unfinished" in SUMMARY_REQUIRED and set(SUMMARY_REQUIRED) <= set(plain)
