@@ -29,6 +29,7 @@ shows up in the match, and the parent's footprint on its replica is pinned while
 The per-replica terms are written to ``ctx.extra["kv_cost"]`` (request-scoped scratch, read by
 the observer for calibration and by explain). Parameters: ``hysteresis_s`` (default 0.25),
 ``hysteresis_frac`` (0.1), ``overlap`` (1.0: tier loads hide behind compute),
+``interference_weight`` (1.0; 0 turns the decode-interference term off),
 ``expected_output_tokens`` (None: the session's mean, else the KV layer's default).
 Without the KV layer (no ``kv:`` settings: no tokenizer, no events) the scorer is the
 ``session_affinity`` scorer (bounded-load consistent hashing, c = 1.25), so ``kv_cost`` — the
@@ -118,9 +119,13 @@ class KVCost:
         hysteresis_frac: float = 0.1,
         overlap: float = 1.0,
         expected_output_tokens: int | None = None,
+        interference_weight: float = 1.0,
     ):
         if hysteresis_s < 0 or not 0 <= hysteresis_frac < 1 or not 0 <= overlap <= 1:
             raise TypeError("hysteresis_s >= 0, 0 <= hysteresis_frac < 1, 0 <= overlap <= 1")
+        if interference_weight < 0:
+            raise TypeError("interference_weight >= 0")
+        self.interference_weight = interference_weight
         self.hysteresis_s = hysteresis_s
         self.hysteresis_frac = hysteresis_frac
         self.overlap = overlap
@@ -151,7 +156,9 @@ class KVCost:
             s = int((m.storage if m else 0) * ratio)
             call = CallShape(n_tok, g, c, s, out_tok)
             load = replica_load(view, e, ctx.identity.key, n_tok)
-            terms = placement_cost(prof, call, load, overlap=self.overlap)
+            terms = placement_cost(
+                prof, call, load, overlap=self.overlap, interference_weight=self.interference_weight
+            )
             # the same TTFT terms before calibration: what the calibrator must fit against
             # (fitting the calibrated figure would fit the calibration against itself)
             raw_queue = queue_time(prof, load.queued_prefill_tokens) or 0.0
@@ -201,8 +208,11 @@ def _kv_cost(
     hysteresis_frac: float = 0.1,
     overlap: float = 1.0,
     expected_output_tokens: int | None = None,
+    interference_weight: float = 1.0,
 ) -> KVCost:
-    return KVCost(hysteresis_s, hysteresis_frac, overlap, expected_output_tokens)
+    return KVCost(
+        hysteresis_s, hysteresis_frac, overlap, expected_output_tokens, interference_weight
+    )
 
 
 register_policy("kv_cost", {"scorers": [{"type": "kv_cost", "weight": 1.0}]})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from costmodel.profiles import load_profile
@@ -51,3 +53,24 @@ def test_kv_cost_finds_the_cache_round_robin_misses():
 def test_unknown_policy_is_a_config_error():
     with pytest.raises(ValueError, match="unknown policy"):
         RouterPolicy("no-such-policy", P70)
+
+
+def test_kv_cost_spreads_sessions_sharing_a_cached_prefix_by_decode_interference():
+    """32 agent sessions share a 15k-token tools+system prefix. Counting only each call's own
+    latency, the replica holding the prefix always looks cheapest and every session lands
+    there; the interference term (the decoders a call would stall) spreads them."""
+    tp4 = load_profile("h200-70b-fp8-tp4")
+    sessions = synthetic_agentx(32, 300, seed=2)
+
+    def first_calls(weight: float):
+        scorer = {"type": "kv_cost", "weight": 1.0, "params": {"interference_weight": weight}}
+        spec = {"scorers": [scorer]}
+        res = Simulator(tp4, 4, RouterPolicy(spec, tp4)).run(sessions, until=600)
+        homes = Counter(r.replica for r in res.records if r.call_index == 0)
+        return homes, res.summary()["p90_interactivity_tok_s"]
+
+    piled, inter_off = first_calls(0.0)
+    spread, inter_on = first_calls(1.0)
+    assert max(piled.values()) >= 0.9 * 32
+    assert len(spread) == 4 and max(spread.values()) <= 0.5 * 32
+    assert inter_on > 1.2 * inter_off
