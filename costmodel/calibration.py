@@ -8,14 +8,16 @@ Owns: a sliding window of (modelled, observed) pairs per replica and a robust fi
 by least squares with a soft-L1 loss (``scipy.optimize.least_squares``), so a few outliers (a
 GC pause, a preempted request) do not drag the fit. Until ``min_samples`` pairs are in the
 window the model is used as is (scales 1, offset 0). Fitted values are clamped to sane ranges
-(a scale in [1/20, 20], an offset in [0, ``MAX_OFFSET_S``]) so one bad window can make a
-replica look neither free nor unusable.
+(a scale in [0.2, 5], an offset in [0, ``MAX_OFFSET_S``]) so one bad window can make a
+replica look neither free nor unusable: the model is derived from first principles, and a
+bigger disagreement than 5× is queueing it did not see, not a slower GPU.
 
 Two guards against a feedback trap (found in the simulator: a replica whose first calls
 queued behind a burst of cold 100k-token prefills fitted an offset of ~100 s, was never chosen
-again, and so was never re-measured): the offset is bounded — it stands for fixed per-call
-overhead (API server, network), not for queueing the model missed — and samples expire after
-``max_age_s``, so a replica that gets no traffic drifts back to the uncalibrated model.
+again, and so was never re-measured): the offset and the scale are bounded — the offset
+stands for fixed per-call overhead (API server, network), not for queueing the model missed —
+and samples expire after ``max_age_s``, so a replica that gets no traffic returns to the
+uncalibrated model.
 Pure: numpy/scipy, no I/O; must not import the router.
 """
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
-SCALE_MIN, SCALE_MAX = 0.05, 20.0
+SCALE_MIN, SCALE_MAX = 0.2, 5.0
 MAX_OFFSET_S = 1.0
 
 

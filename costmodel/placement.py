@@ -28,10 +28,10 @@ it (the total then sums the known terms and lists the missing ones — never a m
                                                       moving a long context onto it costs
                                                       more than its own latency
           + interference_s                            decode interference on the requests
-                                                      already decoding there: each one stalls
-                                                      for this call's prefill steps, then
-                                                      pays the longer step (this call's KV
-                                                      reads) for every token this call makes
+                                                      already decoding there: the steps they
+                                                      share with this call's prefill chunks
+                                                      run longer, then every step reads this
+                                                      call's KV too, for each token it makes
 
 The first three terms are this call's own latency; the last four are what it costs others
 (sessions it evicts, agents that will return, calls waiting, calls decoding): minimising the
@@ -50,7 +50,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from costmodel.profiles import ReplicaProfile
-from costmodel.steptime import decode_step_time, load_time, request_prefill_time
+from costmodel.steptime import (
+    decode_step_time,
+    load_time,
+    prefill_stall_time,
+    request_prefill_time,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,11 +308,12 @@ def reserved_cost(
 
 
 def interference(
-    profile: ReplicaProfile, call: CallShape, load: ReplicaLoad, prefill_s: float
+    profile: ReplicaProfile, call: CallShape, load: ReplicaLoad, compute_tokens: int
 ) -> float | None:
-    """Seconds this call adds to the requests already decoding on the replica: B × (its
-    prefill compute, which their steps wait for + expected output × the step-time increase
-    its KV reads cause). ``None`` without the batch or the expected output."""
+    """Seconds this call adds to the requests already decoding on the replica: B × (what its
+    prefill chunks add to the steps they share with the decoders + expected output × the
+    step-time increase its KV reads cause). ``compute_tokens``: the prompt tokens it computes
+    (the last ones). ``None`` without the batch or the expected output."""
     if (
         call.expected_output_tokens is None
         or load.decode_batch is None
@@ -317,11 +323,13 @@ def interference(
     b = load.decode_batch
     if b <= 0:
         return 0.0
-    ctx = int(load.decode_context_tokens)
-    grow = decode_step_time(profile, b + 1, ctx + call.prompt_tokens) - decode_step_time(
-        profile, b, ctx
+    ctx = float(load.decode_context_tokens)
+    n = min(compute_tokens, call.prompt_tokens)
+    stall = load.prefill_scale * prefill_stall_time(profile, n, call.prompt_tokens - n, b, ctx)
+    grow = decode_step_time(profile, b + 1, int(ctx) + call.prompt_tokens) - decode_step_time(
+        profile, b, int(ctx)
     )
-    return b * (prefill_s + load.decode_scale * call.expected_output_tokens * max(grow, 0.0))
+    return b * (stall + load.decode_scale * call.expected_output_tokens * max(grow, 0.0))
 
 
 def placement_cost(
@@ -349,7 +357,7 @@ def placement_cost(
         if load.pending_calls is None
         else congestion_weight * compute * max(load.pending_calls, 0.0)
     )
-    inter = interference(profile, call, load, compute)
+    inter = interference(profile, call, load, _computed_tokens(profile, call, chose))
     return CostTerms(
         queue_s=queue,
         fetch_or_recompute_s=fetch,
@@ -364,6 +372,17 @@ def placement_cost(
         tail_prefill_s=tail_s,
         evicted=evicted,
     )
+
+
+def _computed_tokens(profile: ReplicaProfile, call: CallShape, chose: dict[str, str]) -> int:
+    """Prompt tokens the replica computes for ``call``: the uncached tail plus the lower-tier
+    segments recomputed rather than loaded (at least the last token, as vLLM does)."""
+    bs = profile.block_size
+    n = call.prompt_tokens - min(call.gpu_blocks * bs, call.prompt_tokens)
+    for tier, blocks in (("cpu", call.cpu_blocks), ("storage", call.storage_blocks)):
+        if chose.get(tier) == "load":
+            n -= min(blocks * bs, n)
+    return max(n, 1 if call.prompt_tokens else 0)
 
 
 def p_return_after(idle_s: float, mean_gap_s: float | None, final: bool) -> float:

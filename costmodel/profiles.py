@@ -287,7 +287,7 @@ def profile_from_dict(
 
     block_size = _int(d, "block_size", where)
     tp = _int(d, "tensor_parallel_size", where, 1)
-    if model.kv_heads % tp and tp % model.kv_heads:
+    if model.kv_heads % tp:  # tp > kv_heads would replicate KV heads: not modelled
         raise ProfileError(
             f"{where}: tensor_parallel_size {tp} does not split {model.kv_heads} KV heads"
         )

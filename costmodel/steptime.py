@@ -181,6 +181,37 @@ def request_prefill_time(profile: ReplicaProfile, new_tokens: int, cached_tokens
     return t
 
 
+def prefill_stall_time(
+    profile: ReplicaProfile,
+    new_tokens: int,
+    cached_tokens: int,
+    decode_batch: int,
+    decode_context_tokens: float,
+) -> float:
+    """What prefilling ``new_tokens`` (after ``cached_tokens``) adds to the steps of a
+    replica that is decoding ``decode_batch`` requests holding ``decode_context_tokens``:
+    chunked prefill runs the decoders in the same steps as the chunks, so each chunk costs them
+    ``step(chunk + decodes) − step(decodes alone)``, summed over the chunks."""
+    _check(new_tokens, "new_tokens")
+    _check(cached_tokens, "cached_tokens")
+    _check(decode_batch, "decode_batch")
+    _check(decode_context_tokens, "decode_context_tokens")
+    chunk = profile.max_num_batched_tokens
+    if 0 < profile.long_prefill_token_threshold < chunk:
+        chunk = profile.long_prefill_token_threshold
+    chunk = max(chunk - decode_batch, 1)  # the decoders' tokens share the step's budget
+    c = coefficients(profile)
+    d = float(decode_context_tokens)
+    alone = c.step(decode_batch, d, d) if decode_batch else 0.0
+    t, done = 0.0, 0
+    while done < new_tokens:
+        n = min(chunk, new_tokens - done)
+        ctx = cached_tokens + done
+        t += c.step(n + decode_batch, attended_pairs(n, ctx) + d, ctx + d) - alone
+        done += n
+    return t
+
+
 def decode_time(
     profile: ReplicaProfile, output_tokens: int, context_tokens: int, batch: Sequence[int] = ()
 ) -> float:

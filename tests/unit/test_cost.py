@@ -24,7 +24,7 @@ from costmodel.placement import (
     segment_costs,
 )
 from costmodel.profiles import load_profile
-from costmodel.steptime import decode_step_time, load_time, request_prefill_time
+from costmodel.steptime import decode_step_time, load_time, request_prefill_time, step_time
 
 H200 = load_profile("h200-70b-fp8")
 OFF = load_profile("h200-70b-fp8-offload")
@@ -307,20 +307,33 @@ def test_congestion_term_is_own_compute_times_waiting_calls(pending, factor):
 TP4 = load_profile("h200-70b-fp8-tp4")
 
 
-@pytest.mark.parametrize(
-    ("batch", "ctx", "out"),
-    [(0, 0, 300), (1, 100_000, 300), (4, 400_000, 300), (8, 800_000, 0), (8, 800_000, 500)],
-)
-def test_interference_term_is_batch_times_stall_plus_slower_steps(batch, ctx, out):
-    call = CallShape(20_000, gpu_blocks=15_000 // TP4.block_size, expected_output_tokens=out)
-    load = ReplicaLoad(decode_batch=batch, decode_context_tokens=ctx)
-    t = placement_cost(TP4, call, load)
+@pytest.mark.parametrize("batch", [0, 1, 4, 8])
+def test_interference_is_what_the_shared_steps_and_the_kv_reads_add(batch):
+    # 5k uncached tokens after a 15k cached prefix: one chunk, run together with the
+    # decoders (vLLM chunked prefill); each decoder loses the step's extra time, then reads
+    # this call's KV for each of the 300 tokens it makes
+    ctx = batch * 100_000
+    cached = 15_000 // TP4.block_size * TP4.block_size
+    call = CallShape(20_000, gpu_blocks=cached // TP4.block_size, expected_output_tokens=300)
+    t = placement_cost(TP4, call, ReplicaLoad(decode_batch=batch, decode_context_tokens=ctx))
+    decoders = [100_000] * batch
+    shared = step_time(TP4, [(20_000 - cached, cached)], decoders) - step_time(TP4, [], decoders)
     grow = decode_step_time(TP4, batch + 1, ctx + 20_000) - decode_step_time(TP4, batch, ctx)
-    assert t.interference_s == pytest.approx(batch * (t.tail_prefill_s + out * grow))
-    if batch == 0:
-        assert t.interference_s == 0.0
-    else:  # the stall alone: every decoder waits out this call's 5k-token prefill
-        assert t.interference_s >= batch * t.tail_prefill_s > 0
+    assert t.interference_s == pytest.approx(batch * (shared + 300 * grow), rel=1e-9)
+    if batch:
+        # less than stalling the decoders for a whole prefill step of their own
+        alone = request_prefill_time(TP4, 20_000 - cached, cached)
+        assert batch * shared < batch * alone
+
+
+def test_a_fully_cached_call_barely_interferes():
+    # only the last token is computed: the decoders' shared step grows by that token's reads
+    # of its 100k-token context (~1 ms on TP4), not by a step overhead and a weight read of
+    # its own (~10 ms)
+    call = CallShape(100_000, gpu_blocks=100_000 // TP4.block_size, expected_output_tokens=0)
+    load = ReplicaLoad(decode_batch=16, decode_context_tokens=1_600_000)
+    t = placement_cost(TP4, call, load)
+    assert 0 < t.interference_s < 0.2 * 16 * request_prefill_time(TP4, 1, 99_999)
 
 
 def test_interference_steers_a_cached_prefix_away_from_a_busy_replica():
@@ -345,7 +358,7 @@ def test_calibration_offset_is_bounded_and_samples_expire():
     for i, m in enumerate((0.1, 0.2, 0.3, 0.4, 0.5)):
         c.observe_ttft(m, 100.0 + m, at=float(i))
     cal = c.current(now=5.0)
-    assert cal.ttft_offset_s <= 1.0 and cal.ttft_samples == 5
+    assert cal.ttft_offset_s <= 1.0 and cal.prefill_scale <= 5.0 and cal.ttft_samples == 5
     # ... and without new traffic the fit ages out back to the uncalibrated model
     back = c.current(now=100.0)
     assert (back.prefill_scale, back.ttft_offset_s, back.ttft_samples) == (1.0, 0.0, 0)

@@ -165,3 +165,6 @@ def test_tensor_parallel_size_must_split_the_kv_heads():
     hw = {"h200": {"hbm_bytes": 141e9, "hbm_bw": 4.8e12, "flops": 1.58e15}}
     with pytest.raises(ProfileError, match="does not split 8 KV heads"):
         profile_from_dict(raw, hw)
+    # more ranks than KV heads would replicate them (not split): refused, not mis-sized
+    with pytest.raises(ProfileError, match="does not split 8 KV heads"):
+        profile_from_dict({**raw, "tensor_parallel_size": 16}, hw)
