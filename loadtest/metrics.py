@@ -143,7 +143,9 @@ class UnlimitedCache:
     ``observe(token_ids)`` returns how many leading tokens of the prompt were held (full blocks
     whose whole prefix chain was seen before, capped like vLLM at the last full block before
     the final token, since one token must always be computed), then remembers every full
-    block of the prompt.
+    block of the prompt. ``observe_keys(keys, n_tokens)`` is the same over a prompt already
+    given as chained block keys (the in-process simulator's DAG calls); ``observe`` is built
+    on it.
     """
 
     def __init__(self, block_size: int):
@@ -152,20 +154,32 @@ class UnlimitedCache:
 
     def observe(self, token_ids: Sequence[int]) -> int:
         b = self.block_size
-        n_full = len(token_ids) // b
+        keys = []
         parent = 0
-        hit = 0
-        matching = True
-        for i in range(n_full):
-            h = hash((parent, tuple(token_ids[i * b : (i + 1) * b])))
-            if matching and h in self._seen:
-                hit += 1
+        for i in range(len(token_ids) // b):
+            parent = hash((parent, tuple(token_ids[i * b : (i + 1) * b])))
+            keys.append(parent)
+        return self.observe_keys(keys, len(token_ids))
+
+    def observe_keys(self, keys: Sequence[int], n_tokens: int) -> int:
+        """Hit tokens of a prompt of ``n_tokens`` tokens whose full blocks have the chained
+        keys ``keys`` (key j names the whole prefix through block j, like vLLM's block
+        hashes; at most ``n_tokens // block_size`` of them), then remember every key.
+
+        Every observed prompt's keys are all remembered, so with chained keys "key j was
+        seen" is monotone in j and the held prefix is found by bisection."""
+        b = self.block_size
+        seen = self._seen
+        lo, hi = 0, min(len(keys), n_tokens // b)
+        keys = keys[:hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in seen:
+                lo = mid
             else:
-                matching = False
-                self._seen.add(h)
-            parent = h
-        cap = (len(token_ids) - 1) // b
-        return min(hit, cap) * b
+                hi = mid - 1
+        seen.update(keys[lo:])
+        return max(0, min(lo, (n_tokens - 1) // b)) * b
 
 
 def summarize(

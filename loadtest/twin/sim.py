@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from costmodel.profiles import ReplicaProfile
-from loadtest.metrics import CallNumbers, agentx_numbers
+from loadtest.metrics import CallNumbers, UnlimitedCache, agentx_numbers
 from loadtest.traces.synthetic import agentx_chains
 from loadtest.twin.engine import RUNNING, Engine, Request, Step
 
@@ -345,6 +345,7 @@ class SimResult:
     tier_hit_blocks: dict[str, int] = field(default_factory=dict)
     gpus_per_replica: int = 1  # the profile's tensor-parallel size
     failed: int = 0  # DAG calls refused (prompt + output over max_model_len)
+    cut: bool = False  # stopped by ``until`` with work left: ``sim_time_s`` is ``until``
 
     @property
     def gpus(self) -> int:
@@ -612,7 +613,10 @@ class Simulator:
     ) -> SimResult:
         """Run ``sessions`` (and ``feed``'s lanes) until no event is left or ``until``.
 
-        ``feed``: closed-loop lanes of DAG sessions (see :class:`SessionFeed`)."""
+        ``feed``: closed-loop lanes of DAG sessions (see :class:`SessionFeed`). When an event
+        is still due after ``until`` the run stops there: the result's ``cut`` is set and its
+        ``sim_time_s`` is ``until`` (the run lasted that long, whenever its last event fell);
+        otherwise ``sim_time_s`` is the time of the last event."""
         wall0 = time.perf_counter()
         bs = self.profile.block_size
         max_len = self.profile.max_model_len
@@ -636,9 +640,9 @@ class Simulator:
         records: list[CallRecord] = []
         done_sessions = 0
         failed = 0
-        # DAG sessions: request id -> (run, call, unlimited-cache hit); the bound's block set
+        # DAG sessions: request id -> (run, call, unlimited-cache hit); the bound's cache
         dag_reqs: dict[str, tuple[_DagRun, int, int]] = {}
-        seen: set[int] = set()
+        unlimited = UnlimitedCache(bs)
 
         def dag_end(run: _DagRun, k: int, now: float) -> None:
             """Call ``k`` of ``run`` ended at ``now``: release its dependants; at the
@@ -661,10 +665,15 @@ class Simulator:
 
         tier_hits = {"gpu": 0, "cpu": 0, "storage": 0}
         now = 0.0
+        cut = False
         heap = self._heap
         while heap:
-            t, _, kind, payload = heapq.heappop(heap)
+            t, seq, kind, payload = heapq.heappop(heap)
             if until is not None and t > until:
+                if kind in (_STEP, _WAKE) and payload[1] != self.replicas[payload[0]].version:
+                    continue  # stale: no work left behind it
+                heapq.heappush(heap, (t, seq, kind, payload))  # still due, for the record
+                now, cut = until, True
                 break
             now = t
             self.events += 1
@@ -713,22 +722,13 @@ class Simulator:
                 run, k = payload
                 tc: TraceCall = run.session.calls[k]
                 n_tok = tc.prompt_tokens
-                keys = list(tc.block_keys[: n_tok // bs])
-                # the unlimited-cache bound: keys are chained and every issued prompt's keys
-                # are remembered, so the hit is monotone in the prefix length (bisect)
-                lo, hi = 0, len(keys)
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if keys[mid - 1] in seen:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                seen.update(keys[lo:])
-                bound = min(lo, (n_tok - 1) // bs) * bs
                 if n_tok < 1 or n_tok + tc.output_tokens > max_len:
                     failed += 1  # refused like the HTTP twin (400); dependants go on
                     dag_end(run, k, now)
-                    continue
+                    continue  # never served: it caches nothing, not even in the bound
+                keys = list(tc.block_keys[: n_tok // bs])
+                # the unlimited-cache bound over the calls actually issued
+                bound = unlimited.observe_keys(keys, n_tok)
                 sid, agent_id, parent = run.sids[k]
                 idx = run.agent_index[k]
                 view = CallView(sid, idx, n_tok, keys, tc.output_tokens, now,
@@ -809,6 +809,7 @@ class Simulator:
             sessions_done=done_sessions, sessions=n_sessions,
             engine_busy_s=[r.engine.busy_time for r in self.replicas],
             tier_hit_blocks=tier_hits, gpus_per_replica=self.profile.gpus, failed=failed,
+            cut=cut,
         )  # fmt: skip
 
 

@@ -36,7 +36,6 @@ Like :mod:`loadtest.twin.sim`: no sockets, no asyncio, no router imports.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,7 +85,9 @@ def chained_keys(hash_ids: Sequence[int], salts: np.ndarray, per_id: int, n_full
     Block j (< ``per_id``) of id ``hash_ids[i]`` in namespace ``salts[i]`` has content
     ``mix(salt ^ mix(id * C1 + j))``; the key of block b is a polynomial hash of the contents
     of blocks 0..b (vectorised: ``P**b * cumsum(h_k * P**-k)``), then mixed — so equal keys
-    mean equal prefixes, like vLLM's chained block hashes."""
+    mean equal prefixes, like vLLM's chained block hashes. Blocks past the ids (a call
+    without hash ids has a prompt but no known content) get no keys."""
+    n_full = min(n_full, len(hash_ids) * per_id)
     if n_full <= 0:
         return []
     ids = np.asarray(hash_ids, dtype=np.int64).astype(_U)
@@ -288,9 +289,7 @@ def simulate_trace(
             max_plays=max_plays,
         )
         res = sim.run([], until=duration_s, feed=feed)
-    if duration_s is not None and sim._heap:  # cut by the bound: time is the bound
-        res = dataclasses.replace(res, sim_time_s=duration_s)
-    return res
+    return res  # cut by the bound (``res.cut``): ``sim_time_s`` is the bound
 
 
 __all__ = ["TraceFeed", "chained_keys", "content_tokens", "open_loop_sessions",

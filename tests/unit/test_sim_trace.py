@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from costmodel.profiles import load_profile
+from loadtest.metrics import UnlimitedCache
 from loadtest.traces import Call, Dep, Session, Trace, load_trace
 from loadtest.twin.sim import DagSession, Simulator, TraceCall
-from loadtest.twin.sim_trace import TraceFeed, simulate_trace, trace_workload
+from loadtest.twin.sim_trace import TraceFeed, chained_keys, simulate_trace, trace_workload
 
 P70 = load_profile("h200-70b-fp8")  # block 64
 WEKA = Path("/work/shared/data/traces/weka-dev.tar.gz")
@@ -244,3 +246,61 @@ def test_absolute_turn_times_wait_for_the_previous_end_and_their_time():
     lone = [Call("x/0", "x", ids(1, 5), 256, 5, start_delay_s=1.0, not_before_s=4.0)]
     res = simulate_trace(P70, 1, Trace("t", 64, [Session("s", lone)]), "round_robin")
     assert res.records[0].arrival == 4.0
+
+
+def test_a_run_cut_by_the_bound_lasts_the_bound_even_when_its_last_event_is_past_it():
+    """One long decode: the only event left at the bound is the burst's end, past it. The run
+    was cut (time is the bound), though nothing is left on the heap to tell."""
+    one = Trace("t", 64, [Session("s", [Call("main/0", "main", ids(1, 5), 256, 4000)])])
+    res = simulate_trace(P70, 1, one, "round_robin", duration_s=5.0, max_plays=1)
+    assert res.cut and res.sim_time_s == 5.0 and not res.records
+    full = simulate_trace(P70, 1, one, "round_robin", duration_s=1e4, max_plays=1)
+    assert not full.cut and full.sim_time_s == full.records[0].finish > 5.0
+    # directly: run() reports the cut itself
+    ds = trace_workload(one, 64, concurrency=1, duration_s=None).instance(0)
+    got = Simulator(P70, 1, lambda c, r: 0).run([ds], until=5.0)
+    assert got.cut and got.sim_time_s == 5.0
+
+
+def test_calls_without_hash_ids_have_a_prompt_but_no_keys():
+    assert chained_keys((), np.zeros(0, dtype=np.uint64), 8, 3) == []
+    salts = np.zeros(2, dtype=np.uint64)
+    assert chained_keys((1, 2), salts, 8, 99) == chained_keys((1, 2), salts, 8, 16)
+    calls = [
+        Call("main/0", "main", (), 700, 5),
+        Call("main/1", "main", (), 700, 5, deps=(Dep("main/0"),)),
+    ]
+    res = simulate_trace(P70, 1, Trace("t", 64, [Session("s", calls)]), "round_robin")
+    assert [(r.prompt_tokens, r.cached_tokens, r.bound_cached_tokens) for r in res.records] == [
+        (700, 0, 0),
+        (700, 0, 0),
+    ]
+
+
+def test_a_refused_call_does_not_raise_the_hit_bound_of_a_later_call():
+    small = P70.replace(model=dataclasses.replace(P70.model, max_model_len=2000))
+    calls = [
+        Call("main/0", "main", ids(1, 40), 39 * 64, 10),  # refused: over 2000 tokens
+        Call("main/1", "main", ids(1, 10), 9 * 64, 10, deps=(Dep("main/0"),)),
+        Call("main/2", "main", ids(1, 10), 9 * 64, 10, deps=(Dep("main/1"),)),
+    ]
+    res = simulate_trace(small, 1, Trace("t", 64, [Session("s", calls)]), "round_robin")
+    r = sorted(res.records, key=lambda x: x.call_index)
+    assert [x.call_index for x in r] == [1, 2] and res.failed == 1
+    # main/1 shares main/0's prefix, but main/0 was never served: nothing to hit
+    assert [x.bound_cached_tokens for x in r] == [0, 8 * 64]
+    assert [x.cached_tokens for x in r] == [0, 8 * 64]
+
+
+def test_the_simulators_bound_is_the_unlimited_cache_of_the_metrics():
+    cache = UnlimitedCache(4)
+    a = list(range(1, 13))
+    assert cache.observe(a) == 0
+    assert cache.observe([*a, 99]) == 12  # 3 full blocks held
+    assert cache.observe(a) == 8  # the last token is always computed
+    assert cache.observe([]) == 0
+    keys = UnlimitedCache(4)
+    assert keys.observe_keys([1, 2, 3], 12) == 0
+    assert keys.observe_keys([1, 2, 3, 4], 17) == 12
+    assert keys.observe_keys([1, 2, 7], 12) == 8
+    assert keys.observe_keys([1, 2, 3, 4, 5], 8) == 4  # only n_tokens // block keys count

@@ -149,3 +149,19 @@ def test_sim_command_compares_policies_and_writes_json(tmp_path, capsys):
     assert all(r["requests"] > 0 for r in data["results"].values())
     assert main(["sim", "--policy", "no-such"]) == 2
     assert main(["sim", "--policy", "router:no-such"]) == 2
+
+
+def test_a_run_cut_by_until_lasts_until_and_keeps_what_finished_before():
+    sessions = synthetic_agentx(6, 200, seed=3)
+    full = Simulator(P70, 2, route_least_loaded()).run(sessions)
+    assert not full.cut and full.sim_time_s == max(r.finish for r in full.records) > 30
+    cut = Simulator(P70, 2, route_least_loaded()).run(sessions, until=30.0)
+    assert cut.cut and cut.sim_time_s == 30.0
+    key = lambda r: (r.session_id, r.call_index)  # noqa: E731
+    assert sorted(cut.records, key=key) == sorted(
+        (r for r in full.records if r.finish <= 30.0), key=key
+    )
+    # a bound the run never reaches changes nothing
+    late = Simulator(P70, 2, route_least_loaded()).run(sessions, until=1e9)
+    assert not late.cut and late.sim_time_s == full.sim_time_s
+    assert late.records == full.records
