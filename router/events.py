@@ -41,6 +41,7 @@ from router.kvevents import AllBlocksCleared, EventBatch, EventDecodeError, deco
 
 log = logging.getLogger(__name__)
 
+MAX_REMOVED = 1024  # removed replicas remembered (their late events are ignored)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -110,7 +111,7 @@ class KVEventSubscriber:
         self._tasks: list[asyncio.Task[None]] = []
         self._socks: list[zmq.asyncio.Socket] = []
         self._replay: dict[str, str] = {}  # replica -> replay endpoint
-        self._removed: set[str] = set()
+        self._removed: dict[str, None] = {}  # removed and not back (insertion order, capped)
         self._resync: dict[StreamKey, _Resync] = {}  # streams whose replay is in flight
         self._replays: set[asyncio.Task[None]] = set()  # until done (cancelled ones too)
         self._changed = asyncio.Event()
@@ -146,19 +147,29 @@ class KVEventSubscriber:
         self._tasks.append(asyncio.get_running_loop().create_task(self._read(s, replica)))
 
     def add_replica(self, replica: str, replay_endpoint: str | None = None) -> None:
-        """Expect events from ``replica`` (again, after a removal); optional replay endpoint.
+        """:meth:`expect_replica`, and give ``replica`` a (fresh, empty) index entry now,
+        before any of its events (what :meth:`connect` does for its replica)."""
+        self.expect_replica(replica, replay_endpoint)
+        self.index.add_replica(replica)
 
-        A re-added replica starts from an empty index entry and no stream state: its next
-        batch is a first message (``seq`` 0: exact from there; else a gap, replayed from 0)."""
-        self._removed.discard(replica)
+    def expect_replica(self, replica: str, replay_endpoint: str | None = None) -> None:
+        """Accept events from ``replica`` (again, after :meth:`remove_replica`); optional
+        replay endpoint. No index entry is made: until its first batch arrives the replica is
+        absent from the index (scorers use approximate mode for it). That first batch starts
+        from no stream state (``seq`` 0: exact from there; else a gap, replayed from 0)."""
+        self._removed.pop(replica, None)
         if replay_endpoint:
             self._replay[replica] = replay_endpoint
-        self.index.add_replica(replica)
 
     def remove_replica(self, replica: str) -> None:
         """Forget a replica: its blocks leave the index, its replays in flight are cancelled;
-        its events are ignored until :meth:`add_replica`."""
-        self._removed.add(replica)
+        its events are ignored until :meth:`expect_replica` / :meth:`add_replica` (the last
+        ``MAX_REMOVED`` removed replicas are remembered; an older one's events would make a
+        new index entry from a first batch, stale unless it is ``seq`` 0)."""
+        self._removed.pop(replica, None)  # to the end: the newest removal is kept longest
+        self._removed[replica] = None
+        while len(self._removed) > MAX_REMOVED:
+            del self._removed[next(iter(self._removed))]
         self._replay.pop(replica, None)
         for key in [k for k in self._resync if k[0] == replica]:
             rs = self._resync.pop(key)

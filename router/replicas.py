@@ -165,14 +165,17 @@ ReplicaListener = Callable[[frozenset[str], frozenset[str]], None]
 
 
 class ReplicaSet:
-    """The live replicas, keyed by URL; each discovery source replaces only its own entries.
+    """The live replicas, keyed by URL; each discovery source replaces only its own list.
 
-    Listeners (:meth:`add_listener`) are called with ``(added, removed)`` names after each
-    change of membership, from whichever source: names that entered or left the set, not a
-    source's own view (a URL another source still lists neither leaves nor re-enters)."""
+    A URL is in the set while at least one source lists it (``Replica.source`` names one of
+    them): a URL that two sources list leaves only when neither does. Listeners
+    (:meth:`add_listener`) are called with ``(added, removed)`` names after each change of
+    membership, from whichever source: names that entered or left the set, not a source's
+    own view (a URL another source still lists neither leaves nor re-enters)."""
 
     def __init__(self, breaker_failures: int = 3, breaker_cooldown_s: float = 5.0):
         self._by_name: dict[str, Replica] = {}
+        self._lists: dict[str, set[str]] = {}  # source -> the URLs it lists
         self._breaker = (breaker_failures, breaker_cooldown_s)
         self._listeners: list[ReplicaListener] = []
         self.version = 0
@@ -194,23 +197,39 @@ class ReplicaSet:
     def get(self, name: str) -> Replica | None:
         return self._by_name.get(name)
 
+    def sources(self, name: str) -> set[str]:
+        """The sources that list ``name`` now (empty when none does)."""
+        return {src for src, urls in self._lists.items() if name in urls}
+
     def set_source(self, source: str, urls: Iterable[str]) -> tuple[set[str], set[str]]:
-        """Make ``source``'s replicas exactly ``urls``; returns (added, removed) names."""
+        """Make ``source``'s list exactly ``urls``; returns the (added, removed) names of that
+        list. Membership (and the listeners) changes only for names no other source lists."""
         want = {normalize_url(u) for u in urls}
-        have = {n for n, r in self._by_name.items() if r.source == source}
+        have = self._lists.get(source, set())
         added, removed = want - have, have - want
+        if want:
+            self._lists[source] = want
+        else:
+            self._lists.pop(source, None)
         entered = frozenset(n for n in added if n not in self._by_name)
+        left: set[str] = set()
         for n in removed:
-            del self._by_name[n]
-        for n in entered:  # another source may list the same URL already
+            others = self.sources(n)
+            r = self._by_name.get(n)
+            if not others:
+                left.add(n)
+                self._by_name.pop(n, None)
+            elif r is not None and r.source == source:
+                r.source = min(others)  # still listed: another source owns it now
+        for n in entered:
             self._by_name[n] = Replica(n, source, breaker=CircuitBreaker(*self._breaker))
         if added or removed:
             self.version += 1
             log.info("replicas from %s: +%s -%s", source, sorted(added), sorted(removed))
-        if entered or removed:
+        if entered or left:
             for fn in list(self._listeners):
                 try:
-                    fn(entered, frozenset(removed))
+                    fn(entered, frozenset(left))
                 except Exception:  # a listener must not break discovery
                     log.exception("replica listener %r failed", fn)
         return added, removed

@@ -10,11 +10,15 @@ index (:meth:`start` / :meth:`close`; the caller pairs them in a cleanup context
 only runs inside the router's aiohttp app, looks the app's replica set up when it runs).
 
 Replica membership: :meth:`watch` subscribes to a :class:`router.replicas.ReplicaSet`'s
-changes (``lifespan`` does it for the app's set). A replica that discovery removes is
-forgotten everywhere here — index, approximate cache, event streams (its events are ignored
-from then on), load stats, calibration, and sessions' homes on it; one that (re-)appears is
-expected by the subscriber again (with its ``replay`` endpoint from the config) and starts
-from an empty index entry, its next event batch deciding fresh or stale.
+changes (``lifespan`` does it for the app's set). A replica that discovery removes and that
+stays absent for ``forget_after_s`` (checked on each :meth:`view`, membership change and
+sweep) is forgotten everywhere here — index, approximate cache, event streams (its events
+are ignored from then on), load stats, calibration, and sessions' homes on it; one that is
+back before then (a readiness blip) keeps all of it. One that (re-)appears after being
+forgotten is expected by the subscriber again (with its ``replay`` endpoint from the config)
+but gets no index entry until its first event batch arrives (``seq`` 0: fresh from there;
+else a gap: replayed from 0, or stale) — until then, as for a replica that never sends
+events, scorers use approximate mode for it.
 
 Per-session footprints (what the cost model's eviction-harm and reserved terms need) live
 here, keyed by the session table key: the replica holding the session's KV, its context
@@ -36,12 +40,13 @@ from costmodel.placement import Reservation, WarmSession, p_return_after
 from costmodel.profiles import ReplicaProfile, load_profile
 from router.approx import ApproxCache
 from router.hashing import BlockHasher
-from router.index import BlockIndex, BlockIndexError, BlockIndexView, TierDepth
+from router.index import BlockIndex, BlockIndexView, TierDepth
 from router.tokens import ChatTemplateError, ModelTokenizer, SessionTokenizer
 
 log = logging.getLogger("kvroute.kv")
 
 MAX_GONE = 1024  # removed replicas remembered (late call outcomes there are not recorded)
+MIN_GAP_S = 0.1  # a measured mean gap of 0 s counts as this (back-to-back calls)
 
 
 @dataclass
@@ -61,6 +66,7 @@ class KVConfig:
     session_idle_ttl_s: float = 1800.0
     expected_output_tokens: int = 400  # until a session has shown its own
     default_gap_s: float = 18.0  # gap between calls until any session has shown one
+    forget_after_s: float = 30.0  # a replica discovery removed is forgotten after this long
     max_cached_tokens: int = 16_000_000  # incremental tokenizer cache bound
 
     def __post_init__(self) -> None:
@@ -210,6 +216,7 @@ class KVState:
         self._calls = 0
         self.gap_ewma: float | None = None  # mean gap between calls over every session
         self._gone: dict[str, None] = {}  # removed by discovery and not back (insertion order)
+        self._leaving: dict[str, float] = {}  # removed by discovery, not forgotten yet: since
 
     # ---- lifetime (the caller pairs these in an aiohttp cleanup context) --------------------
 
@@ -228,8 +235,8 @@ class KVState:
         for url, ep in self.cfg.events_connect.items():
             sub.connect(ep, url, self.cfg.replay.get(url))
         for url, ep in self.cfg.replay.items():
-            if url not in self.cfg.events_connect:
-                sub.add_replica(url, ep)
+            if url not in self.cfg.events_connect:  # bind mode: indexed from its first batch
+                sub.expect_replica(url, ep)
         for url in self._gone:  # removed by discovery before the subscriber existed
             sub.remove_replica(url)
         self.subscriber = sub
@@ -260,18 +267,28 @@ class KVState:
         self.replicas_changed(frozenset(r.name for r in replicas), frozenset())
 
     def replicas_changed(self, added: frozenset[str], removed: frozenset[str]) -> None:
-        """A :class:`router.replicas.ReplicaSet` listener: forget removed replicas, expect
-        (re-)added ones."""
+        """A :class:`router.replicas.ReplicaSet` listener: removed replicas are forgotten once
+        they have stayed away ``forget_after_s`` (at once when it is 0); (re-)added ones are
+        expected again."""
+        now = self.clock()
         for name in removed:
-            self.forget_replica(name)
+            self._leaving.setdefault(name, now)
         for name in added:
+            if self._leaving.pop(name, None) is not None:
+                continue  # back before it was forgotten: everything about it still holds
             self._gone.pop(name, None)
-            if self.subscriber is None:
-                continue
-            try:
-                self.subscriber.add_replica(name, self.cfg.replay.get(name))
-            except BlockIndexError as e:
-                log.warning("kv: cannot index replica %s: %s", name, e)
+            if self.subscriber is not None:  # no index entry: that waits for its events
+                self.subscriber.expect_replica(name, self.cfg.replay.get(name))
+        self.expire_removed(now)
+
+    def expire_removed(self, now: float | None = None) -> None:
+        """Forget the replicas discovery removed at least ``forget_after_s`` ago."""
+        if not self._leaving:
+            return
+        now = self.clock() if now is None else now
+        for name in [n for n, t in self._leaving.items() if now - t >= self.cfg.forget_after_s]:
+            del self._leaving[name]
+            self.forget_replica(name)
 
     def forget_replica(self, name: str) -> None:
         """Drop everything known about ``name``: its blocks (index and approximate mode), its
@@ -287,6 +304,8 @@ class KVState:
         for fp in self.sessions.values():
             if fp.replica == name:
                 fp.replica = None
+        self._leaving.pop(name, None)
+        self._gone.pop(name, None)  # to the end: the newest removal is kept longest
         self._gone[name] = None
         while len(self._gone) > MAX_GONE:
             del self._gone[next(iter(self._gone))]
@@ -429,6 +448,7 @@ class KVState:
 
     def sweep(self) -> None:
         now = self.clock()
+        self.expire_removed(now)
         ttl = self.cfg.session_idle_ttl_s
         for k in [
             k
@@ -440,6 +460,7 @@ class KVState:
     # ---- the read-only view -------------------------------------------------------------------
 
     def view(self) -> KVView:
+        self.expire_removed()
         return KVView(self)
 
 
@@ -519,12 +540,16 @@ class KVView:
         # a session that has not shown a gap yet is expected to behave like the others: with
         # no prior at all a one-call session (Mooncake-style traffic) would look certain to
         # return forever, and its KV could never be evicted without harm
-        prior = self._st.gap_ewma or self._st.cfg.default_gap_s
+        ewma = self._st.gap_ewma
+        prior = self._st.cfg.default_gap_s if ewma is None else max(ewma, MIN_GAP_S)
         for s in self._st.sessions.values():
             if s.replica != replica or s.key == exclude or not s.tokens:
                 continue
             idle = 0.0 if s.last_end is None else max(self.now - s.last_end, 0.0)
-            gap = s.mean_gap() or prior
+            gap = s.mean_gap()
+            # a measured 0 is a real gap (back-to-back calls), not a missing one; but
+            # p_return_after reads a gap <= 0 as "unknown: P(return) = 1 forever"
+            gap = prior if gap is None else max(gap, MIN_GAP_S)
             p = p_return_after(idle, gap, s.final)
             pinned = s.inflight > 0 or s.children_inflight > 0
             warm.append(WarmSession(s.key, s.tokens, idle, p, pinned))

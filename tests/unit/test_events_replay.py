@@ -76,6 +76,22 @@ class ReplayServer:
         self.sock.close(0)
 
 
+class SocketLog:
+    """Stands in for the subscriber's context and remembers every socket it made."""
+
+    def __init__(self, ctx: zmq.asyncio.Context):
+        self.ctx = ctx
+        self.made: list[zmq.asyncio.Socket] = []
+
+    def socket(self, kind: int) -> zmq.asyncio.Socket:
+        s = self.ctx.socket(kind)
+        self.made.append(s)
+        return s
+
+    def replay_sockets(self) -> list[zmq.asyncio.Socket]:
+        return [s for s in self.made if s.type == zmq.DEALER]
+
+
 async def until(pred, sub: KVEventSubscriber, limit_s: float = 5.0):
     async with asyncio.timeout(limit_s):
         while not pred():
@@ -152,7 +168,8 @@ async def test_late_replay_fills_the_gap_then_buffered_batches_follow_in_order(z
 async def test_buffer_overflow_abandons_the_replay_and_keeps_order(zctx):
     ix = BlockIndex()
     sub = KVEventSubscriber(ix, replay_timeout_s=30.0, max_buffered_batches=2, ctx=zctx)
-    rep = ReplayServer(zctx)  # never released
+    socks = sub.ctx = SocketLog(zctx)  # type: ignore[assignment]
+    rep = ReplayServer(zctx, {1: msg("a", 1, stored(99))})  # not released until the end
     sub.add_replica("a", rep.endpoint)
     await sub.handle(msg("a", 0, stored(1)))
     await sub.handle(msg("a", 2, stored(2)))  # gap
@@ -167,8 +184,12 @@ async def test_buffer_overflow_abandons_the_replay_and_keeps_order(zctx):
     assert ix.state("a").stale  # nothing was replayed
     st = sub.stats.streams[("a", 0)]
     assert (st.last_seq, st.abandoned, st.replayed) == (5, 1, 0)
-    await asyncio.sleep(0)
-    assert task.cancelled() or task.done()
+    (dealer,) = socks.replay_sockets()
+    await asyncio.wait({task}, timeout=5)
+    assert task.cancelled() and dealer.closed  # the abandoned replay was cancelled
+    rep.release.set()  # its answer now finds nobody: nothing of it is applied
+    await asyncio.sleep(0.1)
+    assert not ix.holds("a", 99) and ix.snapshot()["a"]["GPU"] == {1, 2, 5}
     await sub.close()
     await rep.close()
 
@@ -176,21 +197,33 @@ async def test_buffer_overflow_abandons_the_replay_and_keeps_order(zctx):
 async def test_close_and_removal_cancel_replays_in_flight(zctx):
     ix = BlockIndex()
     sub = KVEventSubscriber(ix, replay_timeout_s=30.0, ctx=zctx)
-    ra, rb = ReplayServer(zctx), ReplayServer(zctx)
+    socks = sub.ctx = SocketLog(zctx)  # type: ignore[assignment]
+    # each would answer with a batch that fills the gap, once released
+    ra = ReplayServer(zctx, {s: msg("a", s, stored(50 + s)) for s in range(3)})
+    rb = ReplayServer(zctx, {s: msg("b", s, stored(60 + s)) for s in range(3)})
     sub.add_replica("a", ra.endpoint)
     sub.add_replica("b", rb.endpoint)
     await sub.handle(msg("a", 3, stored(1)))  # first message not seq 0: gap
     await sub.handle(msg("b", 3, stored(1)))
     await until(lambda: ra.asked == [0] and rb.asked == [0], sub)
     task_a, task_b = sorted(sub._replays, key=lambda t: t.get_name())
+    dealer_a, dealer_b = socks.replay_sockets()  # a's gap came first
     sub.remove_replica("a")
     await asyncio.sleep(0)
-    assert task_a.cancelled() and not sub.resyncing("a") and "a" not in ix.replicas()
+    assert task_a.cancelled() and dealer_a.closed and not dealer_b.closed
+    assert not sub.resyncing("a") and "a" not in ix.replicas()
     await sub.handle(msg("a", 4, stored(2)))  # ignored: removed
     assert sub.stats.ignored_removed == 1
+    sub.expect_replica("a")  # back, and its old replay now answers: too late to count
+    ra.release.set()
+    await asyncio.sleep(0.1)
+    assert "a" not in ix.replicas() and ra.asked == [0]
     t0 = time.monotonic()
     await sub.close()
-    assert time.monotonic() - t0 < 1.0 and task_b.cancelled()
+    assert time.monotonic() - t0 < 1.0 and task_b.cancelled() and dealer_b.closed
+    rb.release.set()  # b's answer after close() applies nothing either
+    await asyncio.sleep(0.1)
+    assert not ix.snapshot()["b"]["GPU"]  # neither the replay nor the batch held for it
     await ra.close(), await rb.close()
 
 

@@ -1,8 +1,9 @@
 """Discovery changes reach the KV layer: ReplicaSet listeners -> KVState.
 
-A replica that discovery removes leaves the block index, approximate mode, the event
-subscriber (its events are ignored) and sessions' homes; one that comes back is expected
-again and its new events are applied. Everything in-process (``handle()`` and ``inproc://``).
+A replica that discovery removes (and that stays away ``forget_after_s``) leaves the block
+index, approximate mode, the event subscriber (its events are ignored) and sessions' homes;
+one that comes back is expected again and its new events are applied, but has no index entry
+(approximate mode) until they arrive. Everything in-process (``handle()`` and ``inproc://``).
 """
 
 from __future__ import annotations
@@ -49,8 +50,26 @@ def ctx_for(session: str = "s") -> RequestContext:
 
 
 @pytest.fixture
+async def started():
+    """``await started(cfg, **kw)``: a started KVState, closed at the end even if the test
+    fails (a subscriber left open hangs the run)."""
+    made: list[KVState] = []
+
+    async def make(cfg: KVConfig, **kw) -> KVState:
+        st = KVState(cfg, profile=PROF, **kw)
+        made.append(st)
+        await st.start()
+        return st
+
+    yield make
+    for st in made:
+        await st.close()
+
+
+@pytest.fixture
 async def kv():
-    cfg = KVConfig(block_size=BS, profile=PROF.name, events_bind="inproc://kv-disc", topics=TOPICS)
+    cfg = KVConfig(block_size=BS, profile=PROF.name, events_bind="inproc://kv-disc",
+                   topics=TOPICS, forget_after_s=0)  # fmt: skip
     st = KVState(cfg, profile=PROF, clock=lambda: 1000.0)
     await st.start()
     yield st
@@ -65,10 +84,95 @@ def test_replica_set_tells_listeners_what_entered_and_left():
     rs.set_source("static", [A, B + "/"])
     rs.set_source("dns:0", [B])  # already there from another source: no change
     rs.set_source("static", [B])
-    rs.set_source("static", [])  # B leaves with its owner (the set holds one entry per URL)
-    rs.set_source("dns:0", [B])  # ... and comes back from the other source
-    assert seen == [({A, B}, set()), (set(), {A}), (set(), {B}), ({B}, set())]
-    assert [r.name for r in rs] == [B]
+    b = rs.get(B)
+    rs.set_source("static", [])  # dns:0 still lists B: it stays, same entry (breaker, load)
+    assert rs.get(B) is b and b.source == "dns:0" and rs.sources(B) == {"dns:0"}
+    rs.set_source("dns:0", [B])  # no change
+    assert seen == [({A, B}, set()), (set(), {A})]
+    rs.set_source("static", [B])
+    rs.set_source("dns:0", [])  # static lists it again: still no change
+    rs.set_source("static", [])  # now nobody does: B leaves
+    assert seen == [({A, B}, set()), (set(), {A}), (set(), {B})]
+    assert list(rs) == [] and rs.sources(B) == set()
+
+
+async def test_a_url_two_sources_list_keeps_its_kv_state_when_one_drops_it(kv):
+    rs = ReplicaSet()
+    rs.set_source("static", [A])
+    rs.set_source("dns:0", [A])
+    kv.watch(rs)
+    await kv.subscriber.handle(msg("kv@a", 0, KEYS))
+    kv.sessions["t/s"] = SessionFootprint("t/s", replica=A, tokens=len(KEYS) * BS)
+    for _ in range(3):  # each source's refresh: dns:0 still lists A, then static again
+        rs.set_source("static", [])
+        kv.view()
+        rs.set_source("static", [A])
+    assert kv.index.match(KEYS)[A].depth == len(KEYS) and kv.sessions["t/s"].replica == A
+    await kv.subscriber.handle(msg("kv@a", 1, [1]))  # its stream goes on, no gap
+    assert kv.subscriber.stats.ignored_removed == 0 and not kv.index.state(A).stale
+
+
+async def test_replica_without_an_event_stream_stays_approximate(started):
+    """events_connect lists only A: B (discovered, never sending events) is not in the index
+    and scorers use approximate mode for it; A keeps its connect-mode start-up entry."""
+    st = await started(KVConfig(block_size=BS, events_connect={A: "inproc://kv-disc-pub-a"}))
+    rs = ReplicaSet()
+    rs.set_source("static", [A, B])
+    st.watch(rs)
+    view = st.view()
+    assert B not in st.index.replicas() and view.source(B) == "approx"
+    assert view.source(A) == "events" and st.index.view().blocks(A)["GPU"] == 0
+    st.profile(B)
+    st.approx.record(B, KEYS)
+    assert view.match(KEYS, [A, B])[B].depth == len(KEYS)  # from routing history
+    rs.set_source("static", [A])
+    rs.set_source("static", [A, B])  # removed and back: still no index entry
+    assert B not in st.index.replicas() and st.view().source(B) == "approx"
+
+
+async def test_readded_replica_whose_first_batch_is_not_seq_0_is_stale(kv):
+    rs = ReplicaSet()
+    rs.set_source("static", [A])
+    kv.watch(rs)
+    await kv.subscriber.handle(msg("kv@a", 0, [1]))
+    rs.set_source("static", [])
+    rs.set_source("static", [A])
+    assert A not in kv.index.replicas()
+    await kv.subscriber.handle(msg("kv@a", 1, [2]))  # the stream went on: what came before?
+    assert kv.index.state(A).stale and kv.view().source(A) == "approx"
+
+
+async def test_a_short_absence_forgets_nothing_a_long_one_forgets_all(started):
+    now = [1000.0]
+    cfg = KVConfig(block_size=BS, events_bind="inproc://kv-disc-4", topics=TOPICS)
+    assert cfg.forget_after_s == 30.0
+    st = await started(cfg, clock=lambda: now[0])
+    rs = ReplicaSet()
+    rs.set_source("k8s", [A, B])
+    st.watch(rs)
+    await st.subscriber.handle(msg("kv@a", 0, KEYS))
+    st.sessions["t/s"] = SessionFootprint("t/s", replica=A, tokens=len(KEYS) * BS)
+
+    rs.set_source("k8s", [B])  # a readiness blip
+    now[0] += 10
+    st.view()
+    assert st.index.match(KEYS)[A].depth == len(KEYS)  # not forgotten yet
+    rs.set_source("k8s", [A, B])  # back within forget_after_s: everything still holds
+    now[0] += 60
+    st.view()
+    assert st.index.match(KEYS)[A].depth == len(KEYS) and st.sessions["t/s"].replica == A
+    await st.subscriber.handle(msg("kv@a", 1, [1]))  # its stream simply goes on
+    assert not st.index.state(A).stale and st.subscriber.stats.ignored_removed == 0
+
+    rs.set_source("k8s", [B])  # gone for good
+    now[0] += 29
+    st.view()
+    assert A in st.index.replicas()
+    now[0] += 1
+    st.view()  # forget_after_s has passed: forgotten at the next look
+    assert A not in st.index.replicas() and st.sessions["t/s"].replica is None
+    await st.subscriber.handle(msg("kv@a", 2, [2]))
+    assert st.subscriber.stats.ignored_removed == 1
 
 
 async def test_removal_forgets_replica_everywhere_and_readd_accepts_events(kv):
@@ -105,8 +209,7 @@ async def test_removal_forgets_replica_everywhere_and_readd_accepts_events(kv):
     assert kv.sessions["t/s"].replica is None and A not in kv.approx.match(KEYS)
 
     rs.set_source("static", [A, B])  # A is back (say, a new pod at the same address)
-    assert A in kv.index.replicas() and not kv.index.state(A).stale
-    assert kv.index.view().blocks(A)["GPU"] == 0
+    assert A not in kv.index.replicas() and kv.view().source(A) == "approx"  # until events
     await sub.handle(msg("kv@a", 0, [7, 8]))  # its publisher starts from seq 0 again
     assert kv.index.holds(A, 8) == ("GPU",) and not kv.index.state(A).stale
     await sub.handle(msg("kv@a", 1, [9]))
@@ -118,7 +221,7 @@ async def test_removal_forgets_replica_everywhere_and_readd_accepts_events(kv):
 
 async def test_readded_replica_uses_its_configured_replay_endpoint():
     cfg = KVConfig(block_size=BS, events_bind="inproc://kv-disc-2", topics=TOPICS,
-                   replay={A: "inproc://replay-a"})  # fmt: skip
+                   replay={A: "inproc://replay-a"}, forget_after_s=0)  # fmt: skip
     st = KVState(cfg, profile=PROF)
     await st.start()
     router = st.subscriber.ctx.socket(zmq.ROUTER)  # inproc: the subscriber's own context
@@ -155,8 +258,8 @@ async def test_lifespan_follows_the_app_replica_set():
     from router.app import REPLICAS, build_app
     from router.config import RouterConfig
 
-    st = KVState(KVConfig(block_size=BS, events_bind="inproc://kv-disc-3", topics=TOPICS),
-                 profile=PROF)  # fmt: skip
+    st = KVState(KVConfig(block_size=BS, events_bind="inproc://kv-disc-3", topics=TOPICS,
+                          forget_after_s=0), profile=PROF)  # fmt: skip
     app = build_app(RouterConfig(replicas=[A, B]))
     app[REPLICAS].set_source("static", [A, B])  # what the replicas context does first
     life = st.lifespan(app)
