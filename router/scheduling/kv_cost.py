@@ -10,8 +10,8 @@ Algorithm, per candidate replica r (all in seconds, :func:`costmodel.placement.p
    cost to bring it back; parents with children in flight are pinned, never evicted)
    + reserved load of paced agents (sessions between calls whose KV lives on r)
    + congestion (this call's prefill compute × calls already waiting on r)
-   + interference (the requests decoding on r stall for this call's prefill, then decode
-   slower while its KV is read with theirs);
+   + interference (the requests decoding on r share their steps with this call's prefill
+   chunks, which run longer, then decode slower while its KV is read with theirs);
 3. session prior with hysteresis: the replica that holds the session (``snap.session.replica``)
    gets ``margin = hysteresis_s + hysteresis_frac · cost`` taken off, so the session moves
    only when another replica is cheaper by more than that;
