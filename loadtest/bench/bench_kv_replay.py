@@ -35,7 +35,7 @@ async def _point(
     from router.tokens import ModelTokenizer
 
     st = KVState(
-        KVConfig(block_size=prof.block_size, events_bind="tcp://127.0.0.1:0"),
+        KVConfig(block_size=prof.block_size, events_bind="tcp://127.0.0.1:0", time_scale=speedup),
         tokenizer=ModelTokenizer.from_dir(tinymodel.ensure()),
         profile=prof,
     )

@@ -113,6 +113,7 @@ def run_point(
             block_size=_block_size(cfg.profile),
             model=cfg.model,
             profile=cfg.profile,
+            speedup=cfg.speedup,
         )
         with router:
             rcfg = ReplayConfig(

@@ -169,6 +169,7 @@ class Router:
     model: str = "tiny"
     profile: str = "h200-70b-fp8"
     model_dir: str | None = None  # the twins' tokenizer folder (kvroute's KV layer)
+    speedup: float = 1.0  # the twins' --speedup (kvroute's KV layer calibrates in profile time)
     port: int = 0
     extra_args: list[str] = field(default_factory=list)  # appended to the router's argv
     _proc: ManagedProcess | None = None
@@ -229,6 +230,7 @@ class Router:
             "KVROUTE_KV_BLOCK_SIZE": str(self.block_size),
             "KVROUTE_KV_PROFILE": self.profile,
             "KVROUTE_KV_EVENTS_CONNECT": json.dumps(self.event_endpoints),
+            "KVROUTE_KV_TIME_SCALE": repr(self.speedup),  # calibrate in profile seconds
         }
 
     def start(self, timeout_s: float = 60.0) -> Router:

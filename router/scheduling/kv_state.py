@@ -67,11 +67,14 @@ class KVConfig:
     expected_output_tokens: int = 400  # until a session has shown its own
     default_gap_s: float = 18.0  # gap between calls until any session has shown one
     forget_after_s: float = 30.0  # a replica discovery removed is forgotten after this long
+    time_scale: float = 1.0  # replicas run this many times faster than the profile (twins)
     max_cached_tokens: int = 16_000_000  # incremental tokenizer cache bound
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be positive")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> KVConfig:
@@ -273,13 +276,15 @@ class KVState:
         now = self.clock()
         for name in removed:
             self._leaving.setdefault(name, now)
+        # first forget what has been away too long (an idle router may not have looked since),
+        # so a replica that comes back after its grace starts over instead of keeping stale state
+        self.expire_removed(now)
         for name in added:
             if self._leaving.pop(name, None) is not None:
                 continue  # back before it was forgotten: everything about it still holds
             self._gone.pop(name, None)
             if self.subscriber is not None:  # no index entry: that waits for its events
                 self.subscriber.expect_replica(name, self.cfg.replay.get(name))
-        self.expire_removed(now)
 
     def expire_removed(self, now: float | None = None) -> None:
         """Forget the replicas discovery removed at least ``forget_after_s`` ago."""
@@ -425,7 +430,10 @@ class KVState:
             ttft = outcome.get("ttft_s")
             if predicted and ttft and outcome.get("status") == "200":
                 modelled = predicted["model_ttft_s"]  # uncalibrated: the fit is absolute
-                self.calibrators.setdefault(replica, Calibrator()).observe_ttft(modelled, ttft, now)
+                # in profile seconds: replica twins run time_scale x faster than their profile
+                observed = ttft * self.cfg.time_scale
+                cal = self.calibrators.setdefault(replica, Calibrator())
+                cal.observe_ttft(modelled, observed, now)
         if fp.last_end is not None and fp.inflight == 0:
             start = now - float(outcome.get("duration_s") or 0.0)
             gap = max(start - fp.last_end, 0.0)

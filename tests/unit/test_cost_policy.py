@@ -310,3 +310,25 @@ def test_a_session_without_gaps_returns_like_the_population():
     assert st.gap_ewma == pytest.approx(60.0)
     idle = clock[0] - 1000.0  # "one" ended at t = 1000
     assert p_of("t/one") == pytest.approx(math.exp(-max(0.0, idle - 60.0) / 60.0), rel=1e-6)
+
+
+def test_calibration_of_sped_up_replicas_is_in_profile_seconds():
+    """Replica twins run ``speedup`` times faster than their profile: with time_scale set,
+    a twin that matches its profile exactly calibrates to scale 1, not 1/speedup."""
+    st = KVState(
+        KVConfig(block_size=BS, profile="h200-70b-fp8-offload", time_scale=10.0),
+        clock=lambda: 1000.0,
+    )
+    for r in ("A", "B"):
+        st.index.add_replica(r)
+    rng = __import__("random").Random(1)
+    for i in range(20):
+        c = ctx_for(session=f"s{i}", keys=KEYS[: rng.randrange(50, N)])
+        c.request_id = f"r{i}"
+        KVCost().score(c, snap(st, [ep("A"), ep("B")], session=f"s{i}"), [ep("A"), ep("B")])
+        st.analyze(c)
+        raw = c.extra["kv_cost"]["A"]["model_ttft_s"]
+        st.observe(c, {"replica": "A", "status": "200", "ttft_s": raw / 10.0})
+    assert st.calibration("A").prefill_scale == pytest.approx(1.0, rel=0.05)
+    with pytest.raises(ValueError, match="time_scale"):
+        KVConfig(time_scale=0)

@@ -175,6 +175,23 @@ async def test_a_short_absence_forgets_nothing_a_long_one_forgets_all(started):
     assert st.subscriber.stats.ignored_removed == 1
 
 
+async def test_a_replica_back_after_its_grace_starts_over_even_if_nobody_looked(started):
+    """An idle router (no view(), no sweep) must still forget a replica that was away longer
+    than forget_after_s when it comes back: its old blocks and session homes are stale."""
+    now = [1000.0]
+    cfg = KVConfig(block_size=BS, events_bind="inproc://kv-disc-grace", topics=TOPICS)
+    st = await started(cfg, clock=lambda: now[0])
+    rs = ReplicaSet()
+    rs.set_source("k8s", [A, B])
+    st.watch(rs)
+    await st.subscriber.handle(msg("kv@a", 0, KEYS))
+    st.sessions["t/s"] = SessionFootprint("t/s", replica=A, tokens=len(KEYS) * BS)
+    rs.set_source("k8s", [B])
+    now[0] += 120  # four times the grace, and nothing looked in between
+    rs.set_source("k8s", [A, B])
+    assert A not in st.index.replicas() and st.sessions["t/s"].replica is None
+
+
 async def test_removal_forgets_replica_everywhere_and_readd_accepts_events(kv):
     rs = ReplicaSet()
     rs.set_source("static", [A, B])
