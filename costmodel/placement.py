@@ -48,11 +48,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from costmodel.profiles import ReplicaProfile
 from costmodel.steptime import (
     decode_step_time,
     load_time,
+    prefill_chunk_tokens,
     prefill_stall_time,
     request_prefill_time,
 )
@@ -178,9 +180,7 @@ def _r(x: float | None) -> float | None:
 
 def prefill_throughput(profile: ReplicaProfile) -> float:
     """Tokens/s of back-to-back full prefill chunks at the start of a context."""
-    chunk = profile.max_num_batched_tokens
-    if 0 < profile.long_prefill_token_threshold < chunk:
-        chunk = profile.long_prefill_token_threshold
+    chunk = prefill_chunk_tokens(profile)
     return chunk / request_prefill_time(profile, chunk)
 
 
@@ -195,19 +195,31 @@ def queue_time(
     return scale * queued_prefill_tokens / prefill_throughput(profile)
 
 
+class Segments(NamedTuple):
+    """What :func:`segment_costs` found for one call on one replica."""
+
+    seconds: float
+    load_s: dict[str, float]
+    recompute_s: dict[str, float]
+    chose: dict[str, str]  # tier -> "load" | "recompute"
+    tail_prefill_s: float
+    computed_tokens: int  # prompt tokens prefilled there: recomputed segments + the tail
+
+
 def segment_costs(
     profile: ReplicaProfile, call: CallShape, *, overlap: float = 1.0, scale: float = 1.0
-) -> tuple[float, dict[str, float], dict[str, float], dict[str, str], float]:
+) -> Segments:
     """Σ min(load, recompute) over the prompt's lower-tier segments plus the tail prefill.
 
-    Returns ``(seconds, load_s, recompute_s, chose, tail_prefill_s)``. Loads overlap the
-    compute that follows them: ``time = compute + max(0, loads − overlap·compute)``.
+    Loads overlap the compute that follows them:
+    ``time = compute + max(0, loads − overlap·compute)``.
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError("overlap must be in [0, 1]")
     bs = profile.block_size
     pos = min(call.gpu_blocks * bs, call.prompt_tokens)
     loads = compute = 0.0
+    computed = 0
     load_s: dict[str, float] = {}
     rec_s: dict[str, float] = {}
     chose: dict[str, str] = {}
@@ -223,13 +235,15 @@ def segment_costs(
             chose[tier] = "load"
         else:
             compute += rt
+            computed += n
             chose[tier] = "recompute"
         pos += n
     # vLLM always recomputes at least the last prompt token
     tail = max(call.prompt_tokens - pos, 1 if call.prompt_tokens else 0)
     tail_s = scale * request_prefill_time(profile, tail, min(pos, call.prompt_tokens - tail))
     compute += tail_s
-    return compute + max(0.0, loads - overlap * compute), load_s, rec_s, chose, tail_s
+    seconds = compute + max(0.0, loads - overlap * compute)
+    return Segments(seconds, load_s, rec_s, chose, tail_s, computed + tail)
 
 
 def decode_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad) -> float | None:
@@ -343,7 +357,7 @@ def placement_cost(
 ) -> CostTerms:
     """Every term of placing ``call`` on a replica of ``profile`` in state ``load``."""
     queue = queue_time(profile, load.queued_prefill_tokens, load.prefill_scale)
-    fetch, load_s, rec_s, chose, tail_s = segment_costs(
+    fetch, load_s, rec_s, chose, tail_s, computed = segment_costs(
         profile, call, overlap=overlap, scale=load.prefill_scale
     )
     fetch += load.ttft_offset_s
@@ -357,7 +371,7 @@ def placement_cost(
         if load.pending_calls is None
         else congestion_weight * compute * max(load.pending_calls, 0.0)
     )
-    inter = interference(profile, call, load, _computed_tokens(profile, call, chose))
+    inter = interference(profile, call, load, computed)
     return CostTerms(
         queue_s=queue,
         fetch_or_recompute_s=fetch,
@@ -372,17 +386,6 @@ def placement_cost(
         tail_prefill_s=tail_s,
         evicted=evicted,
     )
-
-
-def _computed_tokens(profile: ReplicaProfile, call: CallShape, chose: dict[str, str]) -> int:
-    """Prompt tokens the replica computes for ``call``: the uncached tail plus the lower-tier
-    segments recomputed rather than loaded (at least the last token, as vLLM does)."""
-    bs = profile.block_size
-    n = call.prompt_tokens - min(call.gpu_blocks * bs, call.prompt_tokens)
-    for tier, blocks in (("cpu", call.cpu_blocks), ("storage", call.storage_blocks)):
-        if chose.get(tier) == "load":
-            n -= min(blocks * bs, n)
-    return max(n, 1 if call.prompt_tokens else 0)
 
 
 def p_return_after(idle_s: float, mean_gap_s: float | None, final: bool) -> float:

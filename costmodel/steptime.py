@@ -162,23 +162,20 @@ def load_time(profile: ReplicaProfile, n_blocks: int, tier: str) -> float:
     return hw.storage_latency_s + nbytes / hw.storage_bw
 
 
-def request_prefill_time(profile: ReplicaProfile, new_tokens: int, cached_tokens: int = 0) -> float:
-    """Wall time of prefilling one request alone on an idle replica: chunks of
-    ``max_num_batched_tokens`` (or ``long_prefill_token_threshold`` when set), each a full
-    engine step with its overhead and weight reads."""
-    _check(new_tokens, "new_tokens")
-    _check(cached_tokens, "cached_tokens")
+def prefill_chunk_tokens(profile: ReplicaProfile) -> int:
+    """Prompt tokens one engine step prefills at most: ``max_num_batched_tokens``, or
+    ``long_prefill_token_threshold`` when that is set and smaller."""
     chunk = profile.max_num_batched_tokens
     if 0 < profile.long_prefill_token_threshold < chunk:
         chunk = profile.long_prefill_token_threshold
-    c = coefficients(profile)
-    t, done = 0.0, 0
-    while done < new_tokens:
-        n = min(chunk, new_tokens - done)
-        ctx = cached_tokens + done
-        t += c.step(n, attended_pairs(n, ctx), ctx)
-        done += n
-    return t
+    return chunk
+
+
+def request_prefill_time(profile: ReplicaProfile, new_tokens: int, cached_tokens: int = 0) -> float:
+    """Wall time of prefilling one request alone on an idle replica: chunks of
+    :func:`prefill_chunk_tokens`, each a full engine step with its overhead and weight reads
+    (:func:`prefill_stall_time` with no decoders)."""
+    return prefill_stall_time(profile, new_tokens, cached_tokens, 0, 0.0)
 
 
 def prefill_stall_time(
@@ -191,15 +188,14 @@ def prefill_stall_time(
     """What prefilling ``new_tokens`` (after ``cached_tokens``) adds to the steps of a
     replica that is decoding ``decode_batch`` requests holding ``decode_context_tokens``:
     chunked prefill runs the decoders in the same steps as the chunks, so each chunk costs them
-    ``step(chunk + decodes) − step(decodes alone)``, summed over the chunks."""
+    ``step(chunk + decodes) − step(decodes alone)``, summed over the chunks. With no
+    decoders that is the prefill's own wall time (:func:`request_prefill_time`)."""
     _check(new_tokens, "new_tokens")
     _check(cached_tokens, "cached_tokens")
     _check(decode_batch, "decode_batch")
     _check(decode_context_tokens, "decode_context_tokens")
-    chunk = profile.max_num_batched_tokens
-    if 0 < profile.long_prefill_token_threshold < chunk:
-        chunk = profile.long_prefill_token_threshold
-    chunk = max(chunk - decode_batch, 1)  # the decoders' tokens share the step's budget
+    # the decoders' tokens share the step's budget
+    chunk = max(prefill_chunk_tokens(profile) - decode_batch, 1)
     c = coefficients(profile)
     d = float(decode_context_tokens)
     alone = c.step(decode_batch, d, d) if decode_batch else 0.0

@@ -19,12 +19,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.runner import ReplayConfig, replay
 from loadtest.sweep.stack import PEERS, Router, StackError, TwinCluster, cleanup, needs_events
 from loadtest.traces import load_trace
+
+if TYPE_CHECKING:
+    from costmodel.profiles import ReplicaProfile
 
 
 @dataclass
@@ -61,22 +64,10 @@ def machine() -> str:
     )
 
 
-def _block_size(profile: str) -> int:
+def _profile(name: str) -> ReplicaProfile:
     from costmodel.profiles import load_profile
 
-    return int(load_profile(profile).block_size)
-
-
-def _gpus_per_replica(profile: str) -> int:
-    from costmodel.profiles import load_profile
-
-    return int(load_profile(profile).gpus)
-
-
-def _max_model_len(profile: str) -> int:
-    from costmodel.profiles import load_profile
-
-    return int(load_profile(profile).model.max_model_len)
+    return load_profile(name)
 
 
 def notes_for(cfg: SweepConfig, trace_block: int, block: int, tpi: int) -> list[str]:
@@ -110,7 +101,7 @@ def run_point(
             cluster.urls,
             cluster.workdir,
             event_endpoints=cluster.event_endpoints,
-            block_size=_block_size(cfg.profile),
+            block_size=_profile(cfg.profile).block_size,
             model=cfg.model,
             profile=cfg.profile,
             speedup=cfg.speedup,
@@ -124,7 +115,7 @@ def run_point(
                 grace_s=cfg.grace_s,
                 time_scale=cfg.speedup,
                 speedup=cfg.speedup,
-                gpus=cfg.replicas * _gpus_per_replica(cfg.profile),
+                gpus=cfg.replicas * _profile(cfg.profile).gpus,
                 open_loop=cfg.open_loop,
                 convention=PEERS[target][2] if target in PEERS else cfg.convention,
                 metrics_urls=cluster.metrics_urls,
@@ -159,9 +150,9 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
         max_gap_s=cfg.max_gap_s,
         seed=cfg.seed,
     )
-    block = _block_size(cfg.profile)
+    block = _profile(cfg.profile).block_size
     # Prompts longer than the profile's context are cut (from the end) to fit with the output.
-    mml = _max_model_len(cfg.profile)
+    mml = _profile(cfg.profile).max_model_len
     max_prompt = cfg.max_prompt_tokens or mml - min(8192, mml // 4)
     builder = PromptBuilder(
         tinymodel.ensure(),

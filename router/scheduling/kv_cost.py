@@ -162,7 +162,7 @@ class KVCost:
             # the same TTFT terms before calibration: what the calibrator must fit against
             # (fitting the calibrated figure would fit the calibration against itself)
             raw_queue = queue_time(prof, load.queued_prefill_tokens) or 0.0
-            raw_fetch = segment_costs(prof, call, overlap=self.overlap)[0]
+            raw_fetch = segment_costs(prof, call, overlap=self.overlap).seconds
             res[e.name] = (
                 terms,
                 {

@@ -65,7 +65,7 @@ def test_queue_negative_is_an_error():
     ],
 )
 def test_fetch_or_recompute_segments(call, chose, approx):
-    s, load_s, rec_s, got_chose, tail_s = segment_costs(OFF, call)
+    s, load_s, rec_s, got_chose, tail_s, _ = segment_costs(OFF, call)
     assert got_chose == chose
     if approx is not None:
         assert s == pytest.approx(approx)
@@ -83,14 +83,14 @@ def test_slow_storage_tier_is_recomputed_when_cheaper():
         )
     )
     call = CallShape(4 * BS, storage_blocks=2)
-    _, load_s, rec_s, chose, _ = segment_costs(slow, call)
+    _, load_s, rec_s, chose, _, _ = segment_costs(slow, call)
     assert chose == {"storage": "recompute"} and load_s["storage"] > rec_s["storage"]
 
 
 @pytest.mark.parametrize(("overlap", "factor"), [(0.0, "sum"), (1.0, "max")])
 def test_overlap_of_loads_with_compute(overlap, factor):
     call = CallShape(CTX, cpu_blocks=NB // 2)
-    s, load_s, _, _, tail_s = segment_costs(OFF, call, overlap=overlap)
+    s, load_s, _, _, tail_s, _ = segment_costs(OFF, call, overlap=overlap)
     want = tail_s + load_s["cpu"] if factor == "sum" else max(tail_s, load_s["cpu"])
     assert s == pytest.approx(want)
 
