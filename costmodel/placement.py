@@ -65,7 +65,7 @@ class CallShape:
     """The call being placed, as seen against one replica's cache.
 
     ``gpu_blocks``/``cpu_blocks``/``storage_blocks``: the replica's matched prefix split by
-    fastest tier (:class:`router.index.TierDepth`), in blocks of the profile's block size.
+    fastest tier (:class:`router.kv.index.TierDepth`), in blocks of the profile's block size.
     """
 
     prompt_tokens: int

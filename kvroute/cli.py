@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the router in front of vLLM replicas"),
     "twin": ("loadtest.twin.twin_cli", "run one simulated vLLM replica (the replica twin)"),
     "cluster": ("loadtest.twin.cluster_cli", "run N replica twins in one process"),
-    "sim": ("loadtest.twin.sim_cli", "simulate a routing policy on N replicas (no HTTP)"),
+    "sim": ("loadtest.sim.cli", "simulate a routing policy on N replicas (no HTTP)"),
     "replay": ("loadtest.replay.cli", "replay an agentic trace, write AgentX metrics"),
     "bench": ("loadtest.sweep.cli", "concurrency sweeps of routers on a twin cluster"),
     "demo": ("loadtest.demo", "the quick start: twins + kvroute + a real-trace replay"),

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from router.kvevents import EventBatch, EventDecodeError, decode_message
+from router.vllm.kvevents import EventBatch, EventDecodeError, decode_message
 
 VLLM_VERSION = "0.32.0"
 BED_ENV = "KVROUTE_BED_ID"

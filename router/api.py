@@ -2,8 +2,9 @@
 
 Owns: request validation (size, time to send the body, JSON, model), authentication
 (client API key -> tenant; admin key for ``/admin/*``), session bookkeeping around a call,
-and the admin views (replicas, sessions, ``/admin/route?explain=1``). Proxying itself is in
-:mod:`router.proxy`. Must not import torch, vllm or loadtest.
+and the admin views (replicas, sessions, ``/admin/route?explain=1``). A call's steps around
+the send are :class:`router.call.CallSequence`'s; the send itself is :mod:`router.proxy`'s.
+Must not import :mod:`router.app` (which imports this), torch, vllm or loadtest.
 
 Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
 ``/v1/messages`` and any other ``POST /v1/*`` (passthrough to a chosen replica);
@@ -23,25 +24,10 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router.app import (
-    CONFIG,
-    METRICS,
-    OBSERVERS,
-    PIPELINE,
-    PROMPT_ANALYZER,
-    REPLICAS,
-    RUNTIME,
-    STATE_PROVIDERS,
-    STORE,
-)
-from router.proxy import (
-    error_response,
-    forward,
-    observe_once,
-    request_id,
-    run_analyzer,
-    snapshot,
-)
+from router.errors import error_response, request_id
+from router.keys import CALLS, CONFIG, KV, METRICS, PIPELINE, REPLICAS, RUNTIME, STORE
+from router.outcome import CallOutcome
+from router.proxy import forward
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import NoCandidates
 from router.sessions import identify
@@ -118,7 +104,9 @@ async def _context(request: web.Request, route: str) -> tuple[bytes, RequestCont
     cfg = request.app[CONFIG]
     ident = identify(request.headers, body, tenant, cfg.prefix_chars)
     ctx = RequestContext(request_id(request.headers), route, body.get("model"), ident, body)
-    await run_analyzer(request.app, ctx)
+    pending = request.app[CALLS].analyze(ctx)
+    if pending is not None:
+        await pending
     return raw, ctx
 
 
@@ -144,7 +132,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             return await forward(request, ctx, raw, record, t0, route)
         finally:
             # a call that never got a complete answer (503, client gone, upstream failure)
-            observe_once(app, ctx, {"replica": None, "status": "not_completed"})
+            app[CALLS].finish(ctx, CallOutcome(None, "not_completed"))
             await store.end_call(ctx.identity.key, time.time())
     finally:
         rt.leave()
@@ -236,13 +224,14 @@ async def admin_sessions(request: web.Request) -> web.Response:
 @admin
 async def admin_config(request: web.Request) -> web.Response:
     app = request.app
-    providers: dict[str, Any] = app[STATE_PROVIDERS]
+    calls = app[CALLS]
     return web.json_response({
         "config": repr(app[CONFIG]),  # secrets masked
         "policy": app[PIPELINE].name,
-        "prompt_analyzer": app[PROMPT_ANALYZER] is not None,
-        "state_providers": sorted(providers),
-        "observers": len(app[OBSERVERS]),
+        "kv_layer": app[KV] is not None,
+        "prompt_analyzer": calls.analyzer is not None,
+        "state_providers": sorted(calls.state_providers),
+        "observers": len(calls.observers),
     })  # fmt: skip
 
 
@@ -256,15 +245,15 @@ async def admin_route(request: web.Request) -> web.Response:
         return r.response
     app = request.app
     record = await app[STORE].get(ctx.identity.key)
+    calls = app[CALLS]
     try:
-        d = app[PIPELINE].schedule(
-            ctx, snapshot(app, record), explain=request.query.get("explain") in ("1", "true")
-        )
+        d = calls.decide(ctx, app[REPLICAS].views(), record, dry_run=True,
+                         explain=request.query.get("explain") in ("1", "true"))  # fmt: skip
     except NoCandidates as e:
         return web.json_response({"winner": None, "filtered_out": e.removed_by}, status=503)
     finally:
         # undo what the analyzer counted for this request
-        observe_once(app, ctx, {"replica": None, "status": "dry_run"})
+        calls.finish(ctx, CallOutcome(None, "dry_run"))
     ident = ctx.identity
     out = {
         "winner": d.endpoint.name,

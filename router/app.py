@@ -1,13 +1,12 @@
 """The router's aiohttp application: typed state on the app, paired start-up/clean-up.
 
-Owns: the ``web.AppKey``s (no module singletons), :func:`build_app` (routes + cleanup
-contexts: HTTP client session, replica set and its monitors, session store) and
-:func:`start_site` which the CLI and the tests share. Handlers live in :mod:`router.api`,
-the streaming proxy in :mod:`router.proxy`. Must not import torch, vllm or loadtest.
-
-Extension points set on the app before it starts (see :mod:`router.scheduling`):
-``app[PROMPT_ANALYZER]`` (fill token ids / block keys), ``app[STATE_PROVIDERS]`` (named
-read-only snapshots for scorers) and ``app[OBSERVERS]`` (called after each proxied call).
+Owns: :func:`build_app` — routes, the call sequence (:class:`router.call.CallSequence`) and
+the cleanup contexts (HTTP client session, replica set and its monitors, session store, and
+the KV layer when one is given: ``build_app(cfg, kv=KVState(...))`` is the one place that
+installs it and subscribes it to the replica set) — plus :func:`start_site` and :func:`drain`,
+which the CLI and the tests share. The app's keys live in :mod:`router.keys`, handlers in
+:mod:`router.api`, the streaming proxy in :mod:`router.proxy`. Must not import torch, vllm or
+loadtest.
 """
 
 from __future__ import annotations
@@ -15,56 +14,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
+from router import api
+from router.call import CallSequence, Observer, PromptAnalyzer
 from router.config import RouterConfig
+from router.keys import (
+    CALLS,
+    CLIENT,
+    CONFIG,
+    KV,
+    METRICS,
+    MONITOR,
+    PIPELINE,
+    REPLICAS,
+    RUNTIME,
+    STORE,
+    Runtime,
+)
 from router.metrics import RouterMetrics
 from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
-from router.scheduling import RequestContext
-from router.scheduling.pipeline import Pipeline
 from router.scheduling.registry import build_pipeline
-from router.state import RedisStore, SessionStore, make_store
+from router.state import RedisStore, make_store
+
+if TYPE_CHECKING:
+    from router.kv.state import KVState
 
 log = logging.getLogger("kvroute")
 
-PromptAnalyzer = Callable[[RequestContext], Awaitable[None] | None]
-Observer = Callable[[RequestContext, dict[str, Any]], None]
-
-
-@dataclass
-class Runtime:
-    """Mutable service-level state: drain flag and the in-flight count it waits on."""
-
-    draining: bool = False
-    inflight: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def enter(self) -> None:
-        self.inflight += 1
-        self.idle.clear()
-
-    def leave(self) -> None:
-        self.inflight -= 1
-        if self.inflight == 0:
-            self.idle.set()
-
-
-CONFIG = web.AppKey("config", RouterConfig)
-METRICS = web.AppKey("metrics", RouterMetrics)
-REPLICAS = web.AppKey("replicas", ReplicaSet)
-MONITOR = web.AppKey("monitor", ReplicaMonitor)
-STORE = web.AppKey("store", SessionStore)
-PIPELINE = web.AppKey("pipeline", Pipeline)
-CLIENT = web.AppKey("client", aiohttp.ClientSession)
-RUNTIME = web.AppKey("runtime", Runtime)
-PROMPT_ANALYZER = web.AppKey("prompt_analyzer", object)  # PromptAnalyzer | None
-STATE_PROVIDERS = web.AppKey("state_providers", dict)  # name -> () -> snapshot
-OBSERVERS = web.AppKey("observers", list)  # [Observer]
+__all__ = ["build_app", "drain", "start_site"]
 
 
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -132,23 +114,40 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 def build_app(
     cfg: RouterConfig,
     *,
+    kv: KVState | None = None,
     analyzer: PromptAnalyzer | None = None,
     state_providers: dict[str, Callable[[], Any]] | None = None,
     observers: list[Observer] | None = None,
 ) -> web.Application:
-    from router import api
-
+    """The router app. ``kv`` installs the KV layer (its analyzer, its ``"kv"`` view, its
+    observer, and its event subscribers following the app's replica set); ``analyzer``,
+    ``state_providers`` and ``observers`` are the bare seams (tests, out-of-tree layers)."""
     app = web.Application(client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
     app[METRICS] = RouterMetrics()
     app[REPLICAS] = ReplicaSet(cfg.breaker_failures, cfg.breaker_cooldown_s)
-    app[PIPELINE] = build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)
+    pipeline = build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)
+    app[PIPELINE] = pipeline
+    providers = dict(state_providers or {})
+    obs = list(observers or [])
+    if kv is not None:
+        if analyzer is not None:
+            raise ValueError("give the KV layer or an analyzer, not both")
+        analyzer = kv.analyze
+        providers["kv"] = kv.view
+        obs.insert(0, kv.observe)
+    app[CALLS] = CallSequence(pipeline, analyzer=analyzer, state_providers=providers,
+                              observers=obs)  # fmt: skip
+    app[KV] = kv
     app[RUNTIME] = Runtime()
     app[RUNTIME].idle.set()
-    app[PROMPT_ANALYZER] = analyzer
-    app[STATE_PROVIDERS] = dict(state_providers or {})
-    app[OBSERVERS] = list(observers or [])
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, _store_ctx])
+    if kv is not None:  # ZMQ subscribers; follows the replica set the contexts above filled
+
+        def _kv_ctx(app: web.Application) -> AsyncIterator[None]:
+            return kv.lifespan(app[REPLICAS])
+
+        app.cleanup_ctx.append(_kv_ctx)
     api.add_routes(app)
     return app
 

@@ -2,7 +2,10 @@
 
 Owns: :class:`RouterConfig` and :func:`load_config`. Every field is settable three ways:
 a YAML key of the same name (``config.yaml``), an env var ``KVROUTE_<FIELD>`` (upper case)
-and a ``--field-name`` flag of ``kvroute serve``. Secrets (``upstream_api_key``,
+and a ``--field-name`` flag of ``kvroute serve``; the KV layer's settings are the typed
+``kv:`` mapping (:class:`router.kv.config.KVConfig`), with ``KVROUTE_KV_<KEY>`` env vars on
+top key by key — parsed here with the rest, so a bad ``kv:`` key fails at start-up.
+Secrets (``upstream_api_key``,
 ``admin_key``, ``api_keys``) never appear in ``repr``/logs. Pure: no sockets, no aiohttp.
 """
 
@@ -17,6 +20,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
+
+from router.kv.config import KVConfig
 
 SECRET_FIELDS = frozenset({"upstream_api_key", "admin_key", "api_keys"})
 
@@ -50,7 +55,7 @@ class RouterConfig:
     k8s_sa_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"  # token + ca.crt
     policy: str = "kv_cost"
     scheduling: dict[str, Any] | None = None  # explicit pipeline (overrides policy)
-    kv: dict[str, Any] | None = None  # KV-aware layer settings (router.scheduling.kv_state)
+    kv: KVConfig | None = None  # the KV layer (``kv:`` YAML mapping + KVROUTE_KV_* env)
     redis_url: str | None = None
     session_ttl_s: float = 3600.0
     redis_timeout_s: float = 0.25
@@ -108,6 +113,12 @@ def _coerce(name: str, value: Any) -> Any:
     f = _FIELDS[name]
     t = str(f.type)
     try:
+        if name == "kv":  # a mapping (typed by KVConfig.merged in load_config)
+            if isinstance(value, str):
+                value = yaml.safe_load(value)
+            if value is not None and not isinstance(value, (dict, KVConfig)):
+                raise TypeError("expected a mapping")
+            return value
         if t.startswith("list"):
             if isinstance(value, str):
                 return [v for v in (s.strip() for s in value.split(",")) if v]
@@ -179,6 +190,12 @@ def load_config(
         if v is None or (isinstance(v, list) and not v):
             continue
         values[name] = _coerce(name, v)
+    try:
+        kv = values.get("kv")
+        if not isinstance(kv, KVConfig):
+            values["kv"] = KVConfig.merged(kv, envmap)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config kv: {e}") from None
     cfg = RouterConfig(**values)
     cfg.validate()
     return cfg

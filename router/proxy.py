@@ -12,30 +12,19 @@ torch, vllm or loadtest; does not parse response bodies (observers may).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.app import (
-    CLIENT,
-    CONFIG,
-    METRICS,
-    OBSERVERS,
-    PIPELINE,
-    PROMPT_ANALYZER,
-    REPLICAS,
-    STATE_PROVIDERS,
-    STORE,
-)
-from router.scheduling import RequestContext, Snapshot
+from router.errors import error_response, sse_error_event
+from router.keys import CALLS, CLIENT, CONFIG, METRICS, REPLICAS, STORE
+from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_tail
+from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
 from router.state import SessionRecord
 
@@ -48,35 +37,6 @@ HOP_BY_HOP = frozenset({
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 BUFFERED_MAX = 4 << 20  # sized non-SSE responses up to this are read whole, then sent
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
-
-
-def error_body(route: str, status: int, message: str, etype: str) -> bytes:
-    """OpenAI-style error (Anthropic-style on /v1/messages)."""
-    if route == "/v1/messages":
-        return orjson.dumps({"type": "error", "error": {"type": etype, "message": message}})
-    return orjson.dumps(
-        {"error": {"message": message, "type": etype, "param": None, "code": status}}
-    )
-
-
-def error_response(
-    route: str,
-    status: int,
-    message: str,
-    etype: str = "invalid_request_error",
-    headers: Mapping[str, str] | None = None,
-) -> web.Response:
-    return web.Response(
-        status=status, body=error_body(route, status, message, etype),
-        content_type="application/json", headers=headers,
-    )  # fmt: skip
-
-
-def request_id(headers: Mapping[str, str]) -> str:
-    rid = headers.get("x-request-id", "")
-    if 0 < len(rid) <= 128 and rid.isprintable() and " " not in rid:
-        return rid
-    return uuid.uuid4().hex
 
 
 def _drop(headers: Mapping[str, str]) -> frozenset[str]:
@@ -103,40 +63,6 @@ def response_headers(headers: CIMultiDictProxy[str], rid: str) -> CIMultiDict[st
     out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
     out["X-Request-Id"] = rid
     return out
-
-
-def sse_error_event(route: str, message: str) -> bytes:
-    if route == "/v1/messages":
-        payload = orjson.dumps(
-            {"type": "error", "error": {"type": "api_error", "message": message}}
-        )
-        return b"event: error\ndata: " + payload + b"\n\n"
-    payload = orjson.dumps(
-        {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
-    )
-    return b"data: " + payload + b"\n\n"
-
-
-async def run_analyzer(app: web.Application, ctx: RequestContext) -> None:
-    fn = app[PROMPT_ANALYZER]
-    if fn is None:
-        return
-    try:
-        res = fn(ctx)  # type: ignore[operator]
-        if inspect.isawaitable(res):
-            await res
-    except Exception:
-        log.exception("prompt analyzer failed for %s; scheduling without it", ctx.request_id)
-
-
-def snapshot(app: web.Application, session: SessionRecord | None) -> Snapshot:
-    states = {}
-    for name, fn in app[STATE_PROVIDERS].items():
-        try:
-            states[name] = fn()
-        except Exception:
-            log.exception("state provider %s failed; scorers see None", name)
-    return Snapshot(app[REPLICAS].views(), session, app[PIPELINE].seq, states)
 
 
 async def place_session(
@@ -170,7 +96,7 @@ async def forward(
     cfg = app[CONFIG]
     metrics = app[METRICS]
     replicas = app[REPLICAS]
-    pipeline = app[PIPELINE]
+    calls = app[CALLS]
     route = ctx.route
     headers = upstream_headers(request.headers, ctx.request_id, cfg.upstream_api_key,
                                cfg.auth_enabled)  # fmt: skip
@@ -180,11 +106,10 @@ async def forward(
     for attempt in range(cfg.retries + 1):
         ctx.excluded = frozenset(tried)
         try:
-            decision = pipeline.schedule(ctx, snapshot(app, record))
+            decision = calls.decide(ctx, replicas.views(), record)
         except NoCandidates:
             break
         name = await place_session(app, ctx, record, decision)
-        pipeline.record(decision)
         replica = replicas.get(name)
         if replica is None:  # removed by discovery between snapshot and now
             tried.add(name)
@@ -198,7 +123,7 @@ async def forward(
         replica.inflight += 1  # exported as kvroute_inflight at scrape time
         try:
             return await _stream_from(request, ctx, raw, headers, path, replica, t0, route_label,
-                                      last_attempt=attempt == cfg.retries)  # fmt: skip
+                                      decision, last_attempt=attempt == cfg.retries)  # fmt: skip
         except _RetryElsewhere as e:
             last_problem = e.reason
             metrics.retries.labels(e.kind).inc()
@@ -232,6 +157,7 @@ async def _stream_from(
     replica: Any,
     t0: float,
     route_label: str,
+    decision: Decision,
     last_attempt: bool,
 ) -> web.StreamResponse:
     app = request.app
@@ -255,7 +181,7 @@ async def _stream_from(
             replica.breaker.on_success()
         if resp.content_length is not None and resp.content_length <= BUFFERED_MAX:
             # a sized, non-streaming body: one read, one write (cheaper than chunk streaming)
-            return await _buffered(request, ctx, resp, replica.name, t0, route_label)
+            return await _buffered(request, ctx, resp, replica.name, t0, route_label, decision)
         out = web.StreamResponse(
             status=resp.status,
             reason=resp.reason,
@@ -264,6 +190,8 @@ async def _stream_from(
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         await out.prepare(request)
         first_at = None
+        last_at = 0.0
+        itl: list[float] = []
         events = 0
         nbytes = 0
         tail = b""
@@ -288,9 +216,13 @@ async def _stream_from(
                     if request.transport is not None:  # truncated body: tell the client
                         request.transport.close()
                 break
+            now = time.perf_counter()
             if first_at is None:
-                first_at = time.perf_counter()
+                first_at = now
                 metrics.ttft.labels(name).observe(first_at - t0)
+            elif len(itl) < ITL_SAMPLES:
+                itl.append(now - last_at)
+            last_at = now
             if sse:
                 events += chunk.count(b"\n\n")
             nbytes += len(chunk)
@@ -302,10 +234,11 @@ async def _stream_from(
         if sse and first_at is not None and events > 1:
             metrics.tpot.labels(name).observe((end - first_at) / (events - 1))
         metrics.requests.labels(route_label, name, status).inc()
-        outcome = {"replica": name, "status": status, "bytes": nbytes, "events": events,
-                   "ttft_s": None if first_at is None else first_at - t0,
-                   "duration_s": end - t0, "tail": tail}  # fmt: skip
-        observe_once(app, ctx, outcome)
+        app[CALLS].finish(ctx, CallOutcome(
+            name, status, ttft_s=None if first_at is None else first_at - t0,
+            duration_s=end - t0, usage=usage_from_tail(tail), events=events, bytes=nbytes,
+            itl_s=tuple(itl), decision=decision,
+        ))  # fmt: skip
         return out
     except asyncio.CancelledError:
         # The client went away: closing the upstream connection makes vLLM abort the request.
@@ -327,6 +260,7 @@ async def _buffered(
     name: str,
     t0: float,
     route_label: str,
+    decision: Decision,
 ) -> web.StreamResponse:
     app = request.app
     metrics = app[METRICS]
@@ -352,18 +286,8 @@ async def _buffered(
     headers.popall("Content-Length", None)
     out = web.Response(status=resp.status, reason=resp.reason, body=body, headers=headers)
     metrics.requests.labels(route_label, name, str(resp.status)).inc()
-    observe_once(app, ctx, {"replica": name, "status": str(resp.status), "bytes": len(body),
-                        "events": 0, "ttft_s": first - t0, "duration_s": first - t0,
-                        "tail": body[-4096:]})  # fmt: skip
+    app[CALLS].finish(ctx, CallOutcome(
+        name, str(resp.status), ttft_s=first - t0, duration_s=first - t0,
+        usage=usage_from_tail(body[-4096:]), bytes=len(body), decision=decision,
+    ))  # fmt: skip
     return out
-
-
-def observe_once(app: web.Application, ctx: RequestContext, outcome: dict[str, Any]) -> None:
-    if ctx.observed:
-        return
-    ctx.observed = True
-    for fn in app[OBSERVERS]:
-        try:
-            fn(ctx, outcome)
-        except Exception:
-            log.exception("observer %r failed", fn)

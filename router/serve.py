@@ -11,28 +11,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 _SKIP = {"scheduling", "api_keys", "kv"}  # YAML/env only (structured), see docs/router.md
 
 
-def kv_layer(cfg: Any, env: Mapping[str, str]) -> Any:
-    """The KV-aware layer (:class:`router.scheduling.kv_state.KVState`) when configured by a
-    ``kv:`` YAML mapping or ``KVROUTE_KV_*`` env vars (env wins key by key), else ``None``.
-    Imported only when configured, so a plain router never loads the tokenizer stack."""
-    has_env = any(k.startswith("KVROUTE_KV_") for k in env)
-    if not cfg.kv and not has_env:
+def kv_layer(cfg: Any) -> Any:
+    """The KV layer (:class:`router.kv.state.KVState`) when ``cfg.kv`` is set (a ``kv:`` YAML
+    mapping or ``KVROUTE_KV_*`` env vars), else ``None``. Imported only when configured, so a
+    plain router never loads the tokenizer stack."""
+    if cfg.kv is None:
         return None
-    from router.scheduling.kv_state import KVConfig, KVState
+    from router.kv.state import KVState
 
-    base = dict(cfg.kv or {})
-    from_env = KVConfig.from_env(env) if has_env else None
-    if from_env is not None:
-        for name in KVConfig.__dataclass_fields__:
-            if "KVROUTE_KV_" + name.upper() in env:
-                base[name] = getattr(from_env, name)
-    return KVState(KVConfig.from_mapping(base))
+    return KVState(cfg.kv)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
-    import os
     import signal
     import sys
 
@@ -82,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         from router.scheduling.registry import build_pipeline
 
         build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)  # fail before binding
-        kv = kv_layer(cfg, os.environ)
+        kv = kv_layer(cfg)
     except (ConfigError, ValueError, OSError) as e:
         print(f"kvroute serve: {e}", file=sys.stderr)
         return 2
@@ -94,9 +85,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         from router.app import PIPELINE, build_app, drain, start_site
 
-        app = build_app(cfg, **(kv.app_kwargs() if kv is not None else {}))
-        if kv is not None:  # ZMQ subscribers etc., paired start-up/clean-up
-            app.cleanup_ctx.append(kv.lifespan)
+        app = build_app(cfg, kv=kv)
         runner, url = await start_site(app, cfg.host, cfg.port)
         log.info(
             "kvroute serving on %s (policy %s, state %s, %d replicas)",

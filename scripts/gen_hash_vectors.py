@@ -2,7 +2,7 @@
 
     $KVROUTE_VLLM_PYTHON scripts/gen_hash_vectors.py > tests/unit/data/vllm_hash_vectors.json
 
-The unit tier checks router.hashing against this file; the vllm tier re-runs this script and
+The unit tier checks router.vllm.hashing against this file; the vllm tier re-runs this script and
 checks the committed file is still what vLLM computes.
 """
 

@@ -10,7 +10,7 @@ import random
 import statistics
 import time
 
-from router.hashing import BlockHasher
+from router.vllm.hashing import BlockHasher
 
 
 def _median_s(fn, reps: int) -> float:

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 
-from router.index import BlockIndex, NaiveBlockIndex
-from router.kvevents import decode_message, encode_block_stored, encode_message
+from router.kv.index import BlockIndex, NaiveBlockIndex
+from router.vllm.kvevents import decode_message, encode_block_stored, encode_message
 
 
 def _median(fn, reps: int) -> float:
@@ -30,7 +30,7 @@ def _median(fn, reps: int) -> float:
 
 _MEM_SCRIPT = """
 import resource, random, sys
-from router.index import BlockIndex
+from router.kv.index import BlockIndex
 n = int(sys.argv[1])
 rng = random.Random(1)
 ix = BlockIndex()
@@ -52,7 +52,7 @@ def run(quick: bool = False) -> list[dict]:
     # ---- ingest ----
     n_ev, per_ev = (200, 64) if quick else (2000, 64)
     batches = [[rng.getrandbits(64) for _ in range(per_ev)] for _ in range(n_ev)]
-    from router.kvevents import BlockStored
+    from router.vllm.kvevents import BlockStored
 
     events = [BlockStored(b, None, [], 32) for b in batches]
     frames = [

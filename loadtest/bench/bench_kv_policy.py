@@ -2,19 +2,20 @@
 
 For each workload — the WEKA/AgentX Claude Code sessions (``weka-dev``, subagents and all) and
 the Mooncake synthetic trace — and each routing policy, a closed-loop replay at several
-concurrency levels on 8 simulated replicas (:func:`loadtest.twin.sim_trace.simulate_trace`: the
+concurrency levels on 8 simulated replicas (:func:`loadtest.sim.trace.simulate_trace`: the
 twin's engine model, no HTTP). Each point gives the token cache-hit ratio, the unlimited-cache
 bound over the same calls, TTFT p50/p90, P90 interactivity (1000 / P90 TPOT ms) and tokens per
 GPU-second; per policy the points form a Pareto curve over concurrency, read at the P90 ≥ 50
 tok/s line (:func:`loadtest.metrics.throughput_at_line`).
 
 Policies: the router's own pipelines (``router:<name>`` through
-:class:`loadtest.twin.sim_router.RouterPolicy`, block index fed by the engines' KV events, the
+:class:`loadtest.sim.router_policy.RouterPolicy`, block index fed by the engines' KV events, the
 same code ``kvroute serve`` runs) — ``kv_cost``, the plain baselines ``round_robin``,
 ``least_load``, ``session_affinity``, ``prefix_hash``, and the in-house versions of the peers'
 ideas ``llmd`` (weighted prefix + queue + KV-utilisation) and ``sglang_tree`` (approximate
-tree); plus two simulator-only references: ``sim:session_affinity`` (sticky, new sessions to
-the least-loaded engine) and ``sim:cache_aware`` (uncached tokens + queue, exact caches).
+tree); plus two simulator-only references: ``sim:sticky_spill`` (sticky, new sessions to the
+engine with the fewest requests) and ``sim:exact_cache`` (uncached tokens + queue, read from
+the engines' own caches: an oracle).
 
 Profile ``h200-70b-fp8-tp4``: a 70B fp8 model on 4 H200s per replica (one H200 cannot decode a
 70B at 50 tok/s/user; see docs/twin.md), so 32 GPUs in all.
@@ -27,9 +28,9 @@ from pathlib import Path
 
 from costmodel.profiles import load_profile
 from loadtest.metrics import throughput_at_line
+from loadtest.sim.router_policy import RouterPolicy
+from loadtest.sim.trace import simulate_trace
 from loadtest.traces import load_trace
-from loadtest.twin.sim_router import RouterPolicy
-from loadtest.twin.sim_trace import simulate_trace
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
 PROFILE = "h200-70b-fp8-tp4"
@@ -38,7 +39,7 @@ ROUTER_POLICIES = (
     "kv_cost", "round_robin", "least_load", "session_affinity", "prefix_hash", "llmd",
     "sglang_tree",
 )  # fmt: skip
-SIM_POLICIES = ("session_affinity", "cache_aware")
+SIM_POLICIES = ("sticky_spill", "exact_cache")
 PLAIN = ("round_robin", "least_load", "session_affinity", "prefix_hash")  # no KV knowledge
 LINE = 50.0
 

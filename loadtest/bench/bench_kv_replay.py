@@ -2,7 +2,7 @@
 
 One process runs a twin cluster (``h200-70b-fp8``, time compressed by ``speedup``; the twins
 publish KV events to the router's bound subscriber), the router app with the KV layer
-(:class:`router.scheduling.kv_state.KVState`: incremental tokens, block index, kv view,
+(:class:`router.kv.state.KVState`: incremental tokens, block index, kv view,
 observer) and the closed-loop replay client on the weka-dev trace (real Claude Code
 sessions). Each policy gets a fresh cluster (cold caches) and the same trace and concurrency.
 Client, router and twins share this machine's CPUs, so compare policies within one run.
@@ -31,8 +31,8 @@ async def _point(
     from loadtest.twin.cluster import start_cluster
     from router.app import build_app, start_site
     from router.config import RouterConfig
-    from router.scheduling.kv_state import KVConfig, KVState
-    from router.tokens import ModelTokenizer
+    from router.kv.state import KVConfig, KVState
+    from router.vllm.tokenizer import ModelTokenizer
 
     st = KVState(
         KVConfig(block_size=prof.block_size, events_bind="tcp://127.0.0.1:0", time_scale=speedup),
@@ -52,7 +52,7 @@ async def _point(
                     health_timeout_s=15.0,
                     health_interval_s=5.0,
                 ),
-                **st.app_kwargs(),
+                kv=st,
             )
             runner, url = await start_site(app)
             try:

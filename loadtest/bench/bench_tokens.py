@@ -4,7 +4,7 @@
 A session of chat turns in the tiny model's vocabulary (≈1 token per word) grows to ~142k
 tokens; each row times the router's work for the session's *next* calls, each appending an
 assistant reply, a tool result and a user line (~N new words): render the chat template, then
-:class:`router.tokens.SessionTokenizer` (incremental) vs tokenizing and hashing from scratch
+:class:`router.kv.tokens.SessionTokenizer` (incremental) vs tokenizing and hashing from scratch
 (also checked equal), measured in the same run. Steady state: the timed calls follow each
 other. (Measured right after a full 142k-token tokenization instead, with cold CPU caches,
 the 300-word call took ~1.2 ms here.)
@@ -17,8 +17,9 @@ import statistics
 import time
 
 from loadtest import tinymodel
-from router.hashing import BlockHasher
-from router.tokens import ModelTokenizer, SessionTokenizer
+from router.kv.tokens import SessionTokenizer
+from router.vllm.hashing import BlockHasher
+from router.vllm.tokenizer import ModelTokenizer
 
 
 def _words(rng: random.Random, n: int) -> str:

@@ -4,15 +4,15 @@ Rows: the target run (64 x ``h200-70b-fp8``, 384 synthetic AgentX-like sessions 
 simulated hour, session-affinity routing) with its wall time and AgentX summary; the same
 workload on 8 replicas with decode bursts off vs on (bursts are step-exact: the summaries must
 agree; the ratio is the speed-up); the simulator's built-in routing functions and the router's
-own pipelines (:class:`loadtest.twin.sim_router.RouterPolicy`) compared on one workload; and
+own pipelines (:class:`loadtest.sim.router_policy.RouterPolicy`) compared on one workload; and
 the target run again with the router's ``kv_cost`` pipeline.
 """
 
 from __future__ import annotations
 
 from costmodel.profiles import load_profile
-from loadtest.twin.sim import Simulator, simulate, synthetic_agentx
-from loadtest.twin.sim_router import RouterPolicy
+from loadtest.sim.router_policy import RouterPolicy
+from loadtest.sim.simulator import Simulator, simulate, synthetic_agentx
 
 
 def _row(name: str, res, **extra) -> dict:
@@ -39,7 +39,7 @@ def run(quick: bool = False) -> list[dict]:
     n, hours = (16, 0.25) if quick else (64, 1.0)
     dur = 3600 * hours
     sessions = synthetic_agentx(6 * n, dur, seed=1)
-    res = simulate(prof, n, sessions, "session_affinity", until=dur)
+    res = simulate(prof, n, sessions, "sticky_spill", until=dur)
     rows.append(
         _row(
             f"sim_{n}x{prof.name}_{hours:g}h",
@@ -51,8 +51,8 @@ def run(quick: bool = False) -> list[dict]:
     )
 
     small = synthetic_agentx(24, 600 if quick else 1800, seed=2)
-    step = simulate(prof, 8, small, "session_affinity", burst=False)
-    fast = simulate(prof, 8, small, "session_affinity", burst=True)
+    step = simulate(prof, 8, small, "sticky_spill", burst=False)
+    fast = simulate(prof, 8, small, "sticky_spill", burst=True)
 
     def key(r):
         return (r.session_id, r.call_index, r.replica, r.cached_tokens, r.first_token, r.finish)
@@ -71,14 +71,14 @@ def run(quick: bool = False) -> list[dict]:
     )
 
     pol = synthetic_agentx(4 * 8, 900 if quick else 1800, seed=3)
-    for route in ("round_robin", "least_loaded", "session_affinity", "cache_aware"):
+    for route in ("round_robin", "fewest_requests", "sticky_spill", "exact_cache"):
         rows.append(_row(f"route_{route}_8x", simulate(prof, 8, pol, route)))
 
     # the router's own pipelines (router.scheduling), fed by the engines' KV events
     for policy in (
         "round_robin",
         "least_load",
-        "session_affinity",
+        "sticky_spill",
         "prefix_hash",
         "kv_cost",
         "llmd",

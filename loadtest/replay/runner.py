@@ -41,6 +41,7 @@ from loadtest.metrics import UnlimitedCache, summarize
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.client import CONVENTIONS, CallResult, session_headers, stream_chat
 from loadtest.replay.records import CallRecord, QueueSample, SessionRecord, write_jsonl
+from loadtest.traces.lanes import PlayCounter
 from loadtest.traces.model import Call, Session, Trace
 
 
@@ -353,26 +354,16 @@ async def _bounded(run: _Run, main: Any) -> None:
 
 async def _closed_loop(run: _Run, http: aiohttp.ClientSession) -> None:
     sessions = run.trace.sessions
-    recycle = run.cfg.duration_s is not None
-    counter = iter(range(10**12))
-    started = [0]
-
-    def next_play() -> tuple[Session, int] | None:
-        k = next(counter)
-        if run.cfg.max_plays is not None and k >= run.cfg.max_plays:
-            return None
-        play, idx = divmod(k, len(sessions))
-        if play > 0 and not recycle:
-            return None
-        started[0] += 1
-        return sessions[idx], play
+    plays = PlayCounter(
+        len(sessions), recycle=run.cfg.duration_s is not None, max_plays=run.cfg.max_plays
+    )
 
     async def lane(i: int) -> None:
         while not run.stopped():
-            nxt = next_play()
+            nxt = plays.next()
             if nxt is None:
                 return
-            await run.play_session(http, nxt[0], nxt[1], i)
+            await run.play_session(http, sessions[nxt[0]], nxt[1], i)
 
     lanes = [asyncio.create_task(lane(i)) for i in range(run.cfg.concurrency)]
     try:

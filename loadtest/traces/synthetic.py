@@ -4,7 +4,7 @@ Owns: :func:`agentx_chains`, the AgentX-like session shape (a chain of calls per
 counts, tokens appended per call, output lengths, idle gaps, session starts) drawn from one
 seeded RNG, and the two views built on it:
 
-- :func:`loadtest.twin.sim.synthetic_agentx` (the in-process simulator's sessions) wraps
+- :func:`loadtest.sim.simulator.synthetic_agentx` (the in-process simulator's sessions) wraps
   :func:`agentx_chains` unchanged: same seed, same sessions, bit for bit;
 - :func:`generate` (the replay's ``synthetic:...`` traces, :class:`AgentXParams`) turns the same
   chains into trace sessions (hash ids local to each session, 64-token blocks by default, like

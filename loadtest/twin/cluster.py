@@ -1,6 +1,6 @@
 """N twin replicas in one process, on consecutive loopback ports: the embedded cluster.
 
-Owns: starting and stopping a set of :class:`loadtest.twin.server.TwinReplica` web apps that
+Owns: starting and stopping a set of :class:`loadtest.twin.replica.TwinReplica` web apps that
 share one tokenizer, one ZMQ context and one KV-event endpoint (each replica publishes on
 its own topic ``kv@<name>``). This is what ``kvroute cluster`` and ``make demo`` run, and
 the small programmatic API other parts of ``loadtest`` build on::
@@ -24,7 +24,9 @@ from typing import Any
 from aiohttp import web
 
 from costmodel.profiles import ReplicaProfile, load_profile
-from loadtest.twin.server import TwinConfig, TwinReplica, publisher_binds, runner_port, serve
+from loadtest.twin.publisher import publisher_binds
+from loadtest.twin.replica import TwinConfig, TwinReplica
+from loadtest.twin.server import runner_port, serve
 from loadtest.twin.tokenize import ModelTokenizer
 
 

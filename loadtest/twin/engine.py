@@ -50,8 +50,8 @@ from typing import Any
 
 from costmodel.profiles import ReplicaProfile
 from costmodel.steptime import StepCoefficients, attended_pairs, coefficients, load_time
-from router.hashing import MASK64, BlockHasher
-from router.kvevents import encode_all_cleared, encode_block_removed, encode_block_stored
+from router.vllm.hashing import MASK64, BlockHasher
+from router.vllm.kvevents import encode_all_cleared, encode_block_removed, encode_block_stored
 
 WAITING, LOADING, RUNNING, FINISHED, ABORTED = (
     "waiting",

@@ -1,216 +1,43 @@
-"""The HTTP replica twin: a simulated vLLM replica on aiohttp.
+"""The HTTP replica twin: vLLM's OpenAI-compatible API in front of a :class:`TwinReplica`.
 
-Owns: one twin replica's web application — vLLM's OpenAI-compatible API (``/v1/completions``,
-``/v1/chat/completions`` streaming and not, ``/v1/models``, ``/tokenize``, ``/health``,
-``/load``, ``/metrics`` with vLLM's metric names, ``POST /reset_prefix_cache``), vLLM's error
-shapes and status codes, the asyncio loop that runs the engine model in (compressed) real
-time, and the ZMQ publisher of KV events in vLLM's wire format. Must not import torch or vllm.
-
-Time: the engine lives in *model time* (seconds on the simulated hardware). With ``speedup``
-X, a step of d model seconds takes d/X wall seconds, and the API-server overhead of the
-profile likewise. Everything a client measures (TTFT, ITL, latency) and the histograms in
-``/metrics`` are wall-clock, so they are model time divided by X: multiply by X (the
-``x-twin-speedup`` response header and the ``kvroute:twin_speedup`` gauge carry X) to scale
-them back. KV-event timestamps are wall-clock ``time.time()`` like vLLM's.
+Owns: the twin's web application — ``/v1/completions``, ``/v1/chat/completions`` (streaming
+and not), ``/v1/models``, ``/tokenize``, ``/health``, ``/load``, ``/metrics`` (vLLM's metric
+names, :mod:`loadtest.twin.exporter`), ``POST /reset_prefix_cache`` — with vLLM's error shapes
+and status codes, and :func:`serve` to run one. The engine loop is
+:mod:`loadtest.twin.replica`'s, the event publisher :mod:`loadtest.twin.publisher`'s. Must not
+import torch or vllm.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 import uuid
-import zlib
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from costmodel.profiles import ReplicaProfile
-from loadtest.twin.engine import Engine, Request
-from loadtest.twin.tokenize import ModelTokenizer, TemplateError
-from router.hashing import BlockHasher
-from router.kvevents import encode_message
+from loadtest.twin.engine import Request
+from loadtest.twin.replica import ApiError, Stream, TwinConfig, TwinReplica
+from loadtest.twin.tokenize import TemplateError
 
 log = logging.getLogger("kvroute.twin")
 
-MAX_LAG_WALL_S = 0.01  # how far (wall seconds) the model clock may trail the wall clock
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-
-
-@dataclass
-class TwinConfig:
-    profile: ReplicaProfile
-    model_dir: Path
-    name: str = "twin"
-    served_model_name: str = "tiny"
-    speedup: float = 1.0
-    kv_events_endpoint: str | None = None  # vLLM semantics: bind if "*"/"::"/ipc/inproc
-    kv_events_topic: str | None = None  # default "kv@<name>"
-    kv_events_replay: str | None = None  # ROUTER endpoint for replays (binds; "...:*" ok)
-    hash_algo: str = "sha256_cbor"
-    hash_seed: str | None = None  # the engine's PYTHONHASHSEED
-    int_hashes: bool = True  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
-    max_model_len: int | None = None  # default: the profile's
-    # vLLM's --enable-auto-tool-choice (with a --tool-call-parser): without it, a chat request
-    # with tools and tool_choice "auto" (the default when tools are given) or "required" is
-    # refused, as real vLLM refuses it. The twin never parses tool calls either way.
-    enable_auto_tool_choice: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.speedup > 0:
-            raise ValueError(f"speedup must be > 0, got {self.speedup}")
-
-
-def publisher_binds(endpoint: str) -> bool:
-    """vLLM's rule: the publisher binds for ``*``/``::`` hosts and ipc/inproc, else connects."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-class KVEventPublisher:
-    """A ZMQ PUB socket sending ``[topic, seq, msgpack([ts, events, dp_rank])]`` batches, and
-    optionally vLLM's replay service: a ROUTER socket on ``replay_endpoint`` that answers
-    ``[b"", start_seq(8B BE)]`` with ``[b"", topic, seq, payload]`` for every buffered batch
-    from ``start_seq`` on, then ``[b"", b"", -1 (8B signed), b""]`` (``ZmqEventPublisher``,
-    last ``buffer_steps`` batches kept)."""
-
-    END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-    def __init__(
-        self,
-        endpoint: str,
-        topic: str,
-        zmq_ctx: Any = None,
-        as_int: bool = True,
-        replay_endpoint: str | None = None,
-        buffer_steps: int = 10_000,
-    ):
-        import zmq
-
-        self._own_ctx = zmq_ctx is None
-        self.ctx = zmq_ctx or zmq.Context()
-        # XPUB: on the wire a PUB, but it lets the twin see a subscriber's subscription
-        # arrive (wait_subscribed), so a twin started after its subscriber drops nothing.
-        self.sock = self.ctx.socket(zmq.XPUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        if publisher_binds(endpoint):
-            self.sock.bind(endpoint)
-            self.endpoint = str(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        else:
-            self.sock.connect(endpoint)
-            self.endpoint = endpoint
-        self.topic = topic
-        self.seq = 0
-        self.as_int = as_int
-        self.dropped = 0
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self.replay_endpoint: str | None = None
-        self._replay: Any = None
-        if replay_endpoint:
-            import zmq.asyncio
-
-            self._actx = zmq.asyncio.Context.shadow(self.ctx)
-            self._replay = self._actx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay_endpoint)
-            self.replay_endpoint = str(self._replay.getsockopt_string(zmq.LAST_ENDPOINT))
-
-    def wait_subscribed(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` until a subscriber's subscription has arrived (a PUB
-        drops what it sends before that: vLLM loses the first events when it starts before
-        its subscriber connects). False when none came in time."""
-        import zmq
-
-        got = False
-        while self.sock.poll(int(max(timeout_s, 0) * 1000) if not got else 0, zmq.POLLIN):
-            self.sock.recv(zmq.NOBLOCK)  # b"\x01" + topic prefix; drain them all
-            got = True
-        return got
-
-    def publish(
-        self, events: list[dict[str, Any]], digests: dict[int, bytes] | None = None
-    ) -> None:
-        import zmq
-
-        if not events:
-            return
-        if not self.as_int:
-            events = [_digest_form(e, digests or {}) for e in events]
-        parts = encode_message(self.topic, self.seq, time.time(), events)
-        if self._replay is not None:
-            self.buffer.append((self.seq, parts[2]))
-        try:
-            self.sock.send_multipart(parts, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self.dropped += 1  # PUB semantics: never block the engine
-        self.seq += 1
-
-    async def serve_replay(self) -> None:
-        """Answer replay requests until cancelled (no-op without a replay endpoint)."""
-        if self._replay is None:
-            return
-        topic = self.topic.encode()
-        while True:
-            frames = await self._replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                continue  # vLLM logs and ignores malformed requests
-            client, _, start_b = frames
-            start = int.from_bytes(start_b, "big")
-            for seq, payload in list(self.buffer):
-                if seq >= start:
-                    await self._replay.send_multipart(
-                        [client, b"", topic, seq.to_bytes(8, "big"), payload]
-                    )
-            await self._replay.send_multipart([client, b"", b"", self.END_SEQ, b""])
-
-    def close(self) -> None:
-        self.sock.close(0)
-        if self._replay is not None:
-            self._replay.close(0)
-        if self._own_ctx:
-            self.ctx.term()
-
-
-def _digest_form(ev: dict[str, Any], digests: dict[int, bytes]) -> dict[str, Any]:
-    """The event with 32-byte digests instead of 64-bit ints (what vLLM publishes when
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)."""
-
-    def conv(h: Any) -> Any:
-        return digests.get(h, h.to_bytes(8, "big")) if isinstance(h, int) else h
-
-    out = dict(ev)
-    if "block_hashes" in out:
-        out["block_hashes"] = [conv(h) for h in out["block_hashes"]]
-    if out.get("parent_block_hash") is not None:
-        out["parent_block_hash"] = conv(out["parent_block_hash"])
-    return out
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.status}}  # fmt: skip
-        return web.json_response(body, status=self.status, dumps=_dumps)
+__all__ = ["TwinConfig", "TwinReplica", "build_app", "load_json", "runner_port", "serve"]
 
 
 def _dumps(x: Any) -> str:
     return orjson.dumps(x).decode()
+
+
+def error_response(e: ApiError) -> web.Response:
+    """vLLM's error shape for ``e``."""
+    return web.json_response(e.body(), status=e.status, dumps=_dumps)
 
 
 def _bad(message: str, param: str | None = None, value: Any = None) -> ApiError:
@@ -219,194 +46,6 @@ def _bad(message: str, param: str | None = None, value: Any = None) -> ApiError:
             f", value={value})" if value is not None else ")"
         )
     return ApiError(400, message, "BadRequestError", param)
-
-
-@dataclass
-class _Stream:
-    """Per-request channel from the engine loop to the HTTP handler."""
-
-    req: Request
-    queue: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
-    t_arrival: float = 0.0
-
-
-class TwinReplica:
-    """One twin: engine, tokenizer, event publisher, and the loop that runs steps."""
-
-    def __init__(
-        self, cfg: TwinConfig, tokenizer: ModelTokenizer | None = None, zmq_ctx: Any = None
-    ):
-        self.cfg = cfg
-        self.profile = cfg.profile
-        self.max_model_len = cfg.max_model_len or cfg.profile.max_model_len
-        if self.max_model_len != cfg.profile.max_model_len:
-            self.profile = cfg.profile.replace(model=_with_len(cfg.profile, self.max_model_len))
-        self.tokenizer = tokenizer or ModelTokenizer(cfg.model_dir, self.profile.block_size)
-        self.hasher = BlockHasher(self.profile.block_size, cfg.hash_algo, cfg.hash_seed)
-        self.engine = Engine(
-            self.profile,
-            hasher=self.hasher,
-            output_token=self._output_token,
-            keep_digests=not cfg.int_hashes,
-        )
-        self.topic = cfg.kv_events_topic or f"kv@{cfg.name}"
-        self.publisher = (
-            KVEventPublisher(
-                cfg.kv_events_endpoint,
-                self.topic,
-                zmq_ctx,
-                cfg.int_hashes,
-                replay_endpoint=cfg.kv_events_replay,
-            )
-            if cfg.kv_events_endpoint
-            else None
-        )
-        self.speedup = cfg.speedup
-        self.streams: dict[str, _Stream] = {}
-        self.in_flight = 0
-        self._wake = asyncio.Event()
-        self._t0 = time.monotonic()
-        self.lagged_s = 0.0  # wall seconds the engine trailed its schedule at the last step
-        self.failed: BaseException | None = None  # the engine loop's error, once it died
-        self._task: asyncio.Task[None] | None = None
-        self._replay_task: asyncio.Task[None] | None = None
-        self.created = int(time.time())
-        self.metrics = _Metrics(self)
-
-    # ---- time ---------------------------------------------------------------------------
-
-    def model_now(self) -> float:
-        return (time.monotonic() - self._t0) * self.speedup
-
-    async def _sleep_until(self, t_model: float) -> bool:
-        """Sleep until model time ``t_model``; False when it has passed already."""
-        delay = (t_model - self.model_now()) / self.speedup
-        if delay > 0:
-            await asyncio.sleep(delay)
-            return True
-        return False
-
-    # ---- engine loop --------------------------------------------------------------------
-
-    def start(self) -> None:
-        if self._task is None:
-            loop = asyncio.get_running_loop()
-            self._task = loop.create_task(self._run(), name=self.cfg.name)
-            if self.publisher is not None and self.publisher.replay_endpoint:
-                self._replay_task = loop.create_task(self.publisher.serve_replay())
-
-    async def stop(self) -> None:
-        for task in (self._task, self._replay_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._task = self._replay_task = None
-        for st in self.streams.values():
-            st.queue.put_nowait(None)
-        if self.publisher is not None:
-            self.publisher.close()
-            self.publisher = None
-
-    def _publish(self) -> None:
-        evs = self.engine.take_events()
-        if evs and self.publisher is not None:
-            self.publisher.publish(evs, self.engine.digests)
-
-    async def _run(self) -> None:
-        """The engine loop; if the engine model fails, the twin reports itself dead like a
-        vLLM whose engine core died (``/health`` 500, requests refused, streams ended)
-        instead of hanging its clients."""
-        try:
-            await self._loop()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.exception("twin %s: engine loop failed", self.cfg.name)
-            self.failed = e
-            for st in self.streams.values():
-                st.queue.put_nowait(None)
-
-    async def _loop(self) -> None:
-        """Step the engine in model time. Back-to-back steps chain on the model clock (a
-        step starts when the previous one ended), so the event loop's timer jitter and the
-        twin's own CPU time do not accumulate — up to ``MAX_LAG_WALL_S`` behind the wall
-        clock, after which the model clock is pulled forward (the twin is then too slow for
-        its speedup)."""
-        eng = self.engine
-        free_at: float | None = None  # model time the last step ended (None: was idle)
-        while True:
-            if not eng.has_work:
-                free_at = None
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            real = self.model_now()
-            now = real if free_at is None else max(free_at, real - MAX_LAG_WALL_S * self.speedup)
-            self.lagged_s = max(0.0, real - now) / self.speedup
-            step = eng.schedule(now)
-            if step is None:
-                self._publish()
-                free_at = None
-                nxt = eng.next_ready()
-                self._wake.clear()
-                timeout = None if nxt is None else max(0.0, (nxt - real) / self.speedup)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                continue
-            end = now + step.duration
-            if not await self._sleep_until(end):
-                await asyncio.sleep(0)  # behind schedule: still let handlers run
-            free_at = end
-            res = eng.complete(step, end)
-            self._publish()
-            wall = time.monotonic()
-            for req in res.tokens:
-                st = self.streams.get(req.id)
-                if st is None:
-                    continue
-                if req.num_output == 1:
-                    self.metrics.ttft.append(wall - st.t_arrival)
-                st.queue.put_nowait(req.output_ids[-1] if req.output_ids else 0)
-            for req in res.finished:
-                st = self.streams.get(req.id)
-                if st is not None:
-                    st.queue.put_nowait(None)
-
-    def _output_token(self, req: Request, i: int) -> int:
-        return self.tokenizer.plain_token(zlib.crc32(f"{req.id}/{i}".encode()))
-
-    def check_alive(self) -> None:
-        if self.failed is not None:
-            raise ApiError(
-                500, f"EngineCore encountered an issue: {self.failed!r}", "EngineDeadError"
-            )
-
-    def submit(self, req: Request, t_arrival: float | None = None) -> _Stream:
-        """Hand ``req`` to the engine; ``t_arrival`` (monotonic) is when the HTTP request came
-        in, so TTFT in /metrics includes the API overhead, as vLLM's does."""
-        st = _Stream(req, t_arrival=time.monotonic() if t_arrival is None else t_arrival)
-        self.engine.add(req)
-        self.streams[req.id] = st
-        self._wake.set()
-        return st
-
-    def release(self, req: Request) -> None:
-        self.streams.pop(req.id, None)
-        if not req.finished:
-            self.engine.abort(req.id)
-            self._wake.set()
-
-    def reset_prefix_cache(self) -> bool:
-        ok = self.engine.reset_prefix_cache()
-        self._publish()
-        return ok
-
-
-def _with_len(p: ReplicaProfile, n: int):  # -> ModelProfile
-    import dataclasses
-
-    return dataclasses.replace(p.model, max_model_len=n)
 
 
 # ---- request parsing ------------------------------------------------------------------------
@@ -479,16 +118,8 @@ def _prompt_ids(
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise _bad("messages must be a non-empty list", "messages")
-        kwargs = body.get("chat_template_kwargs")
         try:
-            return tk.encode_chat(
-                msgs,
-                body.get("tools"),
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                continue_final_message=bool(body.get("continue_final_message", False)),
-                chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
-                session=session,
-            )
+            return tk.encode_body(body, session)
         except TemplateError as e:
             raise _bad(str(e), "messages") from e
     prompt = body.get("prompt")
@@ -586,7 +217,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if body.get("n", 1) != 1:
             raise _bad("the twin supports n=1 only", "n", body.get("n"))
     except ApiError as e:
-        return e.response()
+        return error_response(e)
     stream = bool(body.get("stream", False))
     so = body.get("stream_options") or {}
     include_usage = bool(so.get("include_usage")) if isinstance(so, dict) else False
@@ -632,7 +263,7 @@ def _headers(twin: TwinReplica) -> dict[str, str]:
 async def _stream(
     request: web.Request,
     twin: TwinReplica,
-    st: _Stream,
+    st: Stream,
     chat: bool,
     rid: str,
     model: str,
@@ -721,7 +352,7 @@ async def tokenize(request: web.Request) -> web.Response:
         _check_model(twin, body)
         ids = _prompt_ids(twin, body, chat="messages" in body)
     except ApiError as e:
-        return e.response()
+        return error_response(e)
     return web.json_response(
         {"count": len(ids), "max_model_len": twin.max_model_len, "tokens": ids, "token_strs": None},
         dumps=_dumps,
@@ -761,9 +392,9 @@ async def load(request: web.Request) -> web.Response:
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     twin = request.app[APP_TWIN]
     if not twin.reset_prefix_cache():
-        return ApiError(
-            500, "prefix cache reset refused: requests hold blocks", "InternalServerError"
-        ).response()
+        return error_response(
+            ApiError(500, "prefix cache reset refused: requests hold blocks", "InternalServerError")
+        )
     return web.Response(status=200)
 
 
@@ -779,7 +410,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except web.HTTPException:
         raise
     except ApiError as e:
-        return e.response()
+        return error_response(e)
 
 
 def build_app(twin: TwinReplica) -> web.Application:
@@ -801,111 +432,6 @@ def build_app(twin: TwinReplica) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
-
-
-# ---- /metrics -------------------------------------------------------------------------------
-
-
-class _Metrics:
-    """vLLM's metric names (``vllm/v1/metrics/loggers.py``), rendered from engine state on
-    scrape; labels ``model_name`` and ``engine`` like vLLM's."""
-
-    def __init__(self, twin: TwinReplica):
-        self.twin = twin
-        self.ttft: list[float] = []
-        self._ttft_seen = 0
-        from prometheus_client import CollectorRegistry, Histogram
-
-        self.registry = CollectorRegistry()
-        self.h_ttft = Histogram("vllm:time_to_first_token_seconds",
-                                "Histogram of time to first token in seconds.",
-                                ["model_name", "engine"], registry=self.registry,
-                                buckets=TTFT_BUCKETS)  # fmt: skip
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        twin = self.twin
-        eng = twin.engine
-        labels = f'model_name="{twin.cfg.served_model_name}",engine="0"'
-        h = self.h_ttft.labels(twin.cfg.served_model_name, "0")
-        for v in self.ttft[self._ttft_seen :]:
-            h.observe(v)
-        self._ttft_seen = len(self.ttft)
-        if self._ttft_seen > 10_000:
-            self.ttft.clear()
-            self._ttft_seen = 0
-        p = twin.profile
-        lines = []
-
-        def gauge(name: str, doc: str, value: float, extra: str = "") -> None:
-            lines.append(
-                f"# HELP {name} {doc}\n# TYPE {name} gauge\n"
-                f"{name}{{{labels}{extra}}} {float(value)}"
-            )
-
-        def counter(name: str, doc: str, value: float) -> None:
-            lines.append(
-                f"# HELP {name}_total {doc}\n# TYPE {name}_total counter\n"
-                f"{name}_total{{{labels}}} {float(value)}"
-            )
-
-        gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            eng.num_running(),
-        )
-        gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            eng.num_waiting(),
-        )
-        gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", eng.kv_usage()
-        )
-        counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            eng.prefix_queries,
-        )
-        counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            eng.prefix_hits,
-        )
-        counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", eng.prompt_tokens_total
-        )
-        counter(
-            "vllm:prompt_tokens_cached",
-            "Number of cached prompt tokens (local + external).",
-            eng.prefix_hits,
-        )
-        counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            eng.generation_tokens_total,
-        )
-        counter(
-            "vllm:num_preemptions",
-            "Cumulative number of preemption from the engine.",
-            eng.preemptions,
-        )
-        info = (
-            f',block_size="{p.block_size}",num_gpu_blocks="{p.gpu_kv_blocks}",'
-            f'num_cpu_blocks="{p.cpu_kv_blocks}",enable_prefix_caching="True",'
-            f'prefix_caching_hash_algo="{twin.cfg.hash_algo}"'
-        )
-        gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1, info)
-        gauge("kvroute:twin_speedup", "Model seconds per wall second of this twin.", twin.speedup)
-        gauge(
-            "kvroute:twin_lag_seconds",
-            "Wall seconds the engine trailed its model-time "
-            "schedule at its last step (> 0.01: too slow for its speedup).",
-            twin.lagged_s,
-        )
-        text = "\n".join(lines) + "\n"
-        return text.encode() + generate_latest(self.registry)
 
 
 # ---- running one twin -----------------------------------------------------------------------

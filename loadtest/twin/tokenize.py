@@ -1,6 +1,6 @@
 """Tokenization for the twin: the model dir's real tokenizer and chat template.
 
-Owns: the twin's adapter over :class:`router.tokens.ModelTokenizer` — the router's own
+Owns: the twin's adapter over :class:`router.kv.tokens.ModelTokenizer` — the router's own
 vLLM-parity rendering (vLLM 0.32's message and tool normalization, transformers' sandboxed
 jinja environment; checked against real vLLM's ``/tokenize`` in the vllm tier) — plus what
 only a simulated replica needs: decoding its stand-in output tokens and picking them. Using
@@ -18,9 +18,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from router.hashing import BlockHasher
-from router.tokens import ChatTemplateError, SessionTokenizer, TokenizerLoadError
-from router.tokens import ModelTokenizer as RouterTokenizer
+from router.kv.tokens import SessionTokenizer
+from router.vllm.chat_template import ChatTemplateError, request_prompt
+from router.vllm.hashing import BlockHasher
+from router.vllm.tokenizer import ModelTokenizer as RouterTokenizer
+from router.vllm.tokenizer import TokenizerLoadError
 
 PREFIX_KEY_CHARS = 512  # prompts without a session id share a cache entry by their head
 
@@ -32,7 +34,7 @@ class TemplateError(ValueError):
 class ModelTokenizer:
     """A model directory's tokenizer and chat template, as a vLLM replica would use them.
 
-    Prompts go through the router's :class:`router.tokens.SessionTokenizer`: a session's
+    Prompts go through the router's :class:`router.kv.tokens.SessionTokenizer`: a session's
     next call re-tokenizes only its new tail (exact: it falls back to a full tokenization
     whenever reuse could differ). The key is the request's session id, else the first
     ``PREFIX_KEY_CHARS`` characters of the prompt. A 100k-token agent prompt costs ~0.25 s
@@ -68,20 +70,25 @@ class ModelTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
         session: str | None = None,
     ) -> list[int]:
+        """Chat ``messages`` (and ``tools``) as a chat request with vLLM's defaults."""
+        body: dict[str, Any] = {"messages": messages}
+        if tools is not None:
+            body["tools"] = tools
+        return self.encode_body(body, session)
+
+    def encode_body(self, body: Mapping[str, Any], session: str | None = None) -> list[int]:
+        """A chat completion request body's prompt tokens, rendered as the router renders it
+        (:func:`router.vllm.chat_template.request_prompt`: the same fields, the same
+        template, the same special-token rule)."""
         try:
-            text = self.inner.render(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-            )  # fmt: skip
+            prompt = request_prompt(self.inner, "/v1/chat/completions", body)
         except (ChatTemplateError, TypeError, KeyError, AttributeError) as e:
             raise TemplateError(str(e)) from e
-        return self._tokens(text, session, special=False)
+        if prompt is None:
+            raise TemplateError("the request has no messages")
+        return self._tokens(prompt.text, session, special=prompt.add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tok.decode(list(ids), skip_special_tokens=True))

@@ -57,13 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
     from costmodel.profiles import ProfileError
     from loadtest import tinymodel
-    from loadtest.twin.server import (
-        TwinConfig,
-        TwinReplica,
-        publisher_binds,
-        runner_port,
-        serve,
-    )
+    from loadtest.twin.publisher import publisher_binds
+    from loadtest.twin.replica import TwinConfig, TwinReplica
+    from loadtest.twin.server import runner_port, serve
 
     try:
         prof = profile_from_args(args)

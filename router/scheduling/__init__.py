@@ -15,29 +15,26 @@ Contract (STYLE.md):
   error;
 * a **Picker** chooses one endpoint from the weighted totals (ties broken by a seeded RNG).
 
-Seams for KV-aware routing (kept deliberately small):
+What a policy sees (kept deliberately small):
 
-1. **Prompt analyzer.** ``app[PROMPT_ANALYZER]`` (see :mod:`router.app`) is an optional
-   callable ``analyzer(ctx: RequestContext) -> None | Awaitable[None]`` run after identity and
-   before scheduling. It may fill ``ctx.token_ids`` (the prompt's token ids),
-   ``ctx.block_keys`` (chained block keys, :mod:`router.hashing` int form) and anything under
-   ``ctx.extra``. It reads ``ctx.body`` (the parsed JSON, parsed once) and ``ctx.identity``.
-   An analyzer error is logged and the request is scheduled without those fields.
-2. **Named state snapshots.** ``app[STATE_PROVIDERS]`` maps a name (e.g. ``"block_index"``,
-   ``"load"``) to a zero-argument callable returning a read-only snapshot; the pipeline calls
-   each once per request and a scorer reads it with ``snap.state("block_index")`` (``None``
-   when no such provider is installed, so scorers degrade instead of crashing).
-3. **Observers.** ``app[OBSERVERS]`` is a list of callables ``observer(ctx, outcome)`` run
-   after each proxied call with the replica, status, TTFT, bytes and the parsed ``usage`` when
-   the response carried one (for calibration and index feedback). Every request that went
-   through the analyzer is observed exactly once, whatever its end: calls that never got a
-   complete answer (no replica, client gone, upstream failure, an ``/admin/route`` dry run)
-   are observed with ``replica=None`` and a ``status`` saying why, so anything an analyzer
-   counted up can be counted down.
+1. **The request** (:class:`RequestContext`): the parsed body (parsed once), the session
+   identity, and what the prompt analyzer (the KV layer, :meth:`router.kv.state.KVState.analyze`,
+   run by :mod:`router.call` before scheduling) filled in: ``block_keys`` (chained block
+   keys, :mod:`router.vllm.hashing` int form) and ``prompt_tokens``. ``analysis`` belongs to
+   the analyzer (its own per-call record, read back by its observer); policies ignore it.
+2. **Named state snapshots** (:class:`Snapshot`): ``snap.state("kv")`` is the KV layer's
+   read-only :class:`router.kv.view.KVView` (``None`` when no KV layer is installed, so
+   scorers degrade instead of crashing).
+3. **Terms on the decision**: a scorer that wants its inputs explained (and, for
+   ``model_ttft_s``, calibrated against the observed TTFT) returns :class:`Scores` with
+   ``terms[endpoint]``; the pipeline puts them on the
+   :class:`router.scheduling.pipeline.Decision`, which reaches ``/admin/route?explain=1`` and
+   every observer through :class:`router.outcome.CallOutcome`.
 
 A plugin registers itself with ``@register("scorer", "name")`` on a factory taking keyword
-parameters; ``discover()`` imports ``router.scheduling.scorers.*`` and
-``router.scheduling.kv_*`` so plugins in those modules register without edits here.
+parameters (:mod:`.registry`); out-of-tree plugin modules are named in the ``kvroute.scheduling``
+entry-point group and imported at start-up, so a new scorer is one module plus one line of
+config.
 """
 
 from __future__ import annotations
@@ -60,7 +57,9 @@ class RequestContext:
     body: Mapping[str, Any]
     token_ids: list[int] | None = None
     block_keys: list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int | None = None  # the prompt's token count, when the analyzer knows it
+    analysis: Any = None  # the prompt analyzer's own per-call record (policies ignore it)
+    extra: dict[str, Any] = field(default_factory=dict)  # out-of-tree plugins' scratch
     excluded: frozenset[str] = frozenset()  # replicas already tried for this request
     observed: bool = False  # the observers have been told how this request ended
     _prefix: str | None = None
@@ -81,6 +80,25 @@ class Snapshot:
 
     def state(self, name: str) -> Any:
         return self.states.get(name)
+
+
+class Scores(dict[str, float]):
+    """A scorer's scores by endpoint name, with the terms it wants on the decision.
+
+    ``terms[endpoint]`` is a mapping of named inputs (seconds, blocks, ...) shown by
+    ``/admin/route?explain=1``; a ``model_ttft_s`` term is the TTFT the scorer predicted
+    (uncalibrated), which the KV layer calibrates against the observed TTFT.
+    """
+
+    __slots__ = ("terms",)
+
+    def __init__(
+        self,
+        scores: Mapping[str, float] | None = None,
+        terms: Mapping[str, Mapping[str, Any]] | None = None,
+    ):
+        super().__init__(scores or {})
+        self.terms: Mapping[str, Mapping[str, Any]] = terms or {}
 
 
 class Filter(Protocol):
@@ -107,4 +125,4 @@ class Picker(Protocol):
     ) -> EndpointView: ...
 
 
-__all__ = ["Filter", "Picker", "RequestContext", "Scorer", "Snapshot"]
+__all__ = ["Filter", "Picker", "RequestContext", "Scorer", "Scores", "Snapshot"]

@@ -1,6 +1,13 @@
 """Baseline filters: ``healthy`` (health check passing, breaker lets traffic through) and
 ``serves_model`` (the replica lists the requested model; replicas whose model list is not
-known yet are kept). Pure functions of (request, snapshot)."""
+known yet are kept). Pure functions of (request, snapshot). No parameters.
+
+.. code-block:: yaml
+
+    scheduling:
+      filters: [healthy, serves_model]
+      scorers: [{type: least_load, weight: 1.0}]
+"""
 
 from __future__ import annotations
 

@@ -26,8 +26,10 @@ stay ``None`` and their terms drop out of the sum (listed under ``missing``). Wi
 Subagents (``identity.parent``) are placed by the same cost: the shared system/tool prefix
 shows up in the match, and the parent's footprint on its replica is pinned while it waits.
 
-The per-replica terms are written to ``ctx.extra["kv_cost"]`` (request-scoped scratch, read by
-the observer for calibration and by explain). Parameters: ``hysteresis_s`` (default 0.25),
+The per-replica terms travel on the decision (:class:`router.scheduling.Scores` ``terms``):
+explain shows them, and their ``model_ttft_s`` (the uncalibrated queue + fetch-or-recompute
+TTFT) is what the KV layer calibrates against the observed TTFT. Parameters:
+``hysteresis_s`` (default 0.25),
 ``hysteresis_frac`` (0.1), ``overlap`` (1.0: tier loads hide behind compute),
 ``interference_weight`` (1.0; 0 turns the decode-interference term off),
 ``expected_output_tokens`` (None: the session's mean, else the KV layer's default).
@@ -46,16 +48,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from costmodel.placement import (
-    CallShape,
-    CostTerms,
-    ReplicaLoad,
-    placement_cost,
-    queue_time,
-    segment_costs,
-)
+from costmodel.placement import CostTerms, placement_cost, queue_time, segment_costs
 from router.replicas import EndpointView
-from router.scheduling import RequestContext, Snapshot
+from router.scheduling import RequestContext, Scores, Snapshot
 from router.scheduling.registry import register, register_policy
 from router.scheduling.session_affinity import ring_scores
 
@@ -71,43 +66,6 @@ def expected_output(ctx: RequestContext, view: Any, fallback: int) -> int:
     if isinstance(cap, int) and cap > 0:
         guess = min(guess, cap)
     return guess
-
-
-def replica_load(view: Any, e: EndpointView, exclude: str | None, prior_tokens: int) -> ReplicaLoad:
-    """The cost model's inputs for one replica, from the endpoint view and the KV view.
-
-    Calls queued or running there are sized by the replica's recent means (uncached tokens
-    to prefill, prompt tokens held) as observed by this router; before it has observed any,
-    by ``prior_tokens`` (this call's prompt: a pending call counts as a cold call this big).
-    """
-    st = view.replica_stat(e.name)
-    prof = view.profile(e.name)
-    running = e.running if e.running is not None else None
-    waiting = e.waiting if e.waiting is not None else None
-    # calls that have not finished their prefill: waiting in the engine, or sent by this
-    # router and not yet running there
-    pending = max(float(waiting or 0.0), float(e.inflight) - float(running or 0.0), 0.0)
-    uncached = st.uncached_ewma if st is not None else float(prior_tokens)
-    context = st.context_ewma if st is not None else float(prior_tokens)
-    queued = pending * uncached
-    batch = max(int(running) if running is not None else 0, int(e.inflight) - int(pending))
-    dctx = batch * context
-    used = view.gpu_blocks_used(e.name)
-    free = None if used is None else max(prof.gpu_kv_blocks - used, 0)
-    warm, reserved = view.warm_and_reserved(e.name, exclude)
-    cal = view.calibration(e.name)
-    return ReplicaLoad(
-        queued_prefill_tokens=queued,
-        decode_batch=batch,
-        decode_context_tokens=dctx,
-        free_gpu_blocks=free,
-        pending_calls=pending,
-        warm=warm,
-        reserved=reserved,
-        prefill_scale=cal.prefill_scale,
-        decode_scale=cal.decode_scale,
-        ttft_offset_s=cal.ttft_offset_s,
-    )
 
 
 class KVCost:
@@ -140,7 +98,7 @@ class KVCost:
         if view is None:
             return {}
         keys = ctx.block_keys or []
-        n_tok = int(ctx.extra.get("kv_prompt_tokens") or len(keys) * view.block_size)
+        n_tok = int(ctx.prompt_tokens or len(keys) * view.block_size)
         names = [e.name for e in endpoints]
         matches = view.match(keys, names) if keys else {}
         out_tok = self.expected_output_tokens or expected_output(
@@ -150,12 +108,8 @@ class KVCost:
         for e in endpoints:
             prof = view.profile(e.name)
             m = matches.get(e.name)
-            ratio = view.block_size / prof.block_size  # index blocks -> profile blocks
-            g = int((m.gpu if m else 0) * ratio)
-            c = int((m.cpu if m else 0) * ratio)
-            s = int((m.storage if m else 0) * ratio)
-            call = CallShape(n_tok, g, c, s, out_tok)
-            load = replica_load(view, e, ctx.identity.key, n_tok)
+            call = view.call_shape(e.name, keys, n_tok, m, out_tok)
+            load = view.replica_load(e, ctx.identity.key, n_tok)
             terms = placement_cost(
                 prof, call, load, overlap=self.overlap, interference_weight=self.interference_weight
             )
@@ -167,7 +121,11 @@ class KVCost:
                 terms,
                 {
                     "match_blocks": m.depth if m else 0,
-                    "tiers": {"gpu": g, "cpu": c, "storage": s},
+                    "tiers": {
+                        "gpu": call.gpu_blocks,
+                        "cpu": call.cpu_blocks,
+                        "storage": call.storage_blocks,
+                    },
                     "source": view.source(e.name),
                     "free_gpu_blocks": load.free_gpu_blocks,
                     "queued_prefill_tokens": load.queued_prefill_tokens,
@@ -197,9 +155,8 @@ class KVCost:
                 "session_prior_s": round(prior, 6),
                 "effective_s": round(eff[name], 6),
             }
-        ctx.extra["kv_cost"] = explain
         best = min(eff.values())
-        return {n: best / c for n, c in eff.items()}
+        return Scores({n: best / c for n, c in eff.items()}, terms=explain)
 
 
 @register("scorer", "kv_cost")

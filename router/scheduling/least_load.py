@@ -1,7 +1,13 @@
 """Scorer ``least_load``: score(e) = 1 - load(e) / max_load over the candidates (1 for all
 when nothing is loaded), where load = max(router in-flight, engine running + waiting).
 With ``kv_weight`` k > 0 the score is (1-k)·that + k·(1 - kv_cache_usage).
-Policy ``least_load`` uses it alone."""
+Policy ``least_load`` uses it alone.
+
+.. code-block:: yaml
+
+    scheduling:
+      scorers: [{type: least_load, weight: 1.0, params: {kv_weight: 0.3}}]
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,12 @@
 """Baseline picker ``max_score``: the highest weighted total; ties broken by a seeded RNG
-(``seed`` param, default 0) so tests are reproducible and load still spreads over equals."""
+(``seed`` param, default 0) so tests are reproducible and load still spreads over equals.
+
+.. code-block:: yaml
+
+    scheduling:
+      scorers: [{type: round_robin, weight: 1.0}]
+      picker: {type: max_score, params: {seed: 7}}
+"""
 
 from __future__ import annotations
 

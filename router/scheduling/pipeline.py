@@ -2,8 +2,8 @@
 
 Owns: running one request through the configured plugins over a :class:`Snapshot`, the
 explanation of the decision (for ``/admin/route?explain=1`` and debug logs: every scorer's
-score per endpoint, plus the terms a scorer left in ``ctx.extra[<scorer>][<endpoint>]``, e.g.
-``kv_cost``'s cost terms in seconds) and the only
+score per endpoint, plus the terms a scorer returned with its :class:`Scores`, e.g.
+``kv_cost``'s cost terms in seconds, kept on the :class:`Decision`) and the only
 mutable scheduling state, the pick counter (``seq``) that round-robin-like scorers read from
 the snapshot. Must not import aiohttp, the proxy or stores.
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.replicas import EndpointView
-from router.scheduling import Filter, Picker, RequestContext, Scorer, Snapshot
+from router.scheduling import Filter, Picker, RequestContext, Scorer, Scores, Snapshot
 
 log = logging.getLogger("kvroute.scheduling")
 
@@ -37,26 +37,25 @@ class Decision:
     endpoint: EndpointView
     ranked: list[tuple[EndpointView, float]]  # best first (for explain; retries re-run)
     explain: dict[str, Any] = field(default_factory=dict)
+    terms: dict[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)  # scorer ->
+
+    def term(self, endpoint: str, key: str) -> Any:
+        """The first scorer's ``key`` term for ``endpoint`` (``None`` when no scorer gave it)."""
+        for per_ep in self.terms.values():
+            t = per_ep.get(endpoint)
+            if t is not None and key in t:
+                return t[key]
+        return None
+
+    def terms_for(self, endpoint: str) -> dict[str, Mapping[str, Any]]:
+        """Every scorer's terms for ``endpoint``, by scorer name."""
+        return {s: per_ep[endpoint] for s, per_ep in self.terms.items() if endpoint in per_ep}
 
 
 def _clamp(x: float) -> float:
     if not isinstance(x, (int, float)) or math.isnan(x):
         return 0.0
     return 0.0 if x < 0.0 else 1.0 if x > 1.0 else float(x)
-
-
-def _terms(ctx: RequestContext, scorers: Sequence[tuple[Scorer, float]], name: str) -> dict:
-    """Per-endpoint terms a scorer chose to explain, by scorer name.
-
-    Convention: a scorer that wants its inputs shown leaves them in
-    ``ctx.extra[<scorer name>][<endpoint name>]`` (request-scoped scratch).
-    """
-    out = {}
-    for scorer, _ in scorers:
-        per_ep = ctx.extra.get(scorer.name)
-        if isinstance(per_ep, dict) and name in per_ep:
-            out[scorer.name] = per_ep[name]
-    return out
 
 
 class Pipeline:
@@ -86,8 +85,11 @@ class Pipeline:
                 raise NoCandidates(removed_by)
         totals = dict.fromkeys((e.name for e in eps), 0.0)
         detail: dict[str, dict[str, float]] = {e.name: {} for e in eps} if explain else {}
+        terms: dict[str, Mapping[str, Mapping[str, Any]]] = {}
         for scorer, w in self.scorers:
             s = scorer.score(ctx, snap, eps)
+            if isinstance(s, Scores) and s.terms:
+                terms[scorer.name] = s.terms
             for e in eps:
                 v = _clamp(s.get(e.name, 0.0))
                 totals[e.name] += w * v
@@ -95,7 +97,7 @@ class Pipeline:
                     detail[e.name][scorer.name] = round(v, 6)
         ranked = sorted(((e, totals[e.name]) for e in eps), key=lambda t: -t[1])
         chosen = self.picker.pick(ctx, snap, ranked)
-        out = Decision(chosen, ranked)
+        out = Decision(chosen, ranked, terms=terms)
         if explain:
             out.explain = {
                 "policy": self.name,
@@ -103,7 +105,7 @@ class Pipeline:
                 "weights": {s.name: w for s, w in self.scorers},
                 "candidates": [
                     {"replica": e.name, "total": round(t, 6), "scores": detail[e.name],
-                     "terms": _terms(ctx, self.scorers, e.name),
+                     "terms": out.terms_for(e.name),
                      "load": e.load, "kv_usage": e.kv_usage}
                     for e, t in ranked
                 ],

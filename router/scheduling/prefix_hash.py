@@ -4,6 +4,11 @@ Key: the first ``blocks`` chained block keys when a prompt analyzer filled
 ``ctx.block_keys`` (vLLM-compatible, so equal keys mean equal KV), else the prompt's first
 ``chars`` characters. Same bounded-load walk as ``session_affinity`` (c = ``load_factor``),
 without the session table. Policy ``prefix_hash`` uses it alone.
+
+.. code-block:: yaml
+
+    scheduling:
+      scorers: [{type: prefix_hash, weight: 1.0, params: {blocks: 4, load_factor: 1.25}}]
 """
 
 from __future__ import annotations

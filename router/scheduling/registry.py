@@ -27,14 +27,7 @@ from router.config import ConfigError
 
 KINDS = ("filter", "scorer", "picker", "policy")
 _TABLE: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in KINDS}
-_BUILTIN_MODULES = (
-    "router.scheduling.filters",
-    "router.scheduling.pickers",
-    "router.scheduling.round_robin",
-    "router.scheduling.least_load",
-    "router.scheduling.session_affinity",
-    "router.scheduling.prefix_hash",
-)
+ENTRY_POINT_GROUP = "kvroute.scheduling"  # out-of-tree plugin modules: name = "pkg.module"
 _discovered = False
 IMPORT_ERRORS: dict[str, str] = {}  # optional plugin module -> why it failed to import
 log = logging.getLogger("kvroute.scheduling")
@@ -57,23 +50,21 @@ def register_policy(name: str, spec: Mapping[str, Any]) -> None:
 
 
 def discover() -> None:
-    """Import built-in plugins plus ``router.scheduling.scorers.*`` and ``kv_*`` modules."""
+    """Import every module of :mod:`router.scheduling` (a new in-tree plugin is one new module)
+    and every module named in the ``kvroute.scheduling`` entry-point group
+    (``[project.entry-points."kvroute.scheduling"] my_scorer = "pkg.my_scorer"``): importing
+    a module runs its ``@register`` decorators."""
     global _discovered
     if _discovered:
         return
-    for m in _BUILTIN_MODULES:
-        importlib.import_module(m)
     import router.scheduling as pkg
 
-    optional = [f"router.scheduling.{i.name}" for i in pkgutil.iter_modules(pkg.__path__)
-                if i.name.startswith("kv_")]  # fmt: skip
-    scorers = _optional_import("router.scheduling.scorers")
-    if scorers is not None and hasattr(scorers, "__path__"):
-        optional += [
-            i.name for i in pkgutil.iter_modules(scorers.__path__, "router.scheduling.scorers.")
-        ]
-    for name in optional:  # a broken optional plugin must not take the router down
-        _optional_import(name)
+    for info in pkgutil.iter_modules(pkg.__path__, "router.scheduling."):
+        importlib.import_module(info.name)
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):  # a broken plugin must not take us down
+        _optional_import(ep.value.partition(":")[0])
     _discovered = True
 
 

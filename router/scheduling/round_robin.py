@@ -1,5 +1,11 @@
 """Scorer ``round_robin``: 1 for the candidate at position ``seq mod n`` (candidates in name
-order, ``seq`` = picks recorded so far), 0 elsewhere. Policy ``round_robin`` uses it alone."""
+order, ``seq`` = picks recorded so far), 0 elsewhere. No parameters. Policy ``round_robin``
+uses it alone.
+
+.. code-block:: yaml
+
+    policy: round_robin
+"""
 
 from __future__ import annotations
 

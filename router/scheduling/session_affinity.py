@@ -7,6 +7,13 @@ the consistent-hash ring from the session key: the first candidate under capacit
 Every other candidate under capacity scores by ring order, 0.5·(1 - rank/n), so a combined
 policy still prefers the session's neighbours; candidates at capacity score 0.
 Policy ``session_affinity`` uses it alone.
+
+.. code-block:: yaml
+
+    scheduling:
+      scorers:
+        - {type: session_affinity, weight: 2.0, params: {load_factor: 1.25}}
+        - {type: least_load, weight: 1.0}
 """
 
 from __future__ import annotations

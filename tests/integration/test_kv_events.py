@@ -1,7 +1,7 @@
 """KV event ingestion over real ZMQ sockets on loopback: both directions, gaps, replay,
 restarts, AllBlocksCleared, bad messages, replica removal.
 
-The publisher here speaks vLLM's wire format (router.kvevents.encode_message) and its replay
+The publisher here speaks vLLM's wire format (router.vllm.kvevents.encode_message) and its replay
 protocol as vLLM 0.32.0's ``ZmqEventPublisher._service_replay`` implements it (ROUTER socket:
 request ``[id, b"", start_seq]``, replies ``[id, b"", topic, seq, payload]`` then
 ``[id, b"", b"", -1, b""]``).
@@ -16,9 +16,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.events import END_SEQ, KVEventSubscriber
-from router.index import BlockIndex, TierDepth
-from router.kvevents import (
+from router.kv.events import END_SEQ, KVEventSubscriber
+from router.kv.index import BlockIndex, TierDepth
+from router.vllm.kvevents import (
     encode_all_cleared,
     encode_block_removed,
     encode_block_stored,

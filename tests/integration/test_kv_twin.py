@@ -14,8 +14,8 @@ from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
 from router.app import REPLICAS, build_app, start_site
 from router.config import RouterConfig
-from router.scheduling.kv_state import KVConfig, KVState
-from router.tokens import ModelTokenizer
+from router.kv.state import KVConfig, KVState
+from router.vllm.tokenizer import ModelTokenizer
 
 pytestmark = pytest.mark.timeout(90)
 WORDS = tinymodel._WORDS
@@ -59,7 +59,7 @@ async def test_dram_blocks_attract_calls_until_the_replica_is_saturated():
                 RouterConfig(
                     replicas=c.urls, policy="kv_cost", admin_key="adm", metrics_interval_s=0.1
                 ),
-                **st.app_kwargs(),
+                kv=st,
             )
             runner, url = await start_site(app)
             try:

@@ -389,7 +389,7 @@ async def test_dns_name_is_resolved_into_replicas(fakes, router, http):
 
 async def test_prompt_analyzer_state_providers_and_observers_are_wired(fakes, http):
     reps = await fakes(4)
-    seen_outcomes: list[dict[str, Any]] = []
+    seen_outcomes: list[tuple[Any, Any]] = []
 
     def analyzer(ctx):  # what the KV-aware engineer plugs in: token ids and block keys
         ctx.token_ids = [1, 2, 3]
@@ -409,7 +409,7 @@ async def test_prompt_analyzer_state_providers_and_observers_are_wired(fakes, ht
         ),
         analyzer=analyzer,
         state_providers={"block_index": lambda: {"version": 7}},
-        observers=[lambda ctx, out: seen_outcomes.append({**out, "keys": ctx.block_keys})],
+        observers=[lambda ctx, out: seen_outcomes.append((out, ctx.block_keys))],
     )
     runner, url = await start_site(app)
     try:
@@ -423,11 +423,12 @@ async def test_prompt_analyzer_state_providers_and_observers_are_wired(fakes, ht
             async with http.post(url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200
         assert len(picks["5"]) == 1
-        done = [o for o in seen_outcomes if o["replica"] is not None]
-        assert [o["keys"] for o in done] == [[5] * 4, [5] * 4, [9] * 4]
-        assert all(o["status"] == "200" and o["bytes"] > 0 for o in done)
+        done = [(o, keys) for o, keys in seen_outcomes if o.replica is not None]
+        assert [keys for _, keys in done] == [[5] * 4, [5] * 4, [9] * 4]
+        assert all(o.status == "200" and o.bytes > 0 and o.decision is not None for o, _ in done)
+        assert all(o.decision.endpoint.name == o.replica for o, _ in done)
         # the three explain calls were dry runs: observed, with no replica
-        assert [o["status"] for o in seen_outcomes if o["replica"] is None] == ["dry_run"] * 3
+        assert [o.status for o, _ in seen_outcomes if o.replica is None] == ["dry_run"] * 3
         assert INDEX_SEEN and all(s == {"version": 7} for s in INDEX_SEEN)
     finally:
         await runner.cleanup()
@@ -447,7 +448,7 @@ async def test_every_analyzed_request_is_observed_exactly_once(fakes, http):
 
     def observer(ctx, out):
         counted[ctx.request_id] -= 1
-        ends.append(out["status"])
+        ends.append(out.status)
         if len(ends) == 3:
             all_seen.set()
 

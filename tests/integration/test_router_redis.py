@@ -278,17 +278,23 @@ def test_serve_rejects_bad_config_before_binding(args, message):
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
 
 
-def test_kv_layer_is_built_from_yaml_and_env_only_when_configured():
-    from router.config import RouterConfig
+def test_kv_layer_is_built_from_yaml_and_env_only_when_configured(tmp_path):
+    from router.app import build_app
+    from router.config import ConfigError, load_config
+    from router.keys import KV
     from router.serve import kv_layer
 
-    assert kv_layer(RouterConfig(replicas=["http://a:1"]), {}) is None
-    st = kv_layer(RouterConfig(replicas=["http://a:1"], kv={"block_size": 32, "profile": "x"}),
-                  {"KVROUTE_KV_BLOCK_SIZE": "64"})  # fmt: skip
+    flags = {"replicas": ["http://a:1"]}
+    assert kv_layer(load_config(env={}, overrides=flags)) is None
+    f = tmp_path / "kv.yaml"
+    f.write_text("kv: {block_size: 32, profile: x}\n")
+    cfg = load_config(f, env={"KVROUTE_KV_BLOCK_SIZE": "64"}, overrides=flags)
+    st = kv_layer(cfg)
     assert st.cfg.block_size == 64 and st.cfg.profile == "x"  # env wins key by key
-    assert set(st.app_kwargs()) == {"analyzer", "state_providers", "observers"}
-    with pytest.raises(ValueError, match="unknown kv settings"):
-        kv_layer(RouterConfig(replicas=["http://a:1"], kv={"nope": 1}), {})
+    assert build_app(cfg, kv=st)[KV] is st
+    f.write_text("kv: {nope: 1}\n")
+    with pytest.raises(ConfigError, match="unknown kv settings"):
+        load_config(f, env={}, overrides=flags)
 
 
 async def test_serve_wires_the_kv_layer_when_configured(fakes, http, serve):

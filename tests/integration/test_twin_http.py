@@ -19,8 +19,8 @@ from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
 from loadtest.twin.tokenize import ModelTokenizer
 from loadtest.vllmbed import EventCollector
-from router.hashing import BlockHasher
-from router.kvevents import AllBlocksCleared, BlockStored, decode_message
+from router.vllm.hashing import BlockHasher
+from router.vllm.kvevents import AllBlocksCleared, BlockStored, decode_message
 
 pytestmark = pytest.mark.timeout(60)
 WORDS = tinymodel._WORDS

@@ -7,12 +7,18 @@ import math
 import pytest
 
 from costmodel.profiles import load_profile
+from router.kv.config import KVConfig
+from router.kv.sessions import ReplicaStat, SessionFootprint
+from router.kv.state import KVState
+from router.outcome import CallOutcome, usage_from_tail
 from router.replicas import EndpointView
 from router.scheduling import RequestContext, Snapshot
 from router.scheduling.kv_cost import KVCost
-from router.scheduling.kv_peers import KVPrefix, KVQueue, SGLangTree
-from router.scheduling.kv_state import KVConfig, KVState, ReplicaStat, SessionFootprint
+from router.scheduling.kv_prefix import KVPrefix
+from router.scheduling.kv_queue import KVQueue
+from router.scheduling.pipeline import Decision
 from router.scheduling.registry import build_pipeline
+from router.scheduling.sglang_tree import SGLangTree
 from router.sessions import SessionIdentity
 from router.state import SessionRecord
 
@@ -32,7 +38,7 @@ def ctx_for(session="s", parent=None, keys=KEYS, final=False):
     ident = SessionIdentity("t", session, parent, None, final, "test")
     c = RequestContext("r1", "/v1/chat/completions", "m", ident, {"max_tokens": 300})
     c.block_keys = list(keys)
-    c.extra["kv_prompt_tokens"] = len(keys) * BS
+    c.prompt_tokens = len(keys) * BS
     return c
 
 
@@ -48,6 +54,12 @@ def snap(st, eps, sticky=None, session="s"):
     return Snapshot(tuple(eps), rec, 0, {"kv": st.view()})
 
 
+def outcome(scores=None, replica="A", status="200", **kw):
+    """How a call on ``replica`` ended, with the decision's terms from ``scores``."""
+    dec = None if scores is None else Decision(ep(replica), [], terms={"kv_cost": scores.terms})
+    return CallOutcome(replica, status, decision=dec, **kw)
+
+
 def pick(st, eps, ctx, sticky=None, scorer=None):
     scorer = scorer or KVCost()
     s = scorer.score(ctx, snap(st, eps, sticky, ctx.identity.session), list(eps))
@@ -57,25 +69,25 @@ def pick(st, eps, ctx, sticky=None, scorer=None):
 def test_blocks_on_gpu_win():
     st = state()
     st.index.store("A", KEYS)
-    winner, s = pick(st, [ep("A"), ep("B")], ctx := ctx_for())
+    winner, s = pick(st, [ep("A"), ep("B")], ctx_for())
     assert winner == "A" and s["B"] < 0.2
-    assert ctx.extra["kv_cost"]["A"]["tiers"] == {"gpu": N, "cpu": 0, "storage": 0}
-    assert ctx.extra["kv_cost"]["A"]["source"] == "events"
+    assert s.terms["A"]["tiers"] == {"gpu": N, "cpu": 0, "storage": 0}
+    assert s.terms["A"]["source"] == "events"
 
 
 def test_dram_blocks_win_when_cheaper_than_recompute_and_lose_when_saturated():
     st = state()
     st.index.store("A", KEYS, "CPU")
-    winner, _ = pick(st, [ep("A"), ep("B")], ctx := ctx_for())
+    winner, s = pick(st, [ep("A"), ep("B")], ctx_for())
     assert winner == "A"
-    a = ctx.extra["kv_cost"]["A"]
+    a = s.terms["A"]
     assert a["chose"] == {"cpu": "load"} and a["load_s"]["cpu"] < 1.0
     # A saturated: 12 calls of ~100k uncached tokens waiting in its queue
     st.stats["A"] = ReplicaStat(uncached_ewma=100_000, context_ewma=120_000, calls=10)
     st.stats["B"] = ReplicaStat(uncached_ewma=2_000, context_ewma=100_000, calls=10)
-    winner, _ = pick(st, [ep("A", inflight=12, running=0, waiting=12), ep("B")], ctx := ctx_for())
+    winner, s = pick(st, [ep("A", inflight=12, running=0, waiting=12), ep("B")], ctx_for())
     assert winner == "B"
-    assert ctx.extra["kv_cost"]["A"]["queue_s"] > ctx.extra["kv_cost"]["B"]["total_s"]
+    assert s.terms["A"]["queue_s"] > s.terms["B"]["total_s"]
 
 
 @pytest.mark.parametrize(("b_share", "expect"), [(0.9, "B"), (0.2, "A")])
@@ -104,9 +116,9 @@ def test_eviction_harm_keeps_a_new_session_off_a_full_replica():
         "t/other", "A", tokens=full * BS, last_end=995.0, gaps=[18.0]
     )  # ... which will be back soon
     st.index.store("B", list(range(9_000_000, 9_000_000 + 100)))
-    winner, _ = pick(st, [ep("A"), ep("B")], ctx := ctx_for(session="new"))
+    winner, s = pick(st, [ep("A"), ep("B")], ctx_for(session="new"))
     assert winner == "B"
-    a = ctx.extra["kv_cost"]["A"]
+    a = s.terms["A"]
     # with a host tier the evicted tail is reloaded (not recomputed): harm is the reload time
     assert a["eviction_harm_s"] > 0.1 and "t/other" in a["evicted_blocks"]
     assert a["reserved_s"] > 0  # the paced agent's next call is expected during this one
@@ -120,9 +132,9 @@ def test_parent_waiting_on_children_is_pinned():
         "t/parent", "A", tokens=full * BS, last_end=999.0, children_inflight=2
     )
     c = ctx_for(session="child", parent="t/parent")
-    pick(st, [ep("A"), ep("B")], c)
-    assert c.extra["kv_cost"]["A"]["eviction_harm_s"] == 0.0  # pinned: not evictable
-    assert "evicted_blocks" not in c.extra["kv_cost"]["A"]
+    s = pick(st, [ep("A"), ep("B")], c)[1]
+    assert s.terms["A"]["eviction_harm_s"] == 0.0  # pinned: not evictable
+    assert "evicted_blocks" not in s.terms["A"]
 
 
 def test_stale_replica_falls_back_to_approximate_mode():
@@ -131,10 +143,10 @@ def test_stale_replica_falls_back_to_approximate_mode():
     st.index.mark_stale("A", "seq gap")
     st.approx.set_capacity("A", 10_000)
     st.approx.record("A", KEYS[:1500])  # what the router itself sent there
-    winner, _ = pick(st, [ep("A"), ep("B")], ctx := ctx_for())
-    a = ctx.extra["kv_cost"]["A"]
+    winner, s = pick(st, [ep("A"), ep("B")], ctx_for())
+    a = s.terms["A"]
     assert winner == "A" and a["source"] == "approx" and a["match_blocks"] == 1500
-    assert ctx.extra["kv_cost"]["B"]["source"] == "events"
+    assert s.terms["B"]["source"] == "events"
 
 
 def test_without_the_kv_layer_it_is_bounded_load_session_affinity():
@@ -236,19 +248,18 @@ def test_observer_learns_from_usage_and_releases_final_sessions():
     st = state()
     c = ctx_for(session="obs")
     st.analyze(c)  # no tokenizer: only the footprint is opened
-    c.extra["kv_prompt_tokens"] = 10_000
+    c.prompt_tokens = 10_000
     tail = (
         b'data: {"choices":[],"usage":{"prompt_tokens":10000,"completion_tokens":120,'
         b'"prompt_tokens_details":{"cached_tokens":9000}}}\n\ndata: [DONE]\n\n'
     )
-    st.observe(c, {"replica": "A", "status": "200", "ttft_s": 0.5, "duration_s": 2.0,
-                   "events": 5, "tail": tail})  # fmt: skip
+    st.observe(c, outcome(ttft_s=0.5, duration_s=2.0, events=5, usage=usage_from_tail(tail)))
     assert st.stats["A"].uncached_ewma == 1000  # from the engine's cached_tokens
     fp = st.sessions["t/obs"]
     assert (fp.replica, fp.tokens, fp.outputs) == ("A", 10_120, [120])
     assert "t/obs" in {w.key for w in st.view().warm_and_reserved("A", None)[0]}
     done = ctx_for(session="obs", final=True)
-    st.observe(done, {"replica": "A", "status": "200", "tail": b""})
+    st.observe(done, outcome())
     assert "t/obs" not in st.sessions  # released after its final call
 
 
@@ -262,10 +273,10 @@ def test_calibration_loop_converges_to_the_true_factor():
         keys = KEYS[: rng.randrange(50, N)]
         c = ctx_for(session=f"s{i}", keys=keys)
         c.request_id = f"r{i}"
-        KVCost().score(c, snap(st, [ep("A"), ep("B")], session=f"s{i}"), [ep("A"), ep("B")])
+        s = KVCost().score(c, snap(st, [ep("A"), ep("B")], session=f"s{i}"), [ep("A"), ep("B")])
         st.analyze(c)  # creates the session footprint the observer updates
-        raw = c.extra["kv_cost"]["A"]["model_ttft_s"]
-        st.observe(c, {"replica": "A", "status": "200", "ttft_s": 2.0 * raw + 0.1})
+        raw = s.terms["A"]["model_ttft_s"]
+        st.observe(c, outcome(s, ttft_s=2.0 * raw + 0.1))
     cal = st.calibrators["A"].current()
     assert cal.prefill_scale == pytest.approx(2.0, rel=0.05)
     assert cal.ttft_offset_s == pytest.approx(0.1, abs=0.05)
@@ -297,7 +308,7 @@ def test_a_session_without_gaps_returns_like_the_population():
 
     one = ctx_for(session="one")
     st.analyze(one)
-    st.observe(one, {"replica": "A", "status": "200", "duration_s": 1.0})
+    st.observe(one, outcome(duration_s=1.0))
     assert p_of("t/one") == 1.0  # within the default 18 s gap
     clock[0] += 18 + 5 * 18.0
     assert p_of("t/one") == pytest.approx(math.exp(-5), rel=1e-6)
@@ -305,7 +316,7 @@ def test_a_session_without_gaps_returns_like_the_population():
     for _ in range(2):
         c = ctx_for(session="paced")
         st.analyze(c)
-        st.observe(c, {"replica": "A", "status": "200", "duration_s": 0.0})
+        st.observe(c, outcome(duration_s=0.0))
         clock[0] += 60.0
     assert st.gap_ewma == pytest.approx(60.0)
     idle = clock[0] - 1000.0  # "one" ended at t = 1000
@@ -325,10 +336,10 @@ def test_calibration_of_sped_up_replicas_is_in_profile_seconds():
     for i in range(20):
         c = ctx_for(session=f"s{i}", keys=KEYS[: rng.randrange(50, N)])
         c.request_id = f"r{i}"
-        KVCost().score(c, snap(st, [ep("A"), ep("B")], session=f"s{i}"), [ep("A"), ep("B")])
+        s = KVCost().score(c, snap(st, [ep("A"), ep("B")], session=f"s{i}"), [ep("A"), ep("B")])
         st.analyze(c)
-        raw = c.extra["kv_cost"]["A"]["model_ttft_s"]
-        st.observe(c, {"replica": "A", "status": "200", "ttft_s": raw / 10.0})
+        raw = s.terms["A"]["model_ttft_s"]
+        st.observe(c, outcome(s, ttft_s=raw / 10.0))
     assert st.calibration("A").prefill_scale == pytest.approx(1.0, rel=0.05)
     with pytest.raises(ValueError, match="time_scale"):
         KVConfig(time_scale=0)

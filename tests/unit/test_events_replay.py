@@ -16,9 +16,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.events import END_SEQ, KVEventSubscriber
-from router.index import BlockIndex
-from router.kvevents import encode_block_removed, encode_block_stored, encode_message
+from router.kv.events import END_SEQ, KVEventSubscriber
+from router.kv.index import BlockIndex
+from router.vllm.kvevents import encode_block_removed, encode_block_stored, encode_message
 
 pytestmark = pytest.mark.timeout(20)
 

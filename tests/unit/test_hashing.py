@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.hashing import MASK64, BlockHasher, external, sha256_cbor, to_key
+from router.vllm.hashing import MASK64, BlockHasher, external, sha256_cbor, to_key
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "vllm_hash_vectors.json").read_text())
 

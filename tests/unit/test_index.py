@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index import BlockIndex, BlockIndexError, NaiveBlockIndex, TierDepth
-from router.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
+from router.kv.index import BlockIndex, BlockIndexError, NaiveBlockIndex, TierDepth
+from router.vllm.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
 
 REPLICAS = ["a", "b", "c"]
 KEYS = st.integers(min_value=0, max_value=(1 << 64) - 1)

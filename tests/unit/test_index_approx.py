@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.approx import ApproxCache
-from router.index import TierDepth
+from router.kv.approx import ApproxCache
+from router.kv.index import TierDepth
 
 
 def test_routed_prompt_is_predicted_cached_and_extends():

@@ -16,13 +16,16 @@ import zmq
 import zmq.asyncio
 
 from costmodel.profiles import load_profile
-from router.events import END_SEQ
-from router.kvevents import encode_block_stored, encode_message
+from router.kv.config import KVConfig
+from router.kv.events import END_SEQ
+from router.kv.sessions import SessionFootprint
+from router.kv.state import KVState
+from router.outcome import CallOutcome
 from router.replicas import EndpointView, ReplicaSet
 from router.scheduling import RequestContext, Snapshot
 from router.scheduling.kv_cost import KVCost
-from router.scheduling.kv_state import KVConfig, KVState, SessionFootprint
 from router.sessions import SessionIdentity
+from router.vllm.kvevents import encode_block_stored, encode_message
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -45,7 +48,7 @@ def ctx_for(session: str = "s") -> RequestContext:
     ident = SessionIdentity("t", session, None, None, False, "test")
     c = RequestContext("r1", "/v1/chat/completions", "m", ident, {"max_tokens": 100})
     c.block_keys = list(KEYS)
-    c.extra["kv_prompt_tokens"] = len(KEYS) * BS
+    c.prompt_tokens = len(KEYS) * BS
     return c
 
 
@@ -222,7 +225,7 @@ async def test_removal_forgets_replica_everywhere_and_readd_accepts_events(kv):
     assert sub.stats.ignored_removed == 1 and A not in kv.index.replicas()
     # a call that ends on A after its removal does not make A a home again
     c = ctx_for()
-    kv.observe(c, {"replica": A, "status": "200", "ttft_s": 0.1, "duration_s": 1.0})
+    kv.observe(c, CallOutcome(A, "200", ttft_s=0.1, duration_s=1.0))
     assert kv.sessions["t/s"].replica is None and A not in kv.approx.match(KEYS)
 
     rs.set_source("static", [A, B])  # A is back (say, a new pod at the same address)
@@ -232,7 +235,7 @@ async def test_removal_forgets_replica_everywhere_and_readd_accepts_events(kv):
     await sub.handle(msg("kv@a", 1, [9]))
     assert kv.index.match([7, 8, 9])[A].depth == 3
     assert set(kv.view().match([7, 8, 9], [A, B])) == {A}
-    kv.observe(ctx_for(), {"replica": A, "status": "200"})
+    kv.observe(ctx_for(), CallOutcome(A, "200"))
     assert kv.sessions["t/s"].replica == A  # routing history counts again
 
 
@@ -271,15 +274,17 @@ async def test_readded_replica_uses_its_configured_replay_endpoint():
     await st.close()
 
 
-async def test_lifespan_follows_the_app_replica_set():
-    from router.app import REPLICAS, build_app
+async def test_build_app_installs_the_kv_layer_and_follows_its_replica_set():
+    from router.app import build_app
     from router.config import RouterConfig
+    from router.keys import KV, REPLICAS
 
     st = KVState(KVConfig(block_size=BS, events_bind="inproc://kv-disc-3", topics=TOPICS,
                           forget_after_s=0), profile=PROF)  # fmt: skip
-    app = build_app(RouterConfig(replicas=[A, B]))
+    app = build_app(RouterConfig(replicas=[A, B]), kv=st)
+    assert app[KV] is st
     app[REPLICAS].set_source("static", [A, B])  # what the replicas context does first
-    life = st.lifespan(app)
+    life = app.cleanup_ctx[-1](app)  # the KV layer's context runs after the replica set's
     await life.__anext__()
     await st.subscriber.handle(msg("kv@a", 0, [1]))
     app[REPLICAS].set_source("static", [B])

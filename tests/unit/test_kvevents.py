@@ -1,8 +1,8 @@
 import msgpack
 import pytest
 
-from router.hashing import BlockHasher
-from router.kvevents import (
+from router.vllm.hashing import BlockHasher
+from router.vllm.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -130,8 +130,8 @@ def test_throughput_at_the_interactivity_line_reads_the_pareto_curve():
 
 def test_the_simulator_summary_uses_the_replay_definitions():
     from loadtest.metrics import CallNumbers, agentx_numbers
-    from loadtest.twin.sim import CallRecord as SimCall
-    from loadtest.twin.sim import SimResult
+    from loadtest.sim.simulator import CallRecord as SimCall
+    from loadtest.sim.simulator import SimResult
 
     # the same four calls as a replay would record them and as the simulator does
     # (arrival, first token, finish; TPOT = (finish - first token) / (outputs - 1))

@@ -10,9 +10,9 @@ import pytest
 
 from costmodel.profiles import load_profile
 from loadtest.metrics import UnlimitedCache
+from loadtest.sim.simulator import DagSession, Simulator, TraceCall
+from loadtest.sim.trace import TraceFeed, chained_keys, simulate_trace, trace_workload
 from loadtest.traces import Call, Dep, Session, Trace, load_trace
-from loadtest.twin.sim import DagSession, Simulator, TraceCall
-from loadtest.twin.sim_trace import TraceFeed, chained_keys, simulate_trace, trace_workload
 
 P70 = load_profile("h200-70b-fp8")  # block 64
 WEKA = Path("/work/shared/data/traces/weka-dev.tar.gz")
@@ -201,7 +201,7 @@ def test_bad_inputs_are_refused():
 
 
 def test_dag_sessions_run_directly_and_with_the_routers_pipeline():
-    from loadtest.twin.sim_router import RouterPolicy
+    from loadtest.sim.router_policy import RouterPolicy
 
     feed = trace_workload(dag_trace(), 64, concurrency=1, duration_s=None)
     ds = feed.instance(0, start=3.0)
@@ -215,7 +215,7 @@ def test_dag_sessions_run_directly_and_with_the_routers_pipeline():
 def test_real_weka_trace_smoke():
     trace = load_trace(WEKA, max_sessions=3, max_gap_s=30)
     prof = load_profile("h200-70b-fp8-tp4")
-    res = simulate_trace(prof, 2, trace, "session_affinity", concurrency=2, duration_s=120)
+    res = simulate_trace(prof, 2, trace, "sticky_spill", concurrency=2, duration_s=120)
     s = res.summary()
     assert s["requests"] > 0 and res.sim_time_s == 120
     assert 0.0 < s["cache_hit_ratio"] < 1.0

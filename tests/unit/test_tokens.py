@@ -7,14 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loadtest import tinymodel
-from router.hashing import BlockHasher
-from router.tokens import (
-    ChatTemplateError,
-    ModelTokenizer,
-    SessionTokenizer,
-    TokenizerLoadError,
-    common_prefix_len,
-)
+from router.kv.tokens import SessionTokenizer, common_prefix_len
+from router.vllm.chat_template import ChatTemplateError
+from router.vllm.hashing import BlockHasher
+from router.vllm.tokenizer import ModelTokenizer, TokenizerLoadError
 
 
 @pytest.fixture(scope="module")

@@ -283,7 +283,7 @@ def test_idle_gap_cap_applies_to_synthetic_traces_too():
 
 
 def test_synthetic_traces_and_the_simulator_share_one_agentx_generator():
-    from loadtest.twin.sim import synthetic_agentx
+    from loadtest.sim.simulator import synthetic_agentx
 
     t = synthetic.generate(synthetic.AgentXParams(sessions=6, seed=3, subagent_prob=0.3))
     sim = synthetic_agentx(6, 3600, seed=3)  # the same defaults: the same main chains

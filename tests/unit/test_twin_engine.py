@@ -7,8 +7,8 @@ import pytest
 from costmodel.profiles import load_profile
 from costmodel.steptime import load_time
 from loadtest.twin.engine import LOADING, Engine, Request
-from router.hashing import BlockHasher
-from router.kvevents import decode_event
+from router.vllm.hashing import BlockHasher
+from router.vllm.kvevents import decode_event
 
 TINY = load_profile("cpu-tiny")
 BS = TINY.block_size

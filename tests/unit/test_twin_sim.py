@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from costmodel.profiles import load_profile
-from loadtest.twin.sim import (
+from loadtest.sim.simulator import (
     Call,
     Session,
     Simulator,
-    route_least_loaded,
+    route_fewest_requests,
     simulate,
     synthetic_agentx,
 )
@@ -20,8 +20,8 @@ P70 = load_profile("h200-70b-fp8")
 def test_bursts_are_step_exact():
     # short think times: many calls arrive while replicas are in the middle of a burst
     sessions = synthetic_agentx(16, 200, seed=5, think_median_s=2.0, think_p90_s=6.0)
-    a = Simulator(P70, 2, route_least_loaded(), burst=False)
-    b = Simulator(P70, 2, route_least_loaded(), burst=True)
+    a = Simulator(P70, 2, route_fewest_requests(), burst=False)
+    b = Simulator(P70, 2, route_fewest_requests(), burst=True)
     ra_, rb_ = a.run(sessions[:8]), b.run(sessions[:8])
     assert b.cuts > 20
     key = lambda r: (r.session_id, r.call_index)  # noqa: E731
@@ -80,7 +80,7 @@ def test_routing_function_sees_views_and_its_choice_is_used():
 def test_cache_affinity_beats_round_robin_on_hit_ratio():
     sessions = synthetic_agentx(16, 600, seed=7)
     rr = simulate(P70, 4, sessions, "round_robin", until=900).summary()
-    aff = simulate(P70, 4, sessions, "session_affinity", until=900).summary()
+    aff = simulate(P70, 4, sessions, "sticky_spill", until=900).summary()
     assert aff["cache_hit_ratio"] > rr["cache_hit_ratio"] + 0.1
     assert aff["ttft_p50_s"] < rr["ttft_p50_s"]
 
@@ -108,7 +108,7 @@ def test_two_arrivals_within_one_step_of_a_burst_do_not_overlap_steps():
     sessions = [Session("a", 0.0, [Call(3000, 2000)])] + [
         Session(f"b{i}", 5.0 + 0.002 * i, [Call(1000 + i, 50)]) for i in range(4)
     ]
-    runs = [Simulator(P70, 1, route_least_loaded(), burst=flag) for flag in (False, True)]
+    runs = [Simulator(P70, 1, route_fewest_requests(), burst=flag) for flag in (False, True)]
     step, fast = (sim.run(sessions) for sim in runs)
     assert runs[1].cuts >= 1
     by = {r.session_id: r for r in step.records}
@@ -153,15 +153,15 @@ def test_sim_command_compares_policies_and_writes_json(tmp_path, capsys):
 
 def test_a_run_cut_by_until_lasts_until_and_keeps_what_finished_before():
     sessions = synthetic_agentx(6, 200, seed=3)
-    full = Simulator(P70, 2, route_least_loaded()).run(sessions)
+    full = Simulator(P70, 2, route_fewest_requests()).run(sessions)
     assert not full.cut and full.sim_time_s == max(r.finish for r in full.records) > 30
-    cut = Simulator(P70, 2, route_least_loaded()).run(sessions, until=30.0)
+    cut = Simulator(P70, 2, route_fewest_requests()).run(sessions, until=30.0)
     assert cut.cut and cut.sim_time_s == 30.0
     key = lambda r: (r.session_id, r.call_index)  # noqa: E731
     assert sorted(cut.records, key=key) == sorted(
         (r for r in full.records if r.finish <= 30.0), key=key
     )
     # a bound the run never reaches changes nothing
-    late = Simulator(P70, 2, route_least_loaded()).run(sessions, until=1e9)
+    late = Simulator(P70, 2, route_fewest_requests()).run(sessions, until=1e9)
     assert not late.cut and late.sim_time_s == full.sim_time_s
     assert late.records == full.records

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from costmodel.profiles import load_profile
-from loadtest.twin.sim import Simulator, synthetic_agentx
-from loadtest.twin.sim_router import RouterPolicy
+from loadtest.sim.router_policy import RouterPolicy
+from loadtest.sim.simulator import Simulator, synthetic_agentx
 
 P70 = load_profile("h200-70b-fp8")
 SESSIONS = synthetic_agentx(12, 300, seed=4)

@@ -8,8 +8,8 @@ import time
 import orjson
 import pytest
 
-from router.hashing import BlockHasher, external
-from router.kvevents import BlockRemoved, BlockStored
+from router.vllm.hashing import BlockHasher, external
+from router.vllm.kvevents import BlockRemoved, BlockStored
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
 
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from loadtest.vllmbed import ReplicaConfig, VllmBed
-from router.events import KVEventSubscriber
-from router.hashing import BlockHasher
-from router.index import BlockIndex
+from router.kv.events import KVEventSubscriber
+from router.kv.index import BlockIndex
+from router.vllm.hashing import BlockHasher
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
 
 pytestmark = pytest.mark.timeout(240)

@@ -16,9 +16,9 @@ import pytest
 
 from router.app import build_app, start_site
 from router.config import RouterConfig
-from router.kvevents import AllBlocksCleared, BlockStored
-from router.scheduling.kv_state import KVConfig, KVState
-from router.tokens import ModelTokenizer
+from router.kv.state import KVConfig, KVState
+from router.vllm.kvevents import AllBlocksCleared, BlockStored
+from router.vllm.tokenizer import ModelTokenizer
 from tests.vllm.conftest import BLOCK_SIZE, unique_text
 
 pytestmark = pytest.mark.timeout(240)
@@ -105,7 +105,7 @@ async def router(vllm_bed, kv_events, tiny_model):
     bridge.pump()  # everything the bed published so far
     app = build_app(
         RouterConfig(replicas=urls, policy="kv_cost", admin_key="adm", metrics_interval_s=0.2),
-        **st.app_kwargs(),
+        kv=st,
     )
     runner, url = await start_site(app)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.hashing import BlockHasher
-from router.tokens import ModelTokenizer, SessionTokenizer
+from router.kv.tokens import SessionTokenizer
+from router.vllm.hashing import BlockHasher
+from router.vllm.tokenizer import ModelTokenizer
 from tests.vllm.conftest import BLOCK_SIZE, unique_text
 
 CHATS = [

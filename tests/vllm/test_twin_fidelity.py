@@ -27,8 +27,8 @@ from scipy.stats import spearmanr
 from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
 from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
-from router.hashing import BlockHasher
-from router.kvevents import BlockRemoved, BlockStored
+from router.vllm.hashing import BlockHasher
+from router.vllm.kvevents import BlockRemoved, BlockStored
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES
 
 pytestmark = pytest.mark.timeout(240)

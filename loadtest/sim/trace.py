@@ -1,16 +1,15 @@
 """Real traces in the in-process simulator: a :class:`loadtest.traces.Trace` as DAG sessions.
 
 Owns: turning trace sessions (DAGs of calls with subagents, hash ids of ``trace.block_size``
-tokens) into DAG sessions (:class:`loadtest.twin.sim.DagSession`) with block keys in the
+tokens) into DAG sessions (:class:`loadtest.sim.simulator.DagSession`) with block keys in the
 simulated profile's block size, the closed-loop lanes that feed them to the simulator
 (:class:`TraceFeed`, :func:`trace_workload`), and :func:`simulate_trace`.
 
 It mirrors the HTTP replay (``loadtest/replay/runner.py`` + ``loadtest/prompts.py``) so a
 policy compared here is compared on the same workload:
 
-- **Lanes**: ``concurrency`` lanes; at start lane u takes play k = u, afterwards whichever lane
-  frees first takes the next k from one shared counter; k is session ``k % n`` of play
-  ``k // n``. Plays after the first happen only under a ``duration_s`` bound (recycling). A
+- **Lanes**: ``concurrency`` lanes handed plays by :class:`loadtest.traces.lanes.PlayCounter`,
+  the HTTP replay's own rule (plays after the first only under a ``duration_s`` bound). A
   lane's next session starts when its previous one's last call has finished.
 - **Namespaces**: a trace id's blocks are keyed by ``(namespace, id, j)``; the namespace is
   ``"{trace}/{session}#{play}"`` for session-local ids (WEKA) and ``"{trace}#{play}"`` for
@@ -31,7 +30,7 @@ policy compared here is compared on the same workload:
 - **Bound**: calls in flight when ``duration_s`` is reached are not recorded (the HTTP replay
   cancels them after a grace period); throughput is over ``duration_s``.
 
-Like :mod:`loadtest.twin.sim`: no sockets, no asyncio, no router imports.
+Like :mod:`loadtest.sim.simulator`: no sockets, no asyncio, no router imports.
 """
 
 from __future__ import annotations
@@ -42,9 +41,7 @@ from typing import Any
 import numpy as np
 
 from costmodel.profiles import ReplicaProfile
-from loadtest.traces import Trace
-from loadtest.traces.model import Session
-from loadtest.twin.sim import (
+from loadtest.sim.simulator import (
     ROUTERS,
     DagSession,
     RouteFn,
@@ -53,6 +50,9 @@ from loadtest.twin.sim import (
     TraceCall,
     _stable64,
 )
+from loadtest.traces import Trace
+from loadtest.traces.lanes import PlayCounter
+from loadtest.traces.model import Session
 
 _U = np.uint64
 _C1, _C2, _C3 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
@@ -109,7 +109,7 @@ def content_tokens(input_tokens: int, n_ids: int, trace_block: int) -> int:
 
 
 class TraceFeed:
-    """The closed-loop lanes over a trace (a :class:`loadtest.twin.sim.SessionFeed`).
+    """The closed-loop lanes over a trace (a :class:`loadtest.sim.simulator.SessionFeed`).
 
     ``instance(index, play)`` builds the simulator's :class:`DagSession` for one play of a
     trace session; ``next_session(lane, now)`` hands lanes the next play from one shared
@@ -148,7 +148,8 @@ class TraceFeed:
         self.duration_s = duration_s
         self.shared_prefix = shared_prefix
         self.max_plays = max_plays
-        self.started = 0  # plays handed out
+        self.plays = PlayCounter(len(sessions), recycle=duration_s is not None,
+                                 max_plays=max_plays)  # fmt: skip
         self._salts: dict[str, int] = {}
 
     def _salt(self, ns: str) -> int:
@@ -192,14 +193,15 @@ class TraceFeed:
     def next_session(self, lane: int, now: float) -> DagSession | None:
         if self.duration_s is not None and now >= self.duration_s:
             return None
-        k = self.started
-        if self.max_plays is not None and k >= self.max_plays:
+        nxt = self.plays.next()  # the HTTP replay's lane rule
+        if nxt is None:
             return None
-        play, idx = divmod(k, len(self.sessions))
-        if play > 0 and self.duration_s is None:
-            return None  # recycle only under a time bound, like the HTTP replay
-        self.started += 1
-        return self.instance(idx, play, start=now)
+        return self.instance(nxt[0], nxt[1], start=now)
+
+    @property
+    def started(self) -> int:
+        """Plays handed out so far."""
+        return self.plays.started
 
 
 def trace_workload(
@@ -254,7 +256,7 @@ def simulate_trace(
     profile: ReplicaProfile,
     n_replicas: int,
     trace: Trace,
-    route: RouteFn | str = "session_affinity",
+    route: RouteFn | str = "sticky_spill",
     *,
     concurrency: int = 1,
     duration_s: float | None = None,

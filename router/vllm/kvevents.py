@@ -14,7 +14,7 @@ and ``payload`` is msgpack of ``[ts, [event, ...], dp_rank]`` (``dp_rank`` omitt
 * ``AllBlocksCleared{}``
 
 Fields equal to their default are omitted by the publisher; decoding tolerates missing and
-unknown fields. Hashes arrive as 64-bit ints or as digest bytes (see :mod:`router.hashing`);
+unknown fields. Hashes arrive as 64-bit ints or as digest bytes (see :mod:`router.vllm.hashing`);
 decoding normalizes both to int keys and keeps the original in ``raw_hashes``.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import msgpack
 
-from router.hashing import to_key
+from router.vllm.hashing import to_key
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 

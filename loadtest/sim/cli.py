@@ -2,7 +2,7 @@
 
 Runs the in-process discrete-event simulator (no HTTP): synthetic AgentX-like sessions, the
 engine model of every replica, and a routing policy — a built-in one (``round_robin``,
-``least_loaded``, ``session_affinity``, ``cache_aware``) or any of the router's own
+``fewest_requests``, ``sticky_spill``, ``exact_cache``) or any of the router's own
 pipelines as ``router:<policy>`` (e.g. ``router:kv_cost``). Prints the AgentX summary.
 """
 
@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from costmodel.profiles import ProfileError
-    from loadtest.twin.sim import ROUTERS, RouteFn, Simulator, synthetic_agentx
-    from loadtest.twin.sim_router import RouterPolicy
+    from loadtest.sim.router_policy import RouterPolicy
+    from loadtest.sim.simulator import ROUTERS, RouteFn, Simulator, synthetic_agentx
 
     if args.replicas < 1 or args.hours <= 0:
         print("kvroute sim: --replicas must be >= 1 and --hours > 0")

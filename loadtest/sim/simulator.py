@@ -22,7 +22,7 @@ Workload semantics (closed loop, like AgentX replays): a session's call k+1 is i
 session is exact; the first ``shared_prefix_tokens`` (tools + system prompt) are identical
 across sessions when the workload says so.
 
-DAG sessions (:class:`DagSession`, e.g. real traces via :mod:`loadtest.twin.sim_trace`): each
+DAG sessions (:class:`DagSession`, e.g. real traces via :mod:`loadtest.sim.trace`): each
 :class:`TraceCall` carries its own prompt (length and full-block keys) and starts ``delay_s``
 after all its dependencies *end* (end-to-start), or ``start_delay_s`` after its session starts
 when it has none, and never before ``not_before_s`` after its session starts when that is set
@@ -253,18 +253,19 @@ def route_round_robin() -> RouteFn:
     return route
 
 
-def route_least_loaded() -> RouteFn:
+def route_fewest_requests() -> RouteFn:
     def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
         return min(replicas, key=lambda r: (r.num_running + r.num_waiting, r.kv_usage)).index
 
     return route
 
 
-def route_session_affinity(max_waiting: int = 4) -> RouteFn:
+def route_sticky_spill(max_waiting: int = 4) -> RouteFn:
     """Keep a session on its replica unless that replica has a queue; new sessions go to
-    the least-loaded replica."""
+    the replica with the fewest requests. (Not the router's ``session_affinity``, which is
+    bounded-load consistent hashing.)"""
     home: dict[str, int] = {}
-    least = route_least_loaded()
+    least = route_fewest_requests()
 
     def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
         r = home.get(call.session_id)
@@ -276,8 +277,9 @@ def route_session_affinity(max_waiting: int = 4) -> RouteFn:
     return route
 
 
-def route_cache_aware(load_weight_s: float = 2.0) -> RouteFn:
-    """Score = estimated uncached prefill tokens + queue; scans every replica's cache (cost
+def route_exact_cache(load_weight_s: float = 2.0) -> RouteFn:
+    """Score = estimated uncached prefill tokens + queue, read from every engine's own cache
+    (an oracle no router has; not sglang-router's ``cache_aware``). Cost
     O(replicas x prompt blocks): fine for tens of replicas, slow for sweeps of hundreds)."""
 
     def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
@@ -294,11 +296,13 @@ def route_cache_aware(load_weight_s: float = 2.0) -> RouteFn:
     return route
 
 
+# Simulator-only routing functions. Their names are not the router's policy names: the
+# router's own pipelines run here through loadtest.sim.router_policy.RouterPolicy.
 ROUTERS: dict[str, Callable[[], RouteFn]] = {
-    "round_robin": route_round_robin,
-    "least_loaded": route_least_loaded,
-    "session_affinity": route_session_affinity,
-    "cache_aware": route_cache_aware,
+    "round_robin": route_round_robin,  # the same rule as the router's round_robin
+    "fewest_requests": route_fewest_requests,
+    "sticky_spill": route_sticky_spill,
+    "exact_cache": route_exact_cache,
 }
 
 
@@ -449,7 +453,7 @@ class _Replica:
 
 class SimObserver(Protocol):
     """Optional hooks of a routing function object (e.g. the router's pipeline adapter in
-    :mod:`loadtest.twin.sim_router`): what a real router would hear back."""
+    :mod:`loadtest.sim.router_policy`): what a real router would hear back."""
 
     wants_events: bool
 
@@ -817,7 +821,7 @@ def simulate(
     profile: ReplicaProfile,
     n_replicas: int,
     sessions: Sequence[Session],
-    route: RouteFn | str = "session_affinity",
+    route: RouteFn | str = "sticky_spill",
     **kw: Any,
 ) -> SimResult:
     """One run: ``route`` is a function or the name of a built-in policy (:data:`ROUTERS`)."""

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from router.index import BlockIndex
-from router.kvevents import AllBlocksCleared, EventBatch, EventDecodeError, decode_message
+from router.kv.index import BlockIndex
+from router.vllm.kvevents import AllBlocksCleared, EventBatch, EventDecodeError, decode_message
 
 log = logging.getLogger(__name__)
 

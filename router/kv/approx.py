@@ -4,7 +4,7 @@ Owns: for replicas without KV events (or whose event stream is stale), a per-rep
 block keys with the replica's capacity in blocks, fed by the router's own routing history —
 what SGLang's cache-aware router keeps as a radix tree of request text, here over chained
 block keys (a chain of keys *is* a path in that tree: key i identifies the whole prefix up to
-block i). Answers the same question as :class:`router.index.BlockIndex` —
+block i). Answers the same question as :class:`router.kv.index.BlockIndex` —
 ``match(keys) -> {replica: TierDepth}`` (all blocks counted as GPU) — so scorers can use
 either. Pure Python; must not import sockets, aiohttp, torch or vllm.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from router.index import TierDepth
+from router.kv.index import TierDepth
 
 
 class ApproxCache:

@@ -1,0 +1,137 @@
+"""The router's own call sequence as the simulator's routing function.
+
+Owns: :class:`RouterPolicy`, an adapter that routes simulated calls through
+:class:`router.call.CallSequence` — the same analyze → decide → finish steps
+``kvroute serve``'s proxy runs around its network send — over any registered policy
+(``round_robin``, ``least_load``, ``session_affinity``, ``prefix_hash``, ``kv_cost``, ``llmd``,
+``sglang_tree``, ...), in simulated time and without HTTP. It builds what the service builds
+for each call — the session identity, the session's record in the router's own session table
+(:class:`router.state.MemoryStore`, in simulated time), the endpoint views (running / waiting
+/ KV usage from the simulated engines, the router's own in-flight count) and the KV layer
+(:class:`router.kv.state.KVState`, its block index fed by the engines' own KV events decoded
+with :mod:`router.vllm.kvevents`, the wire path, and its clock set to simulated time) — and
+after each call it reports a :class:`router.outcome.CallOutcome` (replica, TTFT, duration,
+usage, the decision) to the call sequence's observers, as the proxy does. Must not import
+aiohttp, zmq, torch or vllm.
+
+Differences from a live router: no tokenization (the simulator's block keys go straight into
+``ctx.block_keys``), no HTTP bodies (``body`` holds a synthetic prompt whose text is the
+call's leading block keys, so text-prefix policies see the same sharing), no retries, no
+concurrent placement by another router (the pick is the session's replica), events arrive at
+the end of the step that produced them (no network delay), and sessions never expire from
+the table during a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from costmodel.profiles import ReplicaProfile
+from loadtest.sim.simulator import CallRecord, CallView, ReplicaView
+from router.call import CallSequence
+from router.kv.config import KVConfig
+from router.kv.state import KVState
+from router.outcome import CallOutcome, Usage
+from router.replicas import EndpointView
+from router.scheduling import RequestContext
+from router.scheduling.pipeline import Decision
+from router.scheduling.registry import build_pipeline
+from router.sessions import SessionIdentity
+from router.state import MemoryStore
+from router.vllm.kvevents import decode_event
+
+MODEL = "tiny"
+PREFIX_TEXT_BLOCKS = 64  # block keys rendered into the synthetic prompt text
+
+
+class RouterPolicy:
+    """``route(call, replicas) -> index`` backed by a router scheduling pipeline."""
+
+    wants_events = True
+
+    def __init__(self, policy: str, profile: ReplicaProfile, *, seed: int = 0, tenant: str = "sim"):
+        self.pipeline = build_pipeline(policy, seed=seed)
+        self.profile = profile
+        self.now = 0.0
+        self.kv = KVState(
+            KVConfig(block_size=profile.block_size), clock=lambda: self.now, profile=profile
+        )
+        self.calls = CallSequence(
+            self.pipeline,
+            analyzer=self.kv.analyze,
+            state_providers={"kv": self.kv.view},
+            observers=[self.kv.observe],
+        )
+        self.tenant = tenant
+        self.store = MemoryStore(ttl_s=float("inf"))
+        self.inflight: dict[int, int] = {}
+        self._ctx: dict[tuple[str, int], tuple[RequestContext, Decision]] = {}
+        self.names: list[str] = []
+        self.decisions = 0
+
+    # -- routing --
+
+    def _name(self, i: int) -> str:
+        while len(self.names) <= i:
+            n = f"http://sim-replica-{len(self.names)}"
+            self.names.append(n)
+            self.kv.index.add_replica(n)
+        return self.names[i]
+
+    def __call__(self, call: CallView, replicas: Sequence[ReplicaView]) -> int:
+        self.now = call.now
+        for r in replicas:
+            self._name(r.index)
+        ident = SessionIdentity(
+            tenant=self.tenant,
+            session=call.session_id,
+            parent=None,
+            agent=None,
+            final=call.final,
+            source="sim",
+        )
+        head = " ".join(f"{k:016x}" for k in call.block_keys[:PREFIX_TEXT_BLOCKS])
+        ctx = RequestContext(
+            request_id=f"{call.session_id}/{call.call_index}", route="/v1/completions",
+            model=MODEL, identity=ident,
+            body={"model": MODEL, "prompt": head, "max_tokens": call.max_tokens},
+            block_keys=list(call.block_keys), prompt_tokens=call.prompt_tokens,
+        )  # fmt: skip
+        self.calls.analyze(ctx)  # the KV layer's footprint (no tokenizer: keys are given)
+        rec = self.store.touch(ident, call.now)
+        endpoints = tuple(
+            EndpointView(name=self.names[r.index], url=self.names[r.index], healthy=True,
+                         models=frozenset({MODEL}), inflight=self.inflight.get(r.index, 0),
+                         running=float(r.num_running), waiting=float(r.num_waiting),
+                         kv_usage=r.kv_usage, breaker="closed")
+            for r in replicas
+        )  # fmt: skip
+        decision = self.calls.decide(ctx, endpoints, rec.copy())
+        self.decisions += 1
+        rec.replica = decision.endpoint.name  # the proxy's placement, uncontended
+        i = self.names.index(decision.endpoint.name)
+        self.inflight[i] = self.inflight.get(i, 0) + 1
+        self._ctx[(call.session_id, call.call_index)] = (ctx, decision)
+        return i
+
+    # -- what the replicas and the proxy report back --
+
+    def on_events(self, replica: int, events: list[dict[str, Any]], now: float) -> None:
+        self.now = now
+        typed = [e for e in (decode_event(x) for x in events) if e is not None]
+        self.kv.index.apply(self._name(replica), typed)
+
+    def on_finish(self, record: CallRecord) -> None:
+        self.now = record.finish
+        self.inflight[record.replica] = max(self.inflight.get(record.replica, 1) - 1, 0)
+        got = self._ctx.pop((record.session_id, record.call_index), None)
+        if got is None:
+            return
+        ctx, decision = got
+        usage = Usage(record.prompt_tokens, record.output_tokens, record.cached_tokens)
+        self.calls.finish(ctx, CallOutcome(
+            self.names[record.replica], "200", ttft_s=record.ttft,
+            duration_s=record.finish - record.arrival, usage=usage, decision=decision,
+        ))  # fmt: skip
+        self.store.finish(ctx.identity.key, record.finish)

@@ -1,0 +1,110 @@
+"""One call's sequence around the network send — the same code for the proxy and the simulator.
+
+Owns: :class:`CallSequence`, the steps every routed call goes through, in order:
+
+1. **analyze** — the prompt analyzer (the KV layer: tokens, block keys) fills the context;
+   an analyzer error is logged and the call is scheduled without those fields;
+2. **decide** — snapshot (endpoint views, the session's record, named state views such as
+   ``"kv"``) → ``pipeline.schedule`` → ``pipeline.record`` (the pick counter);
+3. *send* — the caller's part: :mod:`router.proxy` places the session in the store and sends
+   the call over HTTP (retrying elsewhere before the first byte: decide again with the tried
+   replicas excluded); the simulator's adapter (:mod:`loadtest.sim.router_policy`) hands it to
+   a simulated engine;
+4. **finish** — every observer hears how the call ended, exactly once, as a typed
+   :class:`router.outcome.CallOutcome` (with the decision and its scorer terms), whatever the
+   end: calls that never got a complete answer are reported with ``replica=None``.
+
+Must not import aiohttp, the stores' back ends, torch or vllm.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from router.outcome import CallOutcome
+from router.replicas import EndpointView
+from router.scheduling import RequestContext, Snapshot
+from router.scheduling.pipeline import Decision, Pipeline
+from router.state import SessionRecord
+
+log = logging.getLogger("kvroute.call")
+
+PromptAnalyzer = Callable[[RequestContext], Awaitable[None] | None]
+Observer = Callable[[RequestContext, CallOutcome], None]
+
+
+class CallSequence:
+    """The analyze → decide → finish steps of a call over one pipeline (see the module doc)."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        analyzer: PromptAnalyzer | None = None,
+        state_providers: Mapping[str, Callable[[], Any]] | None = None,
+        observers: list[Observer] | None = None,
+    ):
+        self.pipeline = pipeline
+        self.analyzer = analyzer
+        self.state_providers = dict(state_providers or {})
+        self.observers = list(observers or [])
+
+    def analyze(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """Run the analyzer; returns what the caller must await when it is asynchronous."""
+        if self.analyzer is None:
+            return None
+        try:
+            res = self.analyzer(ctx)
+        except Exception:
+            log.exception("prompt analyzer failed for %s; scheduling without it", ctx.request_id)
+            return None
+        if inspect.isawaitable(res):
+            return self._await(ctx, res)
+        return None
+
+    async def _await(self, ctx: RequestContext, res: Awaitable[None]) -> None:
+        try:
+            await res
+        except Exception:
+            log.exception("prompt analyzer failed for %s; scheduling without it", ctx.request_id)
+
+    def snapshot(
+        self, endpoints: tuple[EndpointView, ...], session: SessionRecord | None
+    ) -> Snapshot:
+        states = {}
+        for name, fn in self.state_providers.items():
+            try:
+                states[name] = fn()
+            except Exception:
+                log.exception("state provider %s failed; scorers see None", name)
+        return Snapshot(endpoints, session, self.pipeline.seq, states)
+
+    def decide(
+        self,
+        ctx: RequestContext,
+        endpoints: tuple[EndpointView, ...],
+        session: SessionRecord | None,
+        *,
+        explain: bool = False,
+        dry_run: bool = False,
+    ) -> Decision:
+        """Schedule ``ctx`` over ``endpoints``; the pick is recorded unless ``dry_run``.
+        Raises :class:`router.scheduling.pipeline.NoCandidates`."""
+        d = self.pipeline.schedule(ctx, self.snapshot(endpoints, session), explain=explain)
+        if not dry_run:
+            self.pipeline.record(d)
+        return d
+
+    def finish(self, ctx: RequestContext, outcome: CallOutcome) -> None:
+        """Tell every observer how ``ctx`` ended (once: later calls do nothing)."""
+        if ctx.observed:
+            return
+        ctx.observed = True
+        for fn in self.observers:
+            try:
+                fn(ctx, outcome)
+            except Exception:
+                log.exception("observer %r failed", fn)

@@ -1,0 +1,55 @@
+"""The typed keys of the router's aiohttp application, and its service-level runtime state.
+
+Owns: every ``web.AppKey`` (no module singletons) and :class:`Runtime` (drain flag, in-flight
+count). :mod:`router.app` fills them, :mod:`router.api` and :mod:`router.proxy` read them; this
+module imports none of those, so the three never import each other in a loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from router.call import CallSequence
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.replicas import ReplicaMonitor, ReplicaSet
+from router.scheduling.pipeline import Pipeline
+from router.state import SessionStore
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass
+class Runtime:
+    """Mutable service-level state: drain flag and the in-flight count it waits on."""
+
+    draining: bool = False
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def enter(self) -> None:
+        self.inflight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.idle.set()
+
+
+CONFIG = web.AppKey("config", RouterConfig)
+METRICS = web.AppKey("metrics", RouterMetrics)
+REPLICAS = web.AppKey("replicas", ReplicaSet)
+MONITOR = web.AppKey("monitor", ReplicaMonitor)
+STORE = web.AppKey("store", SessionStore)
+PIPELINE = web.AppKey("pipeline", Pipeline)
+CALLS = web.AppKey("calls", CallSequence)
+CLIENT = web.AppKey("client", aiohttp.ClientSession)
+RUNTIME = web.AppKey("runtime", Runtime)
+KV = web.AppKey("kv", object)  # KVState | None: the KV layer, when installed

@@ -1,0 +1,85 @@
+"""Settings of the KV layer: one typed object, parsed with the rest of the router's config.
+
+Owns: :class:`KVConfig` (the ``kv:`` YAML mapping, or ``KVROUTE_KV_<KEY>`` env vars key by
+key; see docs/kv-routing.md) and its parsers. :func:`router.config.load_config` calls them, so
+a typo in ``kv:`` fails at start-up like any other config error. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class KVConfig:
+    """Settings of the KV layer (YAML/env keys of the same names, see docs/kv-routing.md)."""
+
+    tokenizer: str | None = None  # model dir the replicas serve (tokenizer.json + template)
+    block_size: int = 16
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str | None = None  # the engines' PYTHONHASHSEED
+    profile: str = "h200-70b-fp8"  # costmodel profile of every replica ...
+    profiles: dict[str, str] = field(default_factory=dict)  # ... unless named here (url->name)
+    events_bind: str | None = None  # SUB binds here; replicas connect (topic -> replica)
+    events_connect: dict[str, str] = field(default_factory=dict)  # replica url -> PUB endpoint
+    replay: dict[str, str] = field(default_factory=dict)  # replica url -> replay endpoint
+    topics: dict[str, str] = field(default_factory=dict)  # topic -> replica url (bind mode)
+    session_idle_ttl_s: float = 1800.0
+    expected_output_tokens: int = 400  # until a session has shown its own
+    default_gap_s: float = 18.0  # gap between calls until any session has shown one
+    forget_after_s: float = 30.0  # a replica discovery removed is forgotten after this long
+    time_scale: float = 1.0  # replicas run this many times faster than the profile (twins)
+    max_cached_tokens: int = 16_000_000  # incremental tokenizer cache bound
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> KVConfig:
+        """From a YAML mapping (unknown keys are an error)."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown kv settings: {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def env_values(cls, env: Mapping[str, str]) -> dict[str, Any]:
+        """The ``KVROUTE_KV_<KEY>`` variables set in ``env``, typed (mappings as YAML text)."""
+        import yaml
+
+        vals: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get("KVROUTE_KV_" + f.name.upper())
+            if raw is None:
+                continue
+            t = str(f.type)
+            if t.startswith("dict"):
+                vals[f.name] = yaml.safe_load(raw) or {}
+            elif t.startswith("int"):
+                vals[f.name] = int(raw)
+            elif t.startswith("float"):
+                vals[f.name] = float(raw)
+            else:
+                vals[f.name] = raw
+        return vals
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> KVConfig | None:
+        """``KVROUTE_KV_<KEY>`` variables only; ``None`` when none is set."""
+        vals = cls.env_values(env)
+        return cls(**vals) if vals else None
+
+    @classmethod
+    def merged(cls, base: Mapping[str, Any] | None, env: Mapping[str, str]) -> KVConfig | None:
+        """A YAML ``kv:`` mapping with ``KVROUTE_KV_*`` env vars on top (env wins key by key);
+        ``None`` when neither sets anything (no KV layer)."""
+        vals = cls.env_values(env)
+        if not base and not vals:
+            return None
+        return cls.from_mapping({**dict(base or {}), **vals})

@@ -1,0 +1,340 @@
+"""The KV layer as state: block index, event ingestion, incremental tokens, footprints.
+
+Owns: :class:`KVState`, one per router process, which the call sequence
+(:mod:`router.call`) drives through three seams — :meth:`KVState.analyze` (render + tokenize
+incrementally per session and fill ``ctx.block_keys`` / ``ctx.prompt_tokens``),
+:meth:`KVState.view` (the read-only :class:`router.kv.view.KVView` scorers receive) and
+:meth:`KVState.observe` (after each call, from its typed :class:`router.outcome.CallOutcome`:
+session footprints, approximate-mode history, per-replica statistics, calibration) — plus
+the lifetime of the ZMQ subscribers feeding the block index (:meth:`start` / :meth:`close`)
+and replica membership (:meth:`watch`). :func:`router.app.build_app` installs it
+(``build_app(cfg, kv=state)``). Must not import aiohttp, the proxy, torch or vllm.
+
+Replica membership: :meth:`watch` subscribes to a :class:`router.replicas.ReplicaSet`'s
+changes. A replica that discovery removes and that
+stays absent for ``forget_after_s`` (checked on each :meth:`view`, membership change and
+sweep) is forgotten everywhere here — index, approximate cache, event streams (its events
+are ignored from then on), load stats, calibration, and sessions' homes on it; one that is
+back before then (a readiness blip) keeps all of it. One that (re-)appears after being
+forgotten is expected by the subscriber again (with its ``replay`` endpoint from the config)
+but gets no index entry until its first event batch arrives (``seq`` 0: fresh from there;
+else a gap: replayed from 0, or stale) — until then, as for a replica that never sends
+events, scorers use approximate mode for it.
+
+Per-session footprints (:mod:`router.kv.sessions`) are keyed by the session table key. A
+parent with a child call in flight is *pinned* (kept warm: never counted as evictable). A
+session's state is released after its final call (``final`` flag) or ``session_idle_ttl_s``
+without calls.
+
+Calibration fits the TTFT a scorer predicted for the chosen replica — the ``model_ttft_s``
+term on the decision (``kv_cost`` gives it; any scorer may) — against the observed TTFT.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from costmodel.calibration import Calibration, Calibrator
+from costmodel.profiles import ReplicaProfile, load_profile
+from router.kv.approx import ApproxCache
+from router.kv.config import KVConfig
+from router.kv.index import BlockIndex
+from router.kv.sessions import ReplicaStat, SessionFootprint
+from router.kv.tokens import SessionTokenizer
+from router.kv.view import KVView
+from router.outcome import CallOutcome
+from router.vllm.chat_template import ChatTemplateError, request_prompt
+from router.vllm.hashing import BlockHasher
+from router.vllm.tokenizer import ModelTokenizer
+
+log = logging.getLogger("kvroute.kv")
+
+MAX_GONE = 1024  # removed replicas remembered (late call outcomes there are not recorded)
+
+
+@dataclass
+class KVCall:
+    """What the analyzer learnt of one call (``ctx.analysis``), for the observer."""
+
+    counted: bool = False  # footprint in-flight counts were raised: lower them once
+    reused_tokens: int = 0  # tokens the incremental tokenizer did not recompute
+    approximate_tokens: bool = False  # rendered without the route's own template
+
+
+class KVState:
+    """See the module docstring. One per router process."""
+
+    def __init__(
+        self,
+        cfg: KVConfig,
+        tokenizer: ModelTokenizer | None = None,
+        clock: Callable[[], float] = time.time,
+        profile: ReplicaProfile | None = None,
+    ):
+        self.cfg = cfg
+        self.clock = clock
+        self.index = BlockIndex()
+        self.approx = ApproxCache()
+        self.hasher = BlockHasher(cfg.block_size, cfg.hash_algo, cfg.hash_seed)
+        if tokenizer is None and cfg.tokenizer:
+            tokenizer = ModelTokenizer.from_dir(cfg.tokenizer)
+        self.tokenizer = tokenizer
+        self.tokens = (
+            SessionTokenizer(tokenizer, self.hasher, max_tokens=cfg.max_cached_tokens)
+            if tokenizer is not None
+            else None
+        )
+        self.sessions: dict[str, SessionFootprint] = {}
+        self.stats: dict[str, ReplicaStat] = {}
+        self.calibrators: dict[str, Calibrator] = {}
+        self._profiles: dict[str, ReplicaProfile] = {}
+        self._profile_override = profile  # one profile object for every replica (tests, twins)
+        self.subscriber: Any = None
+        self.events_endpoint: str | None = None
+        self._calls = 0
+        self.gap_ewma: float | None = None  # mean gap between calls over every session
+        self._gone: dict[str, None] = {}  # removed by discovery and not back (insertion order)
+        self._leaving: dict[str, float] = {}  # removed by discovery, not forgotten yet: since
+
+    # ---- lifetime (the caller pairs these in an aiohttp cleanup context) --------------------
+
+    async def start(self) -> None:
+        """Start the event subscribers (once: a second call does nothing)."""
+        if self.subscriber is not None or not (self.cfg.events_bind or self.cfg.events_connect):
+            return
+        from router.kv.events import KVEventSubscriber, topic_to_replica
+
+        def replica_for(topic: str) -> str | None:
+            return self.cfg.topics.get(topic) or topic_to_replica(topic)
+
+        sub = KVEventSubscriber(self.index, replica_for_topic=replica_for)
+        if self.cfg.events_bind:
+            self.events_endpoint = sub.bind(self.cfg.events_bind)
+            log.info("kv events: bound %s", self.events_endpoint)
+        for url, ep in self.cfg.events_connect.items():
+            sub.connect(ep, url, self.cfg.replay.get(url))
+        for url, ep in self.cfg.replay.items():
+            if url not in self.cfg.events_connect:  # bind mode: indexed from its first batch
+                sub.expect_replica(url, ep)
+        for url in self._gone:  # removed by discovery before the subscriber existed
+            sub.remove_replica(url)
+        self.subscriber = sub
+
+    async def close(self) -> None:
+        if self.subscriber is not None:
+            await self.subscriber.close()
+            self.subscriber = None
+
+    async def lifespan(self, replicas: Any = None) -> AsyncIterator[None]:
+        """Start the subscribers and follow ``replicas`` (a :class:`router.replicas.ReplicaSet`,
+        see :meth:`watch`) until the context ends; :func:`router.app.build_app` runs it as a
+        cleanup context."""
+        await self.start()
+        if replicas is not None:
+            self.watch(replicas)
+        try:
+            yield
+        finally:
+            if replicas is not None:
+                replicas.remove_listener(self.replicas_changed)
+            await self.close()
+
+    # ---- replica membership (discovery) -------------------------------------------------------
+
+    def watch(self, replicas: Any) -> None:
+        """Follow ``replicas`` (a :class:`router.replicas.ReplicaSet`): its current members
+        are expected from now on and every later change reaches :meth:`replicas_changed`."""
+        replicas.add_listener(self.replicas_changed)
+        self.replicas_changed(frozenset(r.name for r in replicas), frozenset())
+
+    def replicas_changed(self, added: frozenset[str], removed: frozenset[str]) -> None:
+        """A :class:`router.replicas.ReplicaSet` listener: removed replicas are forgotten once
+        they have stayed away ``forget_after_s`` (at once when it is 0); (re-)added ones are
+        expected again."""
+        now = self.clock()
+        for name in removed:
+            self._leaving.setdefault(name, now)
+        # first forget what has been away too long (an idle router may not have looked since),
+        # so a replica that comes back after its grace starts over instead of keeping stale state
+        self.expire_removed(now)
+        for name in added:
+            if self._leaving.pop(name, None) is not None:
+                continue  # back before it was forgotten: everything about it still holds
+            self._gone.pop(name, None)
+            if self.subscriber is not None:  # no index entry: that waits for its events
+                self.subscriber.expect_replica(name, self.cfg.replay.get(name))
+
+    def expire_removed(self, now: float | None = None) -> None:
+        """Forget the replicas discovery removed at least ``forget_after_s`` ago."""
+        if not self._leaving:
+            return
+        now = self.clock() if now is None else now
+        for name in [n for n, t in self._leaving.items() if now - t >= self.cfg.forget_after_s]:
+            del self._leaving[name]
+            self.forget_replica(name)
+
+    def forget_replica(self, name: str) -> None:
+        """Drop everything known about ``name``: its blocks (index and approximate mode), its
+        event streams and replays in flight (its events are ignored until it is added again),
+        load stats, calibration, and the home of every session that lived there."""
+        if self.subscriber is not None:
+            self.subscriber.remove_replica(name)
+        self.index.remove_replica(name)
+        self.approx.remove_replica(name)
+        self.stats.pop(name, None)
+        self.calibrators.pop(name, None)
+        self._profiles.pop(name, None)  # re-sets the approximate capacity if it comes back
+        for fp in self.sessions.values():
+            if fp.replica == name:
+                fp.replica = None
+        self._leaving.pop(name, None)
+        self._gone.pop(name, None)  # to the end: the newest removal is kept longest
+        self._gone[name] = None
+        while len(self._gone) > MAX_GONE:
+            del self._gone[next(iter(self._gone))]
+
+    # ---- profiles and calibration -------------------------------------------------------------
+
+    def profile_of(self, replica: str) -> ReplicaProfile:
+        """The cost-model profile of ``replica`` (configured by URL, else the default)."""
+        p = self._profiles.get(replica)
+        if p is None:
+            p = self._profile_override or load_profile(
+                self.cfg.profiles.get(replica, self.cfg.profile)
+            )
+            self._profiles[replica] = p
+        return p
+
+    def profile(self, replica: str) -> ReplicaProfile:
+        """:meth:`profile_of`, and size ``replica``'s approximate cache from it (in the
+        router's block size) the first time it is needed."""
+        p = self.profile_of(replica)
+        if self.approx.capacity(replica) == 0:
+            self.approx.set_capacity(replica, p.gpu_kv_blocks * p.block_size // self.cfg.block_size)
+        return p
+
+    def calibration(self, replica: str) -> Calibration:
+        c = self.calibrators.get(replica)
+        return c.current(self.clock()) if c is not None else Calibration()
+
+    # ---- the analyzer: tokens + block keys ----------------------------------------------------
+
+    def analyze(self, ctx: Any) -> None:
+        """Open the session's footprint; fill ``ctx.block_keys``, ``ctx.prompt_tokens`` and
+        ``ctx.analysis`` (a :class:`KVCall`) from the body when a tokenizer is configured."""
+        self._calls += 1
+        if self._calls % 256 == 0:
+            self.sweep()
+        ident = ctx.identity
+        fp = self.sessions.get(ident.key)
+        if fp is None:
+            fp = self.sessions[ident.key] = SessionFootprint(ident.key, parent=ident.parent)
+        call = KVCall()
+        ctx.analysis = call
+        if self.tokens is None or self.tokenizer is None:
+            return
+        try:
+            prompt = request_prompt(self.tokenizer, ctx.route, ctx.body)
+        except ChatTemplateError as e:
+            log.debug("kv: cannot render %s: %s", ctx.request_id, e)
+            return
+        if prompt is None:
+            return
+        salt = ctx.body.get("cache_salt")
+        p = self.tokens.prompt(
+            prompt.text,
+            session=ident.key,
+            add_special_tokens=prompt.add_special_tokens,
+            cache_salt=salt if isinstance(salt, str) else None,
+        )
+        ctx.block_keys = p.keys
+        ctx.prompt_tokens = p.n_tokens
+        call.reused_tokens = p.reused_tokens
+        call.approximate_tokens = prompt.approximate
+        if fp.tokens:
+            fp.turn_tokens = max(p.n_tokens - fp.tokens, 0)
+        fp.inflight += 1
+        if ident.parent and ident.parent in self.sessions:
+            self.sessions[ident.parent].children_inflight += 1
+        call.counted = True
+
+    # ---- the observer: what happened ----------------------------------------------------------
+
+    def observe(self, ctx: Any, outcome: CallOutcome) -> None:
+        replica = outcome.replica
+        now = self.clock()
+        ident = ctx.identity
+        fp = self.sessions.get(ident.key)
+        call = ctx.analysis if isinstance(ctx.analysis, KVCall) else None
+        if call is not None and call.counted:
+            call.counted = False
+            if fp is not None:
+                fp.inflight = max(fp.inflight - 1, 0)
+            parent = self.sessions.get(ident.parent) if ident.parent else None
+            if parent is not None:
+                parent.children_inflight = max(parent.children_inflight - 1, 0)
+        if replica is None or fp is None:
+            return
+        if replica in self._gone:  # the call ended on a replica discovery has removed since
+            replica = None
+        keys = ctx.block_keys or []
+        n_tok = int(ctx.prompt_tokens or len(keys) * self.cfg.block_size)
+        out_tokens = outcome.output_tokens
+        if keys and replica is not None:
+            # routing history (approximate mode, and the SGLang-style baseline's tree)
+            self.profile(replica)
+            self.approx.record(replica, keys)
+            decision = outcome.decision
+            predicted = decision.term(replica, "model_ttft_s") if decision is not None else None
+            cached = outcome.usage.cached_tokens if outcome.usage is not None else None
+            if cached is None:  # the engine did not say: what the scorer matched
+                matched = decision.term(replica, "match_blocks") if decision is not None else None
+                cached = (matched or 0) * self.cfg.block_size
+            self.stats.setdefault(replica, ReplicaStat()).add(max(n_tok - int(cached), 0), n_tok)
+            ttft = outcome.ttft_s
+            if predicted is not None and ttft and outcome.ok:
+                # uncalibrated: the fit is absolute; in profile seconds: replica twins run
+                # time_scale x faster than their profile
+                observed = ttft * self.cfg.time_scale
+                cal = self.calibrators.setdefault(replica, Calibrator())
+                cal.observe_ttft(predicted, observed, now)
+        if fp.last_end is not None and fp.inflight == 0:
+            start = now - float(outcome.duration_s or 0.0)
+            gap = max(start - fp.last_end, 0.0)
+            fp.gaps = [*fp.gaps[-19:], gap]
+            g = self.gap_ewma
+            self.gap_ewma = gap if g is None else 0.95 * g + 0.05 * gap
+        fp.replica = replica
+        fp.tokens = n_tok + (out_tokens or 0)
+        if out_tokens:
+            fp.outputs = [*fp.outputs[-19:], out_tokens]
+        fp.last_end = now
+        if ident.final:
+            self.release(ident.key)
+
+    def release(self, key: str) -> None:
+        """A session ended: forget its footprint and its incremental-tokenizer state."""
+        self.sessions.pop(key, None)
+        if self.tokens is not None:
+            self.tokens.forget(key)
+
+    def sweep(self) -> None:
+        now = self.clock()
+        self.expire_removed(now)
+        ttl = self.cfg.session_idle_ttl_s
+        for k in [
+            k
+            for k, s in self.sessions.items()
+            if s.inflight == 0 and s.last_end is not None and now - s.last_end > ttl
+        ]:
+            self.release(k)
+
+    # ---- the read-only view -------------------------------------------------------------------
+
+    def view(self) -> KVView:
+        self.expire_removed()
+        return KVView(self)

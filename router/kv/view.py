@@ -1,0 +1,156 @@
+"""The read-only face of the KV layer that scorers receive: :class:`KVView`.
+
+Owns: what KV-aware scorers may read — prefix matches by tier (the exact block index for
+replicas whose event stream is fresh, approximate mode for the rest), replica profiles and
+calibration, GPU blocks in use, per-replica call statistics, session footprints, and the cost
+model's inputs for a replica (:meth:`KVView.replica_load`, :meth:`KVView.call_shape`). Nothing
+here mutates the layer. Like :class:`router.kv.index.BlockIndexView` it copies nothing: it is
+consistent for one synchronous scheduling pass, since the index, footprints and statistics
+change only when the event loop runs ingestion or an observer. Must not import aiohttp.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from costmodel.calibration import Calibration
+from costmodel.placement import CallShape, ReplicaLoad, Reservation, WarmSession, p_return_after
+from costmodel.profiles import ReplicaProfile
+from router.kv.index import BlockIndexView, TierDepth
+from router.kv.sessions import ReplicaStat, SessionFootprint
+from router.replicas import EndpointView
+
+if TYPE_CHECKING:
+    from router.kv.state import KVState
+
+MIN_GAP_S = 0.1  # a measured mean gap of 0 s counts as this (back-to-back calls)
+
+
+class KVView:
+    """What KV-aware scorers may read (no mutation): matches, profiles, footprints."""
+
+    __slots__ = ("_st", "block_size", "expected_output_tokens", "index", "now")
+
+    def __init__(self, st: KVState):
+        self._st = st
+        self.index: BlockIndexView = st.index.view()
+        self.now: float = st.clock()
+        self.block_size: int = st.cfg.block_size
+        self.expected_output_tokens: int = st.cfg.expected_output_tokens
+
+    def source(self, replica: str) -> str:
+        """``"events"`` when the index is fresh for ``replica``, else ``"approx"``."""
+        return "approx" if self.index.is_stale(replica) else "events"
+
+    def match(self, keys: list[int], replicas: list[str]) -> dict[str, TierDepth]:
+        fresh = [r for r in replicas if self.source(r) == "events"]
+        rest = [r for r in replicas if r not in fresh]
+        out = self.index.match(keys, fresh) if fresh else {}
+        if rest:
+            out.update(self._st.approx.match(keys, rest))
+        return out
+
+    def approx_match(self, keys: list[int], replicas: list[str]) -> dict[str, TierDepth]:
+        """Approximate mode only (routing history), whatever the event streams say."""
+        return self._st.approx.match(keys, replicas)
+
+    def approx_blocks(self, replica: str) -> int:
+        return self._st.approx.blocks(replica)
+
+    def profile(self, replica: str) -> ReplicaProfile:
+        return self._st.profile_of(replica)
+
+    def calibration(self, replica: str) -> Calibration:
+        return self._st.calibration(replica)
+
+    def gpu_blocks_used(self, replica: str) -> int | None:
+        """GPU blocks in use, in the replica *profile's* block size (the index counts blocks
+        of the router's ``block_size``, which may differ)."""
+        if self.source(replica) == "events":
+            n = self.index.blocks(replica)["GPU"]
+        else:  # approximate mode: what this router has routed there, trimmed to capacity
+            n = self._st.approx.blocks(replica)
+        return n * self.block_size // self.profile(replica).block_size
+
+    def replica_stat(self, replica: str) -> ReplicaStat | None:
+        return self._st.stats.get(replica)
+
+    def session(self, key: str) -> SessionFootprint | None:
+        return self._st.sessions.get(key)
+
+    def warm_and_reserved(
+        self, replica: str, exclude: str | None
+    ) -> tuple[list[WarmSession], list[Reservation]]:
+        """Sessions whose KV sits on ``replica`` (evictable or pinned) and paced agents
+        between calls that will come back to it."""
+        warm: list[WarmSession] = []
+        res: list[Reservation] = []
+        # a session that has not shown a gap yet is expected to behave like the others: with
+        # no prior at all a one-call session (Mooncake-style traffic) would look certain to
+        # return forever, and its KV could never be evicted without harm
+        ewma = self._st.gap_ewma
+        prior = self._st.cfg.default_gap_s if ewma is None else max(ewma, MIN_GAP_S)
+        for s in self._st.sessions.values():
+            if s.replica != replica or s.key == exclude or not s.tokens:
+                continue
+            idle = 0.0 if s.last_end is None else max(self.now - s.last_end, 0.0)
+            gap = s.mean_gap()
+            # a measured 0 is a real gap (back-to-back calls), not a missing one; but
+            # p_return_after reads a gap <= 0 as "unknown: P(return) = 1 forever"
+            gap = prior if gap is None else max(gap, MIN_GAP_S)
+            p = p_return_after(idle, gap, s.final)
+            pinned = s.inflight > 0 or s.children_inflight > 0
+            warm.append(WarmSession(s.key, s.tokens, idle, p, pinned))
+            if s.inflight == 0 and not s.final and p > 0:
+                expect = max(gap - idle, 0.0)
+                res.append(Reservation(s.key, expect, max(s.turn_tokens, 1), s.tokens, p))
+        return warm, res
+
+    # ---- the cost model's inputs -------------------------------------------------------------
+
+    def call_shape(self, replica: str, keys: list[int], n_tokens: int, match: TierDepth | None,
+                   output_tokens: int) -> CallShape:  # fmt: skip
+        """This call on ``replica``: prompt tokens and its matched prefix by tier, in the
+        profile's blocks (the index counts the router's ``block_size``)."""
+        ratio = self.block_size / self.profile(replica).block_size
+        g = int((match.gpu if match else 0) * ratio)
+        c = int((match.cpu if match else 0) * ratio)
+        s = int((match.storage if match else 0) * ratio)
+        return CallShape(n_tokens, g, c, s, output_tokens)
+
+    def replica_load(self, e: EndpointView, exclude: str | None, prior_tokens: int) -> ReplicaLoad:
+        """The cost model's load inputs for one replica, from the endpoint view and this view.
+
+        Calls queued or running there are sized by the replica's recent means (uncached tokens
+        to prefill, prompt tokens held) as observed by this router; before it has observed
+        any, by ``prior_tokens`` (this call's prompt: a pending call counts as a cold call
+        this big).
+        """
+        st = self.replica_stat(e.name)
+        prof = self.profile(e.name)
+        running = e.running if e.running is not None else None
+        waiting = e.waiting if e.waiting is not None else None
+        # calls that have not finished their prefill: waiting in the engine, or sent by this
+        # router and not yet running there
+        pending = max(float(waiting or 0.0), float(e.inflight) - float(running or 0.0), 0.0)
+        uncached = st.uncached_ewma if st is not None else float(prior_tokens)
+        context = st.context_ewma if st is not None else float(prior_tokens)
+        queued = pending * uncached
+        batch = max(int(running) if running is not None else 0, int(e.inflight) - int(pending))
+        dctx = batch * context
+        used = self.gpu_blocks_used(e.name)
+        free = None if used is None else max(prof.gpu_kv_blocks - used, 0)
+        warm, reserved = self.warm_and_reserved(e.name, exclude)
+        cal = self.calibration(e.name)
+        return ReplicaLoad(
+            queued_prefill_tokens=queued,
+            decode_batch=batch,
+            decode_context_tokens=dctx,
+            free_gpu_blocks=free,
+            pending_calls=pending,
+            warm=warm,
+            reserved=reserved,
+            prefill_scale=cal.prefill_scale,
+            decode_scale=cal.decode_scale,
+            ttft_offset_s=cal.ttft_offset_s,
+        )
