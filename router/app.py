@@ -103,6 +103,7 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
             metrics.inflight.labels(r.name).set(r.inflight)
 
     metrics.on_scrape(refresh)
+    metrics.watch_replicas(replicas, app[RUNTIME])
     tasks = mon.tasks()
     yield
     await cancel_all(tasks)
@@ -123,6 +124,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.backend_up.labels(store.backend).set(1 if store.up else 0)
 
     metrics.on_scrape(refresh)
+    metrics.watch_store(store)
     task = asyncio.create_task(store.run(), name="kvroute-store")
     yield
     await cancel_all([task])
@@ -148,6 +150,7 @@ def build_app(
     app[PROMPT_ANALYZER] = analyzer
     app[STATE_PROVIDERS] = dict(state_providers or {})
     app[OBSERVERS] = list(observers or [])
+    app[OBSERVERS].append(app[METRICS].observe_call)
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, _store_ctx])
     api.add_routes(app)
     return app

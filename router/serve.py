@@ -92,11 +92,12 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvroute")
 
     async def main() -> int:
-        from router.app import PIPELINE, build_app, drain, start_site
+        from router.app import METRICS, PIPELINE, build_app, drain, start_site
 
         app = build_app(cfg, **(kv.app_kwargs() if kv is not None else {}))
         if kv is not None:  # ZMQ subscribers etc., paired start-up/clean-up
             app.cleanup_ctx.append(kv.lifespan)
+            app[METRICS].watch_kv_events(lambda: kv.subscriber)
         runner, url = await start_site(app, cfg.host, cfg.port)
         log.info(
             "kvroute serving on %s (policy %s, state %s, %d replicas)",
