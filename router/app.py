@@ -150,7 +150,6 @@ def build_app(
     app[PROMPT_ANALYZER] = analyzer
     app[STATE_PROVIDERS] = dict(state_providers or {})
     app[OBSERVERS] = list(observers or [])
-    app[OBSERVERS].append(app[METRICS].observe_call)
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, _store_ctx])
     api.add_routes(app)
     return app

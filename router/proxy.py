@@ -363,7 +363,7 @@ def observe_once(app: web.Application, ctx: RequestContext, outcome: dict[str, A
     if ctx.observed:
         return
     ctx.observed = True
-    for fn in app[OBSERVERS]:
+    for fn in (app[METRICS].observe_call, *app[OBSERVERS]):
         try:
             fn(ctx, outcome)
         except Exception:
