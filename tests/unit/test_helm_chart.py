@@ -225,6 +225,21 @@ def test_kv_event_endpoints_are_keyed_by_the_names_discovery_gives(chart, tmp_pa
         assert ep == f"tcp://{host}:5557" and cfg.kv["replay"][url] == f"tcp://{host}:5558"
 
 
+def test_deployment_workers_and_a_router_without_kv_layer(chart):
+    values = {"workers": {"defaults": {"kind": "Deployment"}}}
+    objs = objects(render(chart, values))
+    dep = find(objs, "Deployment", "kv-kvroute-llama-8b")
+    assert "serviceName" not in dep["spec"]
+    for obj in objs:
+        if obj["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(obj, KUBE, strict=True)
+    cfg = yaml.safe_load(find(objs, "ConfigMap", "kv-kvroute-router")["data"]["router.yaml"])
+    assert "events_connect" not in cfg["kv"]  # no stable pod names: events not wired
+    off = objects(render(chart, {"router": {"kv": {"enabled": False}}}))
+    cfg = yaml.safe_load(find(off, "ConfigMap", "kv-kvroute-router")["data"]["router.yaml"])
+    assert "kv" not in cfg and cfg["policy"] == "kv_cost"  # routes as session_affinity
+
+
 def test_least_privilege_rbac_and_no_crds_by_default(chart):
     objs = objects(render(chart))
     kinds = {o["kind"] for o in objs}
