@@ -140,6 +140,37 @@ def test_render_matches_golden(chart, name):
     assert got == golden.read_text(), f"render differs from {golden.name} (see module docstring)"
 
 
+def test_every_values_key_is_commented_and_typed(chart):
+    """STYLE.md "charts people can read": each key in values.yaml has a comment above it
+    (children of free-form maps such as resources, and the example model, excepted), and
+    every schema property of a component has a default in values.yaml."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    bare, parents = [], []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)(- +)?([A-Za-z][\w.-]*):", line)
+        if not m:
+            continue
+        depth = len(m.group(1))
+        parents = [p for p in parents if p[0] < depth] + [(depth, m.group(3))]
+        prev = next((x.strip() for x in reversed(lines[:i]) if x.strip()), "")
+        free = any(p in ("resources", "models") for _d, p in parents[:-1])
+        if not prev.startswith("#") and not free:
+            bare.append(f"{i + 1}: {line.strip()}")
+    assert not bare, bare
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def walk(props: dict[str, Any], vals: dict[str, Any], path: str) -> None:
+        for k, sub in props.items():
+            if k in ("global", "resources"):  # resources: Kubernetes' own shape
+                continue
+            assert k in vals, f"{path}{k} is in the schema but has no default in values.yaml"
+            if sub.get("type") == "object" and "properties" in sub:
+                walk(sub["properties"], vals[k], f"{path}{k}.")
+
+    walk(schema["properties"], defaults, "")
+
+
 # ---- the router -----------------------------------------------------------------------------
 
 
