@@ -231,7 +231,7 @@ async def admin_config(request: web.Request) -> web.Response:
         "kv_layer": app[KV] is not None,
         "prompt_analyzer": calls.analyzer is not None,
         "state_providers": sorted(calls.state_providers),
-        "observers": len(calls.observers),
+        "observers": [getattr(fn, "__qualname__", repr(fn)) for fn in calls.observers],
     })  # fmt: skip
 
 

@@ -85,6 +85,7 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
             metrics.inflight.labels(r.name).set(r.inflight)
 
     metrics.on_scrape(refresh)
+    metrics.watch_replicas(replicas, app[RUNTIME])
     tasks = mon.tasks()
     yield
     await cancel_all(tasks)
@@ -105,6 +106,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.backend_up.labels(store.backend).set(1 if store.up else 0)
 
     metrics.on_scrape(refresh)
+    metrics.watch_store(store)
     task = asyncio.create_task(store.run(), name="kvroute-store")
     yield
     await cancel_all([task])
@@ -124,18 +126,20 @@ def build_app(
     ``state_providers`` and ``observers`` are the bare seams (tests, out-of-tree layers)."""
     app = web.Application(client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
-    app[METRICS] = RouterMetrics()
+    metrics = app[METRICS] = RouterMetrics()
     app[REPLICAS] = ReplicaSet(cfg.breaker_failures, cfg.breaker_cooldown_s)
     pipeline = build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)
     app[PIPELINE] = pipeline
     providers = dict(state_providers or {})
-    obs = list(observers or [])
+    obs: list[Observer] = [metrics.observe_call]
     if kv is not None:
         if analyzer is not None:
             raise ValueError("give the KV layer or an analyzer, not both")
         analyzer = kv.analyze
         providers["kv"] = kv.view
-        obs.insert(0, kv.observe)
+        obs.append(kv.observe)
+        metrics.watch_kv_events(lambda: kv.subscriber)
+    obs.extend(observers or [])
     app[CALLS] = CallSequence(pipeline, analyzer=analyzer, state_providers=providers,
                               observers=obs)  # fmt: skip
     app[KV] = kv

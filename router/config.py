@@ -50,7 +50,9 @@ class RouterConfig:
     k8s_service: str | None = None  # EndpointSlice discovery: service name
     k8s_namespace: str = "default"
     k8s_port_name: str | None = None
-    k8s_interval_s: float = 5.0
+    k8s_interval_s: float = 5.0  # longest back-off between failed EndpointSlice list/watch tries
+    k8s_watch_timeout_s: float = 300.0  # server-side timeoutSeconds of one watch request
+    k8s_dns_suffix: str | None = None  # e.g. svc.cluster.local: name pods by hostname, not IP
     k8s_api_url: str | None = None  # default: https://$KUBERNETES_SERVICE_HOST:$..._PORT
     k8s_sa_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"  # token + ca.crt
     policy: str = "kv_cost"

@@ -1,27 +1,58 @@
 """Prometheus metrics of one router app, on its own registry (never the global one).
 
-Owns: metric names, labels and buckets. Names: ``kvroute_requests_total{route,replica,status}``,
-``kvroute_added_latency_seconds`` (router time before the upstream request is sent: parse,
-identity, analyzer, scheduling, state), ``kvroute_ttft_seconds{replica}`` (to the first
-upstream body byte), ``kvroute_tpot_seconds{replica}`` (per SSE event after the first),
-``kvroute_inflight{replica}``, ``kvroute_active_sessions``, ``kvroute_retries_total{reason}``,
-``kvroute_breaker_state{replica}`` (0 closed, 1 half-open, 2 open),
-``kvroute_state_backend_up{backend}``. Must not import aiohttp handlers or scheduling.
+Owns: metric names, labels and buckets, and the collectors that read live state at scrape
+time. Names follow Prometheus/vLLM conventions (``_total`` counters, ``_seconds``
+histograms, no ``_created`` series). The full list with meanings is in docs/router.md
+("Metrics"); in short:
+
+* calls: ``kvroute_requests_total{route,replica,status}``, ``kvroute_added_latency_seconds``
+  (router time before the upstream request is sent), ``kvroute_decision_latency_seconds``
+  (the scheduling pipeline alone), ``kvroute_ttft_seconds{replica}``,
+  ``kvroute_tpot_seconds{replica}`` (per SSE event), ``kvroute_retries_total{reason}``,
+  ``kvroute_inflight{replica}``, ``kvroute_router_inflight_requests`` (this pod; the HPA's);
+* sessions: ``kvroute_identity_calls_total{source}``,
+  ``kvroute_session_placements_total{outcome=kept|moved|new}``, ``kvroute_active_sessions``,
+  ``kvroute_session_duration_seconds`` (session completion time),
+  ``kvroute_request_time_per_output_token_seconds{model}`` (P90 interactivity = 1 / its P90);
+* cache: ``kvroute_prompt_tokens_total{model}`` / ``kvroute_prompt_tokens_cached_total{model}``
+  (from responses' usage), ``kvroute_replica_prompt_tokens_cached_total{replica,source}``
+  (by tier, as the replicas' own ``/metrics`` report them);
+* replicas as the router sees them: ``kvroute_replica_healthy``,
+  ``kvroute_replica_requests_running`` / ``_waiting``, ``kvroute_replica_kv_cache_usage_perc``,
+  ``kvroute_breaker_state`` (0 closed, 1 half-open, 2 open);
+* KV events: ``kvroute_kv_event_batches_total``, ``_gaps_total``, ``_replayed_total``,
+  ``_restarts_total`` (per replica), ``kvroute_kv_event_lag_seconds`` (publish to apply, last
+  batch), ``kvroute_kv_event_decode_errors_total``;
+* state: ``kvroute_state_backend_up{backend}``, ``kvroute_redis_pending_writes``,
+  ``kvroute_redis_reconciles_total``.
+
+Must not import aiohttp handlers, the proxy, scheduling or the KV layer: live state reaches
+the collectors as plain objects or zero-argument callables (duck-typed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.outcome import CallOutcome
 
 LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
+# agent sessions: tens of calls with tool pauses, minutes to hours
+SESSION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
+SESSION_IDLE_S = 300.0  # a session silent this long counts as complete (unless it said final)
+MAX_TRACKED_SESSIONS = 100_000
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, session_idle_s: float = SESSION_IDLE_S) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -33,6 +64,12 @@ class RouterMetrics:
         self.added_latency = Histogram(
             "kvroute_added_latency_seconds",
             "Router time before the upstream request is sent",
+            buckets=LAT_BUCKETS,
+            registry=r,
+        )
+        self.decision_latency = Histogram(
+            "kvroute_decision_latency_seconds",
+            "Scheduling pipeline time per placement (filters, scorers, picker)",
             buckets=LAT_BUCKETS,
             registry=r,
         )
@@ -50,6 +87,13 @@ class RouterMetrics:
             buckets=TPOT_BUCKETS,
             registry=r,
         )
+        self.request_tpot = Histogram(
+            "kvroute_request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per streamed call (usage tokens)",
+            ["model"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
         self.inflight = Gauge("kvroute_inflight", "Requests in flight", ["replica"], registry=r)
         self.active_sessions = Gauge("kvroute_active_sessions", "Sessions in the table", registry=r)
         self.retries = Counter(
@@ -64,7 +108,42 @@ class RouterMetrics:
         self.backend_up = Gauge(
             "kvroute_state_backend_up", "Session store reachable", ["backend"], registry=r
         )
+        self.identity_calls = Counter(
+            "kvroute_identity_calls",
+            "Calls by the convention that identified their session (prefix: none did)",
+            ["source"],
+            registry=r,
+        )
+        self.placements = Counter(
+            "kvroute_session_placements",
+            "Placements: kept (the session's replica), moved (another one), new (first)",
+            ["outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvroute_prompt_tokens",
+            "Prompt tokens of answered calls (usage.prompt_tokens)",
+            ["model"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "kvroute_prompt_tokens_cached",
+            "Cached prompt tokens of answered calls (usage.prompt_tokens_details.cached_tokens)",
+            ["model"],
+            registry=r,
+        )
+        self.session_duration = Histogram(
+            "kvroute_session_duration_seconds",
+            "Session completion time seen by this router: first call start to last call end",
+            buckets=SESSION_BUCKETS,
+            registry=r,
+        )
+        for outcome in ("kept", "moved", "new"):
+            self.placements.labels(outcome)
+        self.session_idle_s = session_idle_s
+        self._sessions: OrderedDict[str, list[float]] = OrderedDict()  # key -> [start, end]
         self._refreshers: list[Callable[[], None]] = []
+        self.on_scrape(self.expire_sessions)
 
     def on_scrape(self, fn: Callable[[], None]) -> None:
         """Register a callback that refreshes gauges right before each exposition."""
@@ -73,4 +152,200 @@ class RouterMetrics:
     def exposition(self) -> bytes:
         for fn in self._refreshers:
             fn()
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+    # ---- hooks the app calls ------------------------------------------------------------
+
+    def watch_replicas(self, replicas: Iterable[Any], runtime: Any = None) -> None:
+        """Per-replica health, engine load and cached tokens by tier, read from the live
+        replica set at each scrape (a removed replica's series go with it); with
+        ``runtime`` (has ``inflight``) also this pod's in-flight calls."""
+        self.registry.register(_ReplicaCollector(replicas, runtime))
+
+    def watch_store(self, store: Any) -> None:
+        """Redis write-back backlog and reconciles, when ``store`` is the Redis store."""
+        if getattr(store, "backend", None) == "redis":
+            self.registry.register(_StoreCollector(store))
+
+    def watch_kv_events(self, subscriber: Callable[[], Any]) -> None:
+        """KV event stream health from ``subscriber()`` (a ``KVEventSubscriber`` or None)."""
+        self.registry.register(_KVEventCollector(subscriber))
+
+    def placed(self, previous: str | None, chosen: str, decision: Any = None) -> None:
+        """One placement of a session's call: kept / moved / new, and the decision's time
+        (``decision.elapsed_s`` when the pipeline measured it)."""
+        outcome = "new" if previous is None else "kept" if previous == chosen else "moved"
+        self.placements.labels(outcome).inc()
+        elapsed = getattr(decision, "elapsed_s", None)
+        if isinstance(elapsed, float):
+            self.decision_latency.observe(elapsed)
+
+    def observe_call(self, ctx: Any, outcome: CallOutcome) -> None:
+        """A call observer (the first of the app's :class:`router.call.CallSequence`):
+        identity source, usage tokens, per-call TPOT and the session's span, once per call
+        (dry runs excluded)."""
+        if outcome.status == "dry_run":
+            return
+        ident = ctx.identity
+        self.identity_calls.labels(ident.source).inc()
+        now = time.monotonic()
+        duration = outcome.duration_s
+        span = self._sessions.get(ident.key)
+        start = now - duration if duration is not None else now
+        if span is None:
+            self._sessions[ident.key] = [start, now]
+            while len(self._sessions) > MAX_TRACKED_SESSIONS:
+                self._sessions.popitem(last=False)
+        else:
+            span[1] = now
+            self._sessions.move_to_end(ident.key)
+        if ident.final:
+            s, e = self._sessions.pop(ident.key)
+            self.session_duration.observe(max(0.0, e - s))
+        usage = outcome.usage
+        if outcome.replica is None or usage is None:
+            return
+        model = ctx.model or "-"
+        if usage.prompt_tokens is not None and usage.prompt_tokens >= 0:
+            self.prompt_tokens.labels(model).inc(usage.prompt_tokens)
+        if usage.cached_tokens is not None and usage.cached_tokens >= 0:
+            self.cached_tokens.labels(model).inc(usage.cached_tokens)
+        out = usage.completion_tokens
+        ttft = outcome.ttft_s
+        if out is not None and out > 1 and outcome.events > 1 and ttft is not None and duration:
+            self.request_tpot.labels(model).observe(max(0.0, duration - ttft) / (out - 1))
+
+    def expire_sessions(self, now: float | None = None) -> None:
+        """Sessions silent for ``session_idle_s`` are complete: observe their span."""
+        now = time.monotonic() if now is None else now
+        while self._sessions:
+            key, (s, e) = next(iter(self._sessions.items()))
+            if now - e < self.session_idle_s:
+                break
+            del self._sessions[key]
+            self.session_duration.observe(max(0.0, e - s))
+
+
+class _WithoutCreated:
+    """The registry's families without ``*_created`` samples (per registry, not global)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self._registry.collect():
+            fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
+            yield fam
+
+
+class _ReplicaCollector:
+    def __init__(self, replicas: Iterable[Any], runtime: Any):
+        self.replicas = replicas
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        lab = ["replica"]
+        healthy = GaugeMetricFamily(
+            "kvroute_replica_healthy", "Last health check passed", labels=lab
+        )
+        running = GaugeMetricFamily(
+            "kvroute_replica_requests_running", "vLLM running requests (last scrape)", labels=lab
+        )
+        waiting = GaugeMetricFamily(
+            "kvroute_replica_requests_waiting", "vLLM waiting requests (last scrape)", labels=lab
+        )
+        kv = GaugeMetricFamily(
+            "kvroute_replica_kv_cache_usage_perc", "vLLM KV usage, 0-1 (last scrape)", labels=lab
+        )
+        cached = CounterMetricFamily(
+            "kvroute_replica_prompt_tokens_cached",
+            "Cached prompt tokens by tier (source) as the replica reports them; source=all when "
+            "it does not split them by tier",
+            labels=["replica", "source"],
+        )
+        for r in self.replicas:
+            healthy.add_metric([r.name], 1.0 if r.healthy else 0.0)
+            if r.running is not None:
+                running.add_metric([r.name], r.running)
+            if r.waiting is not None:
+                waiting.add_metric([r.name], r.waiting)
+            if r.kv_usage is not None:
+                kv.add_metric([r.name], r.kv_usage)
+            for source, v in sorted(getattr(r, "cached_by_source", {}).items()):
+                cached.add_metric([r.name, source], v)
+        yield from (healthy, running, waiting, kv, cached)
+        if self.runtime is not None:
+            g = GaugeMetricFamily(
+                "kvroute_router_inflight_requests", "Calls this router pod is handling now"
+            )
+            g.add_metric([], float(self.runtime.inflight))
+            yield g
+
+
+class _StoreCollector:
+    def __init__(self, store: Any):
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "kvroute_redis_pending_writes",
+            "Sessions touched while Redis was away, waiting to be written back",
+        )
+        g.add_metric([], float(self.store.pending_writes))
+        c = CounterMetricFamily(
+            "kvroute_redis_reconciles", "Write-backs after Redis came back", labels=[]
+        )
+        c.add_metric([], float(self.store.reconciles))
+        yield g
+        yield c
+
+
+class _KVEventCollector:
+    def __init__(self, subscriber: Callable[[], Any]):
+        self.subscriber = subscriber
+
+    def collect(self) -> Iterator[Metric]:
+        sub = self.subscriber()
+        lab = ["replica"]
+        fams = {
+            "batches": CounterMetricFamily(
+                "kvroute_kv_event_batches", "KV event batches applied to the index", labels=lab
+            ),
+            "gaps": CounterMetricFamily(
+                "kvroute_kv_event_gaps", "Sequence gaps seen (missed batches)", labels=lab
+            ),
+            "replayed": CounterMetricFamily(
+                "kvroute_kv_event_replayed", "Batches refilled from the replay socket", labels=lab
+            ),
+            "restarts": CounterMetricFamily(
+                "kvroute_kv_event_restarts", "Publisher restarts (seq back to 0)", labels=lab
+            ),
+        }
+        lag = GaugeMetricFamily(
+            "kvroute_kv_event_lag_seconds",
+            "Publish-to-apply delay of the newest applied batch",
+            labels=lab,
+        )
+        errors = CounterMetricFamily(
+            "kvroute_kv_event_decode_errors", "Undecodable KV event messages", labels=[]
+        )
+        if sub is not None:
+            stats = sub.stats
+            per: dict[str, dict[str, float]] = {}
+            lags: dict[str, float] = {}
+            for (replica, _rank), st in list(stats.streams.items()):
+                d = per.setdefault(replica, dict.fromkeys(fams, 0.0))
+                for k in fams:
+                    d[k] += getattr(st, k, 0)
+                v = getattr(st, "last_lag_s", None)
+                if v is not None:
+                    lags[replica] = max(lags.get(replica, 0.0), v)
+            for replica, d in sorted(per.items()):
+                for k, fam in fams.items():
+                    fam.add_metric([replica], d[k])
+            for replica, v in sorted(lags.items()):
+                lag.add_metric([replica], v)
+            errors.add_metric([], float(stats.decode_errors))
+        yield from fams.values()
+        yield lag
+        yield errors

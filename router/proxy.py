@@ -79,6 +79,7 @@ async def place_session(
             chosen = owner
     elif record.replica != chosen:
         await store.assign(ctx.identity.key, chosen)
+    app[METRICS].placed(record.replica, chosen, decision)
     record.replica = chosen
     return chosen
 

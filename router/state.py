@@ -221,6 +221,11 @@ class RedisStore:
     def up(self) -> bool:
         return self._up
 
+    @property
+    def pending_writes(self) -> int:
+        """Sessions touched while Redis was away, not yet written back."""
+        return len(self._dirty)
+
     def _down(self, err: BaseException, key: str | None) -> None:
         if self._up:
             log.warning("redis unreachable (%s): serving sessions from the local view", err)

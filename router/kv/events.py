@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class PublisherState:
     restarts: int = 0
     buffered: int = 0  # batches held back while a replay was in flight
     abandoned: int = 0  # replays given up because the buffer overflowed
+    last_lag_s: float | None = None  # apply time minus publish time (ts) of the newest batch
 
 
 @dataclass
@@ -275,6 +277,7 @@ class KVEventSubscriber:
         self.index.apply(name, batch.events)
         st.last_seq = batch.seq
         st.batches += 1
+        st.last_lag_s = max(0.0, time.time() - batch.ts)
         if any(isinstance(e, AllBlocksCleared) for e in batch.events):
             self.index.mark_fresh(name)  # a known-empty cache: whatever we missed is gone
 

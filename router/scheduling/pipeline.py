@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ class Decision:
     endpoint: EndpointView
     ranked: list[tuple[EndpointView, float]]  # best first (for explain; retries re-run)
     explain: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0  # time schedule() took (filters, scorers, picker)
     terms: dict[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)  # scorer ->
 
     def term(self, endpoint: str, key: str) -> Any:
@@ -73,6 +75,7 @@ class Pipeline:
         self.seq = 0
 
     def schedule(self, ctx: RequestContext, snap: Snapshot, explain: bool = False) -> Decision:
+        t0 = time.perf_counter()
         eps = [e for e in snap.endpoints if e.name not in ctx.excluded]
         removed_by = {n: "already tried" for n in ctx.excluded}
         for f in self.filters:
@@ -98,6 +101,7 @@ class Pipeline:
         ranked = sorted(((e, totals[e.name]) for e in eps), key=lambda t: -t[1])
         chosen = self.picker.pick(ctx, snap, ranked)
         out = Decision(chosen, ranked, terms=terms)
+        out.elapsed_s = time.perf_counter() - t0  # explain's bookkeeping below not counted
         if explain:
             out.explain = {
                 "policy": self.name,

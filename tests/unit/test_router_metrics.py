@@ -1,0 +1,201 @@
+"""The router's operator metrics, in process: names and labels, no ``_created`` series, the
+observer's figures (identity source, usage tokens, per-call TPOT, session completion), the
+placement outcomes, and the scrape-time collectors over replicas, KV event streams and the
+Redis store (duck-typed stand-ins, as the collectors only read attributes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.kv.events import PublisherState, SubscriberStats
+from router.metrics import RouterMetrics
+from router.outcome import CallOutcome, Usage, usage_from_tail
+from router.replicas import Replica, ReplicaSet, parse_vllm_metrics
+from router.sessions import SessionIdentity
+
+
+def samples(m: RouterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(m.exposition().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m: RouterMetrics, name: str, **labels: str) -> float | None:
+    return samples(m).get((name, tuple(sorted(labels.items()))))
+
+
+def ident(key: str = "s1", source: str = "claude-code", final: bool = False) -> SessionIdentity:
+    return SessionIdentity("-", key, None, None, final, source)
+
+
+def ctx(identity: SessionIdentity, model: str = "m") -> SimpleNamespace:
+    return SimpleNamespace(identity=identity, model=model)
+
+
+def sse_tail(prompt: int, cached: int, completion: int) -> bytes:
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    return (
+        b'data: {"choices":[]}\n\ndata: ' + orjson.dumps({"usage": usage}) + b"\n\ndata: [DONE]\n\n"
+    )
+
+
+def test_no_created_series_and_counters_end_in_total():
+    m = RouterMetrics()
+    m.requests.labels("/v1/chat/completions", "r", "200").inc()
+    m.placed(None, "r")
+    text = m.exposition().decode()
+    assert "_created" not in text
+    assert (
+        'kvroute_requests_total{replica="r",route="/v1/chat/completions",status="200"} 1.0' in text
+    )
+    for fam in text_string_to_metric_families(text):
+        if fam.type == "counter":
+            assert all(s.name.endswith("_total") for s in fam.samples), fam.name
+        if fam.type == "histogram":
+            assert fam.name.endswith("_seconds"), fam.name
+
+
+@pytest.mark.parametrize(
+    ("previous", "chosen", "outcome"),
+    [(None, "a", "new"), ("a", "a", "kept"), ("a", "b", "moved")],
+)
+def test_placement_outcomes(previous, chosen, outcome):
+    m = RouterMetrics()
+    m.placed(previous, chosen, SimpleNamespace(elapsed_s=0.002))
+    assert value(m, "kvroute_session_placements_total", outcome=outcome) == 1.0
+    others = {"new", "kept", "moved"} - {outcome}
+    assert all(value(m, "kvroute_session_placements_total", outcome=o) == 0.0 for o in others)
+    assert value(m, "kvroute_decision_latency_seconds_count") == 1.0
+    assert value(m, "kvroute_decision_latency_seconds_bucket", le="0.0025") == 1.0
+
+
+def test_observer_counts_identity_usage_and_per_call_tpot():
+    m = RouterMetrics()
+    outcome = CallOutcome("r", "200", events=12, ttft_s=0.5, duration_s=1.5,
+                          usage=usage_from_tail(sse_tail(1000, 768, 11)))  # fmt: skip
+    m.observe_call(ctx(ident()), outcome)
+    m.observe_call(ctx(ident("p", "prefix")), CallOutcome(None, "not_completed"))
+    m.observe_call(ctx(ident("d", "codex")), CallOutcome(None, "dry_run"))
+    assert value(m, "kvroute_identity_calls_total", source="claude-code") == 1.0
+    assert value(m, "kvroute_identity_calls_total", source="prefix") == 1.0
+    assert value(m, "kvroute_identity_calls_total", source="codex") is None  # dry runs skipped
+    assert value(m, "kvroute_prompt_tokens_total", model="m") == 1000.0
+    assert value(m, "kvroute_prompt_tokens_cached_total", model="m") == 768.0
+    # (1.5 - 0.5) s over 10 tokens after the first: 0.1 s per token
+    assert value(m, "kvroute_request_time_per_output_token_seconds_sum", model="m") == (
+        pytest.approx(0.1)
+    )
+    assert value(m, "kvroute_request_time_per_output_token_seconds_bucket", model="m",
+                 le="0.08") == 0.0  # fmt: skip
+    # a non-streamed answer (no SSE events) has no per-token time
+    m.observe_call(ctx(ident()), dataclasses.replace(outcome, events=0))
+    assert value(m, "kvroute_request_time_per_output_token_seconds_count", model="m") == 1.0
+
+
+def test_session_completion_on_final_or_after_idle():
+    m = RouterMetrics(session_idle_s=60)
+    m.observe_call(ctx(ident("a")), CallOutcome("r", "200", duration_s=2.0))
+    m.observe_call(ctx(ident("a", final=True)), CallOutcome("r", "200", duration_s=1.0))
+    assert value(m, "kvroute_session_duration_seconds_count") == 1.0
+    assert value(m, "kvroute_session_duration_seconds_sum") >= 2.0  # first start to last end
+    m.observe_call(ctx(ident("b")), CallOutcome("r", "200", duration_s=3.0))
+    assert value(m, "kvroute_session_duration_seconds_count") == 1.0  # b is not done yet
+    m.expire_sessions(now=1e12)  # long silent
+    assert value(m, "kvroute_session_duration_seconds_count") == 2.0
+
+
+def test_usage_from_json_and_sse_tails():
+    assert usage_from_tail(b'{"id":"x","usage":{"prompt_tokens":3}}') == Usage(prompt_tokens=3)
+    assert usage_from_tail(sse_tail(5, 1, 2)) == Usage(5, 2, 1)
+    assert usage_from_tail(b"data: [DONE]\n\n") is None
+    assert usage_from_tail(b'data: {"usage": trunc') is None
+
+
+VLLM_033 = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+# TYPE vllm:prompt_tokens_cached counter
+vllm:prompt_tokens_cached_total{engine="0",model_name="m"} 700.0
+# TYPE vllm:prompt_tokens_cached_by_source counter
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 500.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="host"} 150.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="disk"} 50.0
+"""
+
+
+def test_cached_tokens_by_tier_from_the_replicas_metrics():
+    m = parse_vllm_metrics(VLLM_033)
+    assert (m["running"], m["waiting"], m["kv_usage"]) == (3.0, 1.0, 0.5)
+    assert {k: v for k, v in m.items() if k.startswith("cached:")} == {
+        "cached:device": 500.0, "cached:host": 150.0, "cached:disk": 50.0,
+    }  # fmt: skip
+    old = parse_vllm_metrics(VLLM_033.split("# TYPE vllm:prompt_tokens_cached_by_source")[0])
+    assert old["cached:all"] == 700.0  # vLLM 0.32 does not split by tier
+
+
+def test_replica_collector_follows_the_live_set():
+    rs = ReplicaSet()
+    rs.set_source("static", ["http://a:8000", "http://b:8000"])
+    a, b = rs.get("http://a:8000"), rs.get("http://b:8000")
+    assert isinstance(a, Replica) and isinstance(b, Replica)
+    a.running, a.waiting, a.kv_usage = 3.0, 1.0, 0.25
+    a.cached_by_source = {"device": 500.0, "host": 150.0}
+    b.healthy = False
+    m = RouterMetrics()
+    m.watch_replicas(rs, SimpleNamespace(inflight=7))
+    assert value(m, "kvroute_replica_healthy", replica="http://a:8000") == 1.0
+    assert value(m, "kvroute_replica_healthy", replica="http://b:8000") == 0.0
+    assert value(m, "kvroute_replica_requests_running", replica="http://a:8000") == 3.0
+    assert value(m, "kvroute_replica_requests_waiting", replica="http://a:8000") == 1.0
+    assert value(m, "kvroute_replica_kv_cache_usage_perc", replica="http://a:8000") == 0.25
+    assert value(m, "kvroute_replica_requests_running", replica="http://b:8000") is None
+    assert value(m, "kvroute_replica_prompt_tokens_cached_total", replica="http://a:8000",
+                 source="host") == 150.0  # fmt: skip
+    assert value(m, "kvroute_router_inflight_requests") == 7.0
+    rs.set_source("static", ["http://a:8000"])  # b leaves: its series go with it
+    assert value(m, "kvroute_replica_healthy", replica="http://b:8000") is None
+
+
+@dataclass
+class FakeSubscriber:
+    stats: SubscriberStats = field(default_factory=SubscriberStats)
+
+
+def test_kv_event_collector_sums_streams_per_replica():
+    sub = FakeSubscriber()
+    sub.stats.streams[("r1", 0)] = PublisherState(batches=10, gaps=1, replayed=3, last_lag_s=0.02)
+    sub.stats.streams[("r1", 1)] = PublisherState(batches=5, restarts=1, last_lag_s=0.05)
+    sub.stats.decode_errors = 2
+    holder: list[FakeSubscriber | None] = [None]
+    m = RouterMetrics()
+    m.watch_kv_events(lambda: holder[0])
+    assert value(m, "kvroute_kv_event_batches_total", replica="r1") is None  # not started
+    holder[0] = sub
+    assert value(m, "kvroute_kv_event_batches_total", replica="r1") == 15.0
+    assert value(m, "kvroute_kv_event_gaps_total", replica="r1") == 1.0
+    assert value(m, "kvroute_kv_event_replayed_total", replica="r1") == 3.0
+    assert value(m, "kvroute_kv_event_restarts_total", replica="r1") == 1.0
+    assert value(m, "kvroute_kv_event_lag_seconds", replica="r1") == 0.05
+    assert value(m, "kvroute_kv_event_decode_errors_total") == 2.0
+
+
+def test_store_collector_only_for_redis():
+    m = RouterMetrics()
+    m.watch_store(SimpleNamespace(backend="memory"))
+    assert value(m, "kvroute_redis_pending_writes") is None
+    m.watch_store(SimpleNamespace(backend="redis", pending_writes=4, reconciles=2))
+    assert value(m, "kvroute_redis_pending_writes") == 4.0
+    assert value(m, "kvroute_redis_reconciles_total") == 2.0
