@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from router import api
-from router.call import CallSequence, Observer, PromptAnalyzer
+from router.call import CallSequence, DecisionHook, Observer, PromptAnalyzer
 from router.config import RouterConfig
 from router.keys import (
     CALLS,
@@ -132,16 +132,18 @@ def build_app(
     app[PIPELINE] = pipeline
     providers = dict(state_providers or {})
     obs: list[Observer] = [metrics.observe_call]
+    hooks: list[DecisionHook] = []
     if kv is not None:
         if analyzer is not None:
             raise ValueError("give the KV layer or an analyzer, not both")
         analyzer = kv.analyze
         providers["kv"] = kv.view
         obs.append(kv.observe)
+        hooks.append(kv.decided)
         metrics.watch_kv_events(lambda: kv.subscriber)
     obs.extend(observers or [])
     app[CALLS] = CallSequence(pipeline, analyzer=analyzer, state_providers=providers,
-                              observers=obs)  # fmt: skip
+                              observers=obs, decision_hooks=hooks)  # fmt: skip
     app[KV] = kv
     app[RUNTIME] = Runtime()
     app[RUNTIME].idle.set()

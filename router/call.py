@@ -5,7 +5,9 @@ Owns: :class:`CallSequence`, the steps every routed call goes through, in order:
 1. **analyze** — the prompt analyzer (the KV layer: tokens, block keys) fills the context;
    an analyzer error is logged and the call is scheduled without those fields;
 2. **decide** — snapshot (endpoint views, the session's record, named state views such as
-   ``"kv"``) → ``pipeline.schedule`` → ``pipeline.record`` (the pick counter);
+   ``"kv"``) → ``pipeline.schedule`` → ``pipeline.record`` (the pick counter) → the
+   decision hooks (the KV layer records the routed prompt in its approximate cache, at
+   selection time as sglang-router does);
 3. *send* — the caller's part: :mod:`router.proxy` places the session in the store and sends
    the call over HTTP (retrying elsewhere before the first byte: decide again with the tried
    replicas excluded); the simulator's adapter (:mod:`loadtest.sim.router_policy`) hands it to
@@ -34,6 +36,7 @@ log = logging.getLogger("kvroute.call")
 
 PromptAnalyzer = Callable[[RequestContext], Awaitable[None] | None]
 Observer = Callable[[RequestContext, CallOutcome], None]
+DecisionHook = Callable[[RequestContext, Decision], None]
 
 
 class CallSequence:
@@ -46,11 +49,13 @@ class CallSequence:
         analyzer: PromptAnalyzer | None = None,
         state_providers: Mapping[str, Callable[[], Any]] | None = None,
         observers: list[Observer] | None = None,
+        decision_hooks: list[DecisionHook] | None = None,
     ):
         self.pipeline = pipeline
         self.analyzer = analyzer
         self.state_providers = dict(state_providers or {})
         self.observers = list(observers or [])
+        self.decision_hooks = list(decision_hooks or [])
 
     def analyze(self, ctx: RequestContext) -> Awaitable[None] | None:
         """Run the analyzer; returns what the caller must await when it is asynchronous."""
@@ -91,11 +96,16 @@ class CallSequence:
         explain: bool = False,
         dry_run: bool = False,
     ) -> Decision:
-        """Schedule ``ctx`` over ``endpoints``; the pick is recorded unless ``dry_run``.
-        Raises :class:`router.scheduling.pipeline.NoCandidates`."""
+        """Schedule ``ctx`` over ``endpoints``; the pick is recorded and the decision hooks
+        run unless ``dry_run``. Raises :class:`router.scheduling.pipeline.NoCandidates`."""
         d = self.pipeline.schedule(ctx, self.snapshot(endpoints, session), explain=explain)
         if not dry_run:
             self.pipeline.record(d)
+            for fn in self.decision_hooks:
+                try:
+                    fn(ctx, d)
+                except Exception:
+                    log.exception("decision hook %r failed", fn)
         return d
 
     def finish(self, ctx: RequestContext, outcome: CallOutcome) -> None:

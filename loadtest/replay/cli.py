@@ -99,6 +99,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a replica /metrics URL to sample queue depth from (repeatable)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="per-call timeout, seconds")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32_000,
+        help="the output cap every call sends, as agents do (0: none); fitted into the "
+        "model's listed max_model_len",
+    )
+    p.add_argument(
+        "--output-lengths",
+        choices=("twin", "max_tokens"),
+        default="twin",
+        help="where the recorded output length goes: only to replica twins (vllm_xargs), or "
+        "as max_tokens (an oracle input: for real vLLM replicas in tests)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
 
@@ -145,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
             gpus=args.gpus,
             metrics_urls=args.metrics_url,
             progress=not args.no_progress,
+            max_tokens=args.max_tokens or None,
+            output_lengths=args.output_lengths,
         )
     except (TraceError, PromptError, ValueError) as e:
         print(f"kvroute replay: {e}", file=sys.stderr)

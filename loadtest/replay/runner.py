@@ -43,6 +43,10 @@ from loadtest.replay.client import CONVENTIONS, CallResult, session_headers, str
 from loadtest.replay.records import CallRecord, QueueSample, SessionRecord, write_jsonl
 from loadtest.traces.lanes import PlayCounter
 from loadtest.traces.model import Call, Session, Trace
+from loadtest.twin import TWIN_OUTPUT_FIELD
+
+AGENT_MAX_TOKENS = 32_000  # the output cap Claude Code and OpenCode send with every call
+OUTPUT_LENGTHS = ("twin", "max_tokens")
 
 
 @dataclass
@@ -63,6 +67,14 @@ class ReplayConfig:
     queue_sample_s: float = 0.5
     extra_body: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    # What every call sends as its output cap, as agent clients do: one fixed number (Claude
+    # Code and OpenCode send 32,000), or None (no cap: Codex-style, the server's remainder).
+    max_tokens: int | None = AGENT_MAX_TOKENS
+    # Where the call's recorded output length goes: "twin" — only in vllm_xargs
+    # (kvroute_twin_output_tokens), which replica twins read and no router does; or
+    # "max_tokens" — as the call's max_tokens, an oracle input a real agent never sends,
+    # for real vLLM replicas in tests (a real model stops where it likes).
+    output_lengths: str = "twin"
 
     def __post_init__(self) -> None:
         if self.convention not in CONVENTIONS:
@@ -71,6 +83,10 @@ class ReplayConfig:
             raise ValueError("concurrency must be >= 1")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be positive")
+        if self.output_lengths not in OUTPUT_LENGTHS:
+            raise ValueError(f"output_lengths must be one of {OUTPUT_LENGTHS}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1 (or None: no cap)")
 
 
 class _Run:
@@ -90,6 +106,7 @@ class _Run:
         self.stop_at = (self.t0 + cfg.duration_s) if cfg.duration_s else None
         self.url = cfg.target.rstrip("/") + "/v1/chat/completions"
         self.on_call: Callable[[CallRecord], None] = lambda r: None
+        self.context_limit: int | None = None  # the model's max_model_len, when listed
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -181,16 +198,25 @@ class _Run:
     ) -> CallRecord:
         prompt = self.builder.build(c, ns, play)
         bound = self.bound.observe(prompt.token_ids)
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "messages": prompt.messages,
-            "max_tokens": c.output_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
             "ignore_eos": True,
             "temperature": 0.0,
-            **self.cfg.extra_body,
         }
+        if self.cfg.output_lengths == "max_tokens":
+            body["max_tokens"] = c.output_tokens
+        else:
+            cap = self.cfg.max_tokens
+            if cap is not None and self.context_limit is not None:
+                # a client that knows its model's window fits the cap into it (OpenCode does)
+                cap = max(1, min(cap, self.context_limit - prompt.n_tokens))
+            if cap is not None:
+                body["max_tokens"] = cap
+            body["vllm_xargs"] = {TWIN_OUTPUT_FIELD: max(1, c.output_tokens)}
+        body.update(self.cfg.extra_body)
         headers = session_headers(self.cfg.convention, sid, c.agent, c.parent_agent)
         self.in_flight += 1
         t_sent = self.now()
@@ -267,14 +293,33 @@ async def _scrape(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float |
     return (waiting, running) if got else (None, None)
 
 
-async def _model_of(http: aiohttp.ClientSession, target: str) -> str:
+async def _models(http: aiohttp.ClientSession, target: str) -> list[dict[str, Any]]:
     url = target.rstrip("/") + "/v1/models"
     try:
         async with http.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
             data = await r.json(content_type=None)
-        return str(data["data"][0]["id"])
-    except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError) as e:
+        cards = [c for c in data["data"] if isinstance(c, dict) and "id" in c]
+        if not cards:
+            raise IndexError("no models")
+        return cards
+    except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError, TypeError) as e:
         raise RuntimeError(f"cannot list models at {url}: {e!r}; pass --model") from e
+
+
+async def _model_and_context(
+    http: aiohttp.ClientSession, cfg: ReplayConfig
+) -> tuple[str, int | None]:
+    """The model to call and its context window as the target lists it (vLLM's model card
+    has ``max_model_len``), which a client that knows its model uses to fit its cap."""
+    try:
+        cards = await _models(http, cfg.target)
+    except RuntimeError:
+        if cfg.model:
+            return cfg.model, None  # a target without /v1/models: the cap as given
+        raise
+    card = next((c for c in cards if c["id"] == cfg.model), cards[0]) if cfg.model else cards[0]
+    ctx = card.get("max_model_len")
+    return cfg.model or str(card["id"]), ctx if isinstance(ctx, int) and ctx > 0 else None
 
 
 async def replay(
@@ -283,8 +328,9 @@ async def replay(
     """Play ``trace`` against ``cfg.target``; returns the summary (also written to out_dir)."""
     conn = aiohttp.TCPConnector(limit=max(64, cfg.concurrency * 8), force_close=False)
     async with aiohttp.ClientSession(connector=conn) as http:
-        model = cfg.model or await _model_of(http, cfg.target)
+        model, context = await _model_and_context(http, cfg)
         run = _Run(trace, builder, cfg, model)
+        run.context_limit = context
         progress = _Progress(cfg, trace) if cfg.progress else None
         if progress:
             run.on_call = progress.update

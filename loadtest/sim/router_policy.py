@@ -14,6 +14,10 @@ after each call it reports a :class:`router.outcome.CallOutcome` (replica, TTFT,
 usage, the decision) to the call sequence's observers, as the proxy does. Must not import
 aiohttp, zmq, torch or vllm.
 
+What the router sees is what it would see from an agent: the body carries the fixed
+``max_tokens`` cap Claude Code and OpenCode send (``AGENT_MAX_TOKENS``), never the call's
+recorded output length (only the simulated engine knows that), and no last-call flag.
+
 Differences from a live router: no tokenization (the simulator's block keys go straight into
 ``ctx.block_keys``), no HTTP bodies (``body`` holds a synthetic prompt whose text is the
 call's leading block keys, so text-prefix policies see the same sharing), no retries, no
@@ -43,6 +47,7 @@ from router.vllm.kvevents import decode_event
 
 MODEL = "tiny"
 PREFIX_TEXT_BLOCKS = 64  # block keys rendered into the synthetic prompt text
+AGENT_MAX_TOKENS = 32_000  # the fixed cap agent clients send (Claude Code, OpenCode)
 
 
 class RouterPolicy:
@@ -62,6 +67,7 @@ class RouterPolicy:
             analyzer=self.kv.analyze,
             state_providers={"kv": self.kv.view},
             observers=[self.kv.observe],
+            decision_hooks=[self.kv.decided],
         )
         self.tenant = tenant
         self.store = MemoryStore(ttl_s=float("inf"))
@@ -88,14 +94,14 @@ class RouterPolicy:
             session=call.session_id,
             parent=None,
             agent=None,
-            final=call.final,
+            final=False,  # no agent convention the replays use sends a last-call flag
             source="sim",
         )
         head = " ".join(f"{k:016x}" for k in call.block_keys[:PREFIX_TEXT_BLOCKS])
         ctx = RequestContext(
             request_id=f"{call.session_id}/{call.call_index}", route="/v1/completions",
             model=MODEL, identity=ident,
-            body={"model": MODEL, "prompt": head, "max_tokens": call.max_tokens},
+            body={"model": MODEL, "prompt": head, "max_tokens": AGENT_MAX_TOKENS},
             block_keys=list(call.block_keys), prompt_tokens=call.prompt_tokens,
         )  # fmt: skip
         self.calls.analyze(ctx)  # the KV layer's footprint (no tokenizer: keys are given)
@@ -130,8 +136,9 @@ class RouterPolicy:
             return
         ctx, decision = got
         usage = Usage(record.prompt_tokens, record.output_tokens, record.cached_tokens)
+        itl = () if record.tpot is None else (record.tpot,)  # the mean gap: engines are exact
         self.calls.finish(ctx, CallOutcome(
             self.names[record.replica], "200", ttft_s=record.ttft,
-            duration_s=record.finish - record.arrival, usage=usage, decision=decision,
+            duration_s=record.finish - record.arrival, usage=usage, itl_s=itl, decision=decision,
         ))  # fmt: skip
         self.store.finish(ctx.identity.key, record.finish)

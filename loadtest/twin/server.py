@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from loadtest.twin import TWIN_OUTPUT_FIELD
 from loadtest.twin.engine import Request
 from loadtest.twin.replica import ApiError, Stream, TwinConfig, TwinReplica
 from loadtest.twin.tokenize import TemplateError
@@ -137,7 +138,23 @@ def _prompt_ids(
     raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
 
 
+def _twin_output_tokens(body: dict[str, Any]) -> int | None:
+    """The output length a replay asks this twin to produce (``vllm_xargs``, a field vLLM
+    passes to its sampler and no router reads), standing in for where a real model would stop."""
+    xargs = body.get("vllm_xargs")
+    n = xargs.get(TWIN_OUTPUT_FIELD) if isinstance(xargs, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
 def _limits(twin: TwinReplica, body: dict[str, Any], n_prompt: int) -> int:
+    """The most tokens this call may write (vLLM's checks and messages), and no more than
+    the replay's recorded length when it gives one (:func:`_twin_output_tokens`)."""
+    mt = _max_tokens(twin, body, n_prompt)
+    stop = _twin_output_tokens(body)
+    return mt if stop is None else min(mt, stop)
+
+
+def _max_tokens(twin: TwinReplica, body: dict[str, Any], n_prompt: int) -> int:
     limit = twin.max_model_len
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     if n_prompt >= limit:

@@ -27,12 +27,16 @@ session's state is released after its final call (``final`` flag) or ``session_i
 without calls.
 
 Calibration fits the TTFT a scorer predicted for the chosen replica — the ``model_ttft_s``
-term on the decision (``kv_cost`` gives it; any scorer may) — against the observed TTFT.
+term on the decision (``kv_cost`` gives it; any scorer may) — against the observed TTFT, and
+the decode scale from the ``model_itl_s`` term against the call's median inter-token time.
+Output lengths and gaps are learnt from what calls show (per session, and an EWMA over every
+session as the prior for sessions that have shown none): nothing a client would not send.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -97,6 +101,7 @@ class KVState:
         self.events_endpoint: str | None = None
         self._calls = 0
         self.gap_ewma: float | None = None  # mean gap between calls over every session
+        self.output_ewma: float | None = None  # mean output tokens per call, every session
         self._gone: dict[str, None] = {}  # removed by discovery and not back (insertion order)
         self._leaving: dict[str, float] = {}  # removed by discovery, not forgotten yet: since
 
@@ -262,6 +267,18 @@ class KVState:
             self.sessions[ident.parent].children_inflight += 1
         call.counted = True
 
+    # ---- the decision hook: where it goes ------------------------------------------------------
+
+    def decided(self, ctx: Any, decision: Any) -> None:
+        """Record the routed prompt in the chosen replica's approximate cache (routing
+        history: approximate mode, and the sglang-style tree), at selection time as
+        sglang-router inserts into its tree — a burst sharing a prefix sees it at once."""
+        keys = ctx.block_keys
+        if keys:
+            replica = decision.endpoint.name
+            self.profile(replica)
+            self.approx.record(replica, keys)
+
     # ---- the observer: what happened ----------------------------------------------------------
 
     def observe(self, ctx: Any, outcome: CallOutcome) -> None:
@@ -285,9 +302,6 @@ class KVState:
         n_tok = int(ctx.prompt_tokens or len(keys) * self.cfg.block_size)
         out_tokens = outcome.output_tokens
         if keys and replica is not None:
-            # routing history (approximate mode, and the SGLang-style baseline's tree)
-            self.profile(replica)
-            self.approx.record(replica, keys)
             decision = outcome.decision
             predicted = decision.term(replica, "model_ttft_s") if decision is not None else None
             cached = outcome.usage.cached_tokens if outcome.usage is not None else None
@@ -302,6 +316,10 @@ class KVState:
                 observed = ttft * self.cfg.time_scale
                 cal = self.calibrators.setdefault(replica, Calibrator())
                 cal.observe_ttft(predicted, observed, now)
+            step = decision.term(replica, "model_itl_s") if decision is not None else None
+            if step and outcome.itl_s and outcome.ok:
+                itl = statistics.median(outcome.itl_s) * self.cfg.time_scale
+                self.calibrators.setdefault(replica, Calibrator()).observe_itl(step, itl, now)
         if fp.last_end is not None and fp.inflight == 0:
             start = now - float(outcome.duration_s or 0.0)
             gap = max(start - fp.last_end, 0.0)
@@ -312,6 +330,8 @@ class KVState:
         fp.tokens = n_tok + (out_tokens or 0)
         if out_tokens:
             fp.outputs = [*fp.outputs[-19:], out_tokens]
+            o = self.output_ewma
+            self.output_ewma = out_tokens if o is None else 0.95 * o + 0.05 * out_tokens
         fp.last_end = now
         if ident.final:
             self.release(ident.key)

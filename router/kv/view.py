@@ -36,7 +36,11 @@ class KVView:
         self.index: BlockIndexView = st.index.view()
         self.now: float = st.clock()
         self.block_size: int = st.cfg.block_size
-        self.expected_output_tokens: int = st.cfg.expected_output_tokens
+        # a session that has shown no output yet is expected to write what the others write
+        ewma = st.output_ewma
+        self.expected_output_tokens: int = (
+            st.cfg.expected_output_tokens if ewma is None else max(int(ewma), 1)
+        )
 
     def source(self, replica: str) -> str:
         """``"events"`` when the index is fresh for ``replica``, else ``"approx"``."""

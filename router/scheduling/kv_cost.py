@@ -28,7 +28,11 @@ shows up in the match, and the parent's footprint on its replica is pinned while
 
 The per-replica terms travel on the decision (:class:`router.scheduling.Scores` ``terms``):
 explain shows them, and their ``model_ttft_s`` (the uncalibrated queue + fetch-or-recompute
-TTFT) is what the KV layer calibrates against the observed TTFT. Parameters:
+TTFT) is what the KV layer calibrates against the observed TTFT, and their ``model_itl_s`` (one
+decode step in the batch the call joins) what it fits the decode scale against, from the
+call's observed inter-token times. Output length: the session's mean output so far, else the
+mean over every session the KV layer has seen (else its ``expected_output_tokens``), capped
+by the client's ``max_tokens`` / ``max_completion_tokens`` when that is smaller. Parameters:
 ``hysteresis_s`` (default 0.25),
 ``hysteresis_frac`` (0.1), ``overlap`` (1.0: tier loads hide behind compute),
 ``interference_weight`` (1.0; 0 turns the decode-interference term off),
@@ -49,6 +53,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from costmodel.placement import CostTerms, placement_cost, queue_time, segment_costs
+from costmodel.steptime import decode_step_time
 from router.replicas import EndpointView
 from router.scheduling import RequestContext, Scores, Snapshot
 from router.scheduling.registry import register, register_policy
@@ -130,6 +135,13 @@ class KVCost:
                     "free_gpu_blocks": load.free_gpu_blocks,
                     "queued_prefill_tokens": load.queued_prefill_tokens,
                     "model_ttft_s": raw_queue + raw_fetch,
+                    # one decode step in the batch this call joins (uncalibrated): what the
+                    # KV layer fits the decode scale against, from observed inter-token times
+                    "model_itl_s": decode_step_time(
+                        prof, load.decode_batch + 1, int(load.decode_context_tokens) + n_tok
+                    )
+                    if load.decode_batch is not None and load.decode_context_tokens is not None
+                    else None,
                 },
             )
         return res

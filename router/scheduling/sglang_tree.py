@@ -1,19 +1,25 @@
-"""Scorer ``kv_sglang_tree`` and policy ``sglang_tree`` — the in-house port of the SGLang
-model gateway's cache-aware policy.
+"""Scorer ``kv_sglang_tree`` and policy ``sglang_tree`` — a port of sglang-router's
+``cache_aware`` policy (``sgl-router/src/policies/cache_aware.rs``).
 
-SGLang (model gateway, cache-aware policy) — ``kv_sglang_tree``, over the approximate cache
-(SGLang's per-worker radix tree of routed text; here the chain of block keys routed to each
-replica, :mod:`router.kv.approx`, fed only by routing history — never by events):
+sglang-router keeps one approximate radix tree of routed request *text* per worker (never fed
+by the engines) and, per request:
 
-* if the load is imbalanced — max − min > ``balance_abs`` *and* max > ``balance_rel`` · min
-  (load = router in-flight + engine waiting) — pick the least loaded (score 1);
-* else if the best prefix match rate ≥ ``cache_threshold``, pick the replica with the highest
-  match rate;
-* else pick the replica with the smallest tree (most free cache space).
+* load(w) = the router's own in-flight requests to w (incremented when it routes, decremented
+  when the response ends — not the engine's queue); the system is imbalanced when
+  max − min > ``balance_abs`` **and** max > ``balance_rel`` · min (both strict): then the
+  least-loaded worker wins;
+* else match rate = matched prefix / request length against the best-matching worker's tree;
+  if it is **strictly** above ``cache_threshold`` that worker wins, else the worker with the
+  smallest tree (most free cache);
+* the request is inserted into the winner's tree **at selection time** (in both branches),
+  so a burst of calls sharing a prefix sees it before the first one finishes.
 
-Policy ``sglang_tree`` uses it alone. Thresholds default to sglang-router 0.3.2's defaults
+Here the tree is the KV layer's approximate cache (:mod:`router.kv.approx`: the chain of block
+keys routed to each replica, recorded when the call sequence makes a decision, trimmed to the
+replica's KV capacity), and the match rate counts blocks, not characters. Policy
+``sglang_tree`` uses the scorer alone. Thresholds default to sglang-router 0.3.2's defaults
 (``router_args.py``: cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold
-1.5); they are parameters.
+1.5).
 
 .. code-block:: yaml
 
@@ -46,13 +52,13 @@ class SGLangTree:
     def score(
         self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
     ) -> Mapping[str, float]:
-        load = {e.name: float(e.inflight) + float(e.waiting or 0.0) for e in endpoints}
+        load = {e.name: float(e.inflight) for e in endpoints}
         lo, hi = min(load.values()), max(load.values())
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             return {n: 1.0 if v == lo else 0.0 for n, v in load.items()}
         rate = match_fraction(ctx, snap, endpoints, approx_only=True)
         best = max(rate.values(), default=0.0)
-        if best >= self.cache_threshold and best > 0:
+        if best > self.cache_threshold:
             return {n: 1.0 if rate.get(n, 0.0) == best else 0.5 * rate.get(n, 0.0) for n in load}
         view = snap.state("kv")
         size = {n: float(view.approx_blocks(n)) if view is not None else 0.0 for n in load}

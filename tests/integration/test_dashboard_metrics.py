@@ -69,7 +69,7 @@ async def test_dashboard_queries_name_metrics_the_router_and_vllm_export(redis_s
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
                 await _traffic(http, url)
-                await _settle(app, kv)
+                await _settle(app, kv, http, url)
                 live = await _live(http, [url, *c.urls])
         finally:
             await runner.cleanup()
@@ -91,9 +91,19 @@ async def _traffic(http: aiohttp.ClientSession, url: str) -> None:
             await r.read()
 
 
-async def _settle(app, kv: KVState) -> None:
-    """Until the KV events reached the index and a /metrics scrape saw the cached tokens."""
-    for _ in range(300):  # no event to await for a scrape: bounded polling
+async def _settle(app, kv: KVState, http: aiohttp.ClientSession, url: str) -> None:
+    """Until the KV events reached the index and a /metrics scrape saw the cached tokens.
+    ZMQ drops what a publisher sends before the subscriber's connection is up (the slow
+    joiner): on a loaded machine the first calls can finish before that, so while no batch
+    has arrived, one more call every second makes new events."""
+    words = " ".join(tinymodel._WORDS[:200])
+    for i in range(300):  # no event to await for a scrape: bounded polling
+        no_batch = kv.subscriber is None or not any(
+            st.batches for st in kv.subscriber.stats.streams.values()
+        )
+        if no_batch and i % 20 == 19:
+            async with http.post(url + "/v1/chat/completions", json=chat(f"{i} {words}")) as r:
+                await r.read()
         if (
             kv.subscriber is not None
             and any(st.batches for st in kv.subscriber.stats.streams.values())

@@ -62,7 +62,7 @@ def _paced_server() -> web.Application:
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        if body.get("max_tokens") == 7:
+        if body["vllm_xargs"]["kvroute_twin_output_tokens"] == 7:  # the recorded length
             await asyncio.sleep(2.5)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)

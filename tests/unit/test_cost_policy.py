@@ -200,11 +200,20 @@ def test_llmd_queue_scorer(waiting, expect):
 
 
 def test_llmd_prefix_scorer_and_policy():
+    """llm-d's precise prefix scorer: tier-weighted consecutive prefix (gpu 1.0, cpu 0.8),
+    min-max normalised over the pods that hit; a pod without a hit scores 0."""
     st = state()
-    st.index.store("A", KEYS[: N // 4])
-    st.index.store("B", KEYS[: N // 2])
-    eps = [ep("A"), ep("B")]
-    assert KVPrefix().score(ctx_for(), snap(st, eps), eps) == {"A": 0.25, "B": 0.5}
+    for r in ("C", "D"):
+        st.index.add_replica(r)
+    st.index.store("A", KEYS[: N // 4])  # raw 500
+    st.index.store("B", KEYS[: N // 2])  # raw 1000
+    st.index.store("C", KEYS[: N // 2], "CPU")  # raw 800: the same depth as B, in DRAM
+    eps = [ep("A"), ep("B"), ep("C"), ep("D")]
+    s = KVPrefix().score(ctx_for(), snap(st, eps), eps)
+    assert s == pytest.approx({"A": 0.0, "B": 1.0, "C": 0.6})
+    assert s.get("D", 0.0) == 0.0
+    only = KVPrefix().score(ctx_for(), snap(st, eps[:1] + eps[3:]), eps[:1] + eps[3:])
+    assert only == {"A": 1.0}  # one pod hit: all-equal among the hits -> 1
     d = build_pipeline("llmd").schedule(ctx_for(), snap(st, eps))
     assert d.endpoint.name == "B"
 
@@ -213,16 +222,21 @@ def test_llmd_prefix_scorer_and_policy():
     ("loads", "history", "expect"),
     [
         ((0, 80), {}, "A"),  # imbalanced (> 64 apart and > 1.5x): least loaded wins
+        ((0, 64), {"B": N}, "B"),  # 64 apart is not > 64: balanced, B's tree matches
         ((1, 0), {"A": N}, "A"),  # balanced, A's tree matches: cache wins
-        ((0, 1), {"A": 10, "B": 50}, "A"),  # low match everywhere: smallest tree wins
+        ((0, 1), {"A": -10, "B": -50}, "A"),  # no match anywhere: smallest tree wins
+        ((0, 1), {"A": -100, "B": 601}, "B"),  # rate 601/2000 > 0.3: B's match wins
+        ((0, 1), {"A": -100, "B": 600}, "A"),  # rate exactly 0.3 is not > 0.3: smallest tree
     ],
 )
 def test_sglang_tree_rules(loads, history, expect):
+    """sglang-router's cache_aware rules, thresholds strict, load = the router's in-flight.
+    ``history``: replica -> n blocks of this prompt routed there (n < 0: -n other blocks)."""
     st = state()
     other = list(range(7_000_000, 7_000_000 + 1000))
     for r, n in history.items():
         st.approx.set_capacity(r, 100_000)
-        st.approx.record(r, KEYS[:n] if n == N else other[:n])
+        st.approx.record(r, KEYS[:n] if n > 0 else other[:-n])
     eps = [ep("A", inflight=loads[0]), ep("B", inflight=loads[1])]
     s = SGLangTree().score(ctx_for(), snap(st, eps), eps)
     assert max(s, key=s.get) == expect

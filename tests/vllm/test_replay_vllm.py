@@ -39,6 +39,7 @@ async def test_replay_against_real_vllm_writes_a_valid_summary(replica, tiny_mod
         target=replica.url,
         concurrency=2,
         convention="claude",
+        output_lengths="max_tokens",  # a real model stops where it likes: give it the length
         progress=False,
         metrics_urls=[replica.url + "/metrics"],
         queue_sample_s=0.1,
