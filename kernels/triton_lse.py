@@ -161,8 +161,12 @@ def lse_merge(
     return_lse: bool = False,
     out_dtype: torch.dtype | None = None,
     out_scale: float | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher for :func:`kernels.reference.lse_merge` (any strides)."""
+    """Triton launcher for :func:`kernels.reference.lse_merge` (any input strides).
+
+    ``out`` [B,H,D] (unit stride on D) is written in place when given.
+    """
     if outputs.dim() != 4 or lses.shape != outputs.shape[:3]:
         raise ValueError(f"want outputs [N,B,H,D], lses [N,B,H]; got {outputs.shape}, {lses.shape}")
     base_e = reference.check_base(base)
@@ -174,7 +178,10 @@ def lse_merge(
         raise ValueError("an fp8 output needs out_scale")
     if lses.dtype != torch.float32:
         lses = lses.float()
-    out = torch.empty((b, h, d), dtype=out_dtype, device=outputs.device)
+    if out is None:
+        out = torch.empty((b, h, d), dtype=out_dtype, device=outputs.device)
+    elif out.shape != (b, h, d) or out.dtype != out_dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [B,H,D] {out_dtype} with unit stride on D")
     out_lse = torch.empty((b, h) if return_lse else (1, 1), dtype=torch.float32, device=lses.device)
     if b * h:
         _lse_merge_kernel[(b * h,)](

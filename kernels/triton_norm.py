@@ -24,8 +24,8 @@ MAX_BLOCK = 8192  # lanes kept in registers per row; longer rows loop in chunks
 
 @triton.jit
 def _rmsnorm_residual_kernel(
-    out_ptr,  # [T, K] x dtype or fp8e4m3, contiguous
-    res_out_ptr,  # [T, K] x dtype, contiguous (new residual)
+    out_ptr,  # [T, K] x dtype or fp8e4m3, row stride o_st, unit lane stride
+    res_out_ptr,  # [T, K] x dtype (new residual), row stride ro_st, unit lane stride
     x_ptr,  # [T, K] row stride x_st, unit lane stride
     res_ptr,  # [T, K] row stride r_st, unit lane stride
     w_ptr,  # [K] weight, contiguous
@@ -33,6 +33,8 @@ def _rmsnorm_residual_kernel(
     K,
     x_st,
     r_st,
+    o_st,
+    ro_st,
     eps,
     BLOCK: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
@@ -46,14 +48,14 @@ def _rmsnorm_residual_kernel(
         x = tl.load(x_ptr + row * x_st + offs, mask=mask, other=0.0).to(tl.float32)
         r = tl.load(res_ptr + row * r_st + offs, mask=mask, other=0.0).to(tl.float32)
         z = (x + r).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * K + offs, z, mask=mask)
+        tl.store(res_out_ptr + row * ro_st + offs, z, mask=mask)
         zf = z.to(tl.float32)
         inv = tl.rsqrt(tl.sum(zf * zf, axis=0) / K + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = zf * inv * w
         if OUT_FP8:
             y = tl.minimum(tl.maximum(y * (1.0 / tl.load(scale_ptr)), -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + row * K + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * o_st + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         sq = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, K, BLOCK):
@@ -61,19 +63,19 @@ def _rmsnorm_residual_kernel(
             x = tl.load(x_ptr + row * x_st + start + offs, mask=mask, other=0.0).to(tl.float32)
             r = tl.load(res_ptr + row * r_st + start + offs, mask=mask, other=0.0)
             z = (x + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + row * K + start + offs, z, mask=mask)
+            tl.store(res_out_ptr + row * ro_st + start + offs, z, mask=mask)
             zf = z.to(tl.float32)
             sq += zf * zf
         inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         inv_scale = 1.0 / tl.load(scale_ptr)  # a valid [1] tensor even without fp8
         for start in range(0, K, BLOCK):
             mask = start + offs < K
-            zf = tl.load(res_out_ptr + row * K + start + offs, mask=mask, other=0.0)
+            zf = tl.load(res_out_ptr + row * ro_st + start + offs, mask=mask, other=0.0)
             w = tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
             y = zf.to(tl.float32) * inv * w
             if OUT_FP8:
                 y = tl.minimum(tl.maximum(y * inv_scale, -FP8_MAX), FP8_MAX)
-            tl.store(out_ptr + row * K + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + row * o_st + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def num_warps_for(block: int) -> int:
@@ -89,10 +91,14 @@ def rmsnorm_residual(
     *,
     quant_scale: float | torch.Tensor | None = None,
     block: int | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher for :func:`kernels.reference.rmsnorm_residual` (2-D inputs).
 
-    ``block`` overrides the lane tile (tests use it to reach the two-pass path).
+    ``block`` overrides the lane tile (tests use it to reach the two-pass path); ``out`` and
+    ``residual_out`` [T, K] (unit lane stride) are written in place when given —
+    ``residual_out=residual`` updates the residual stream in place, as vLLM's op does.
     """
     if x.dim() != 2 or x.shape != residual.shape or weight.shape != x.shape[-1:]:
         raise ValueError(f"shapes x {x.shape}, residual {residual.shape}, weight {weight.shape}")
@@ -104,8 +110,17 @@ def rmsnorm_residual(
         residual = residual.contiguous()
     weight = weight.contiguous()
     fp8 = quant_scale is not None
-    out = torch.empty((t, k), dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
-    new_res = torch.empty((t, k), dtype=x.dtype, device=x.device)
+    out_dtype = torch.float8_e4m3fn if fp8 else x.dtype
+    if out is None:
+        out = torch.empty((t, k), dtype=out_dtype, device=x.device)
+    new_res = (
+        torch.empty((t, k), dtype=x.dtype, device=x.device)
+        if residual_out is None
+        else residual_out
+    )
+    for name, buf, dt in (("out", out, out_dtype), ("residual_out", new_res, x.dtype)):
+        if buf.shape != (t, k) or buf.dtype != dt or buf.stride(-1) != 1:
+            raise ValueError(f"{name} must be [T, K] {dt} with unit lane stride")
     scale = torch.as_tensor(1.0 if quant_scale is None else quant_scale, dtype=torch.float32)
     blk = block or min(next_pow2(k), MAX_BLOCK)
     if t:
@@ -119,6 +134,8 @@ def rmsnorm_residual(
             k,
             x.stride(0),
             residual.stride(0),
+            out.stride(0),
+            new_res.stride(0),
             float(eps),
             BLOCK=blk,
             SINGLE_PASS=blk >= k,
