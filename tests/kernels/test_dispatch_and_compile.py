@@ -1,0 +1,100 @@
+"""The dispatcher, the plugin-facing ``available()``, import hygiene, and every kernel
+variant compiled for sm_90 (the interpreter accepts code the GPU compiler rejects)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+
+import kernels
+from kernels import launch, reference, triton_lse
+
+pytestmark = pytest.mark.kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_auto_picks_the_reference_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Triton path taken for CPU tensors")
+
+    monkeypatch.setattr(triton_lse, "lse_merge", boom)
+    outputs, lses = torch.randn(2, 1, 4, 48), torch.randn(2, 1, 4)
+    got = kernels.lse_merge(outputs, lses)  # impl="auto"
+    torch.testing.assert_close(got, reference.lse_merge(outputs, lses))
+    with pytest.raises(AssertionError, match="Triton path"):
+        kernels.lse_merge(outputs, lses, impl="triton")
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused() -> None:
+    class JitLike:  # a kernel decorated without TRITON_INTERPRET
+        pass
+
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        launch.check_launchable(JitLike(), torch.zeros(1))
+    with pytest.raises(ValueError, match="devices"):
+        launch.check_launchable(JitLike(), torch.zeros(1), torch.zeros(1, device="meta"))
+
+
+def test_available_offers_no_settings_on_cpu() -> None:
+    info = kernels.available()
+    assert info["torch"] == torch.__version__ and info["triton"]
+    assert info["cuda"] is False and info["settings"] == []
+    assert set(kernels.SETTINGS) == {
+        "dcp_lse_merge",
+        "fused_add_rmsnorm",
+        "rope_kv_write",
+        "split_kv_decode",
+    }
+
+
+def test_interpreter_variable_does_not_leak_out_of_the_tier() -> None:
+    assert os.environ.get("TRITON_INTERPRET") != "1"
+    assert launch.is_interpreted(triton_lse._lse_merge_kernel)
+
+
+def test_importing_kernels_needs_no_torch() -> None:
+    code = "import sys, kernels; kernels.SETTINGS; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_router_never_imports_torch() -> None:
+    for path in (ROOT / "router").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            bad = [n for n in names if n.split(".")[0] in ("torch", "triton", "kernels")]
+            assert not bad, f"{path} imports {bad}"
+
+
+def test_every_kernel_variant_compiles_for_sm90(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.compile_check", "--arch", "90"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    failed = [r for r in records if not r["ok"]]
+    assert proc.returncode == 0 and not failed, failed or proc.stderr[-2000:]
+    kinds = {r["variant"].split()[0] for r in records}
+    assert kinds == {"lse_merge", "lse_correct", "rmsnorm_residual", "rope_kv_write",
+                     "decode_partial"}  # fmt: skip
+    assert all(r["cubin_bytes"] > 0 for r in records)
