@@ -46,7 +46,12 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     def merge(label: str, i: str, o: str, n: int, d: int, base_e: bool, ret: bool) -> None:
         ptrs = {"out_ptr": o, "out_lse_ptr": "fp32", "in_ptr": i, "lse_ptr": "fp32"}
         ptrs["scale_ptr"] = "fp32"
-        consts = {"N": n, "D": d, "N_PAD": max(2, 1 << (n - 1).bit_length()), "BASE_E": base_e}
+        consts: dict[str, Any] = {
+            "N": n,
+            "D": d,
+            "N_PAD": max(2, 1 << (n - 1).bit_length()),
+            "BASE_E": base_e,
+        }
         consts.update(D_PAD=max(2, 1 << (d - 1).bit_length()), RETURN_LSE=ret)
         consts.update(OUT_FP8=o == "fp8e4nv", FP8_MAX=fp8max)
         warps = triton_lse.merge_num_warps(d)
@@ -57,7 +62,12 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     merge("lse_merge fp16 N=1 D=48 e", "fp16", "fp16", 1, 48, True, False)
     for dt, n, d, base_e in (("bf16", 4, 128, True), ("fp16", 2, 48, False)):
         ptrs = {"out_ptr": dt, "glse_ptr": "fp32", "x_ptr": dt, "lse_ptr": "fp32"}
-        consts = {"N": n, "D": d, "N_PAD": max(2, n), "D_PAD": 1 << (d - 1).bit_length()}
+        consts: dict[str, Any] = {
+            "N": n,
+            "D": d,
+            "N_PAD": max(2, n),
+            "D_PAD": 1 << (d - 1).bit_length(),
+        }
         consts["BASE_E"] = base_e
         label = f"lse_correct {dt} N={n} D={d}"
         out.append((label, triton_lse._lse_correct_kernel, ptrs, consts, 1))
@@ -91,7 +101,12 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         ptrs = {"o_ptr": "fp32", "lse_ptr": "fp32", "q_ptr": dt, "kc_ptr": dt, "vc_ptr": dt}
         ptrs.update(bt_ptr="i32", sl_ptr="i32")
         pad = max(16, 1 << (d - 1).bit_length())
-        consts = {"G": g, "G_PAD": max(16, 1 << (g - 1).bit_length()), "D": d, "D_PAD": pad}
+        consts = {
+            "G": g,
+            "G_PAD": max(16, 1 << (g - 1).bit_length()),
+            "D": d,
+            "D_PAD": pad,
+        }
         consts.update(BLOCK_N=bn, NUM_SPLITS=4, DOT_F32=f32)
         label = f"decode_partial {dt} G={g} D={d} BLOCK_N={bn} f32dot={f32}"
         out.append((label, triton_decode._decode_partial_kernel, ptrs, consts, 4))
