@@ -98,3 +98,36 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path: Path) -> None:
     assert kinds == {"lse_merge", "lse_correct", "rmsnorm_residual", "rope_kv_write",
                      "decode_partial"}  # fmt: skip
     assert all(r["cubin_bytes"] > 0 for r in records)
+
+
+def test_gpu_bench_script_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
+    """kernels.bench_all on CPU (interpreter, tiny shapes): every section is written."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.bench_all", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads((tmp_path / "kernels_bench.json").read_text())
+    assert results["lse_merge"] and results["fused"] and results["decode"]
+    for row in results["lse_merge"]:
+        assert all("ms" in row[k] for k in ("triton", "triton_packed", "triton_correct", "torch"))
+    assert {r["piece"] for r in results["fused"]} == {"rmsnorm_residual", "rope_kv_write"}
+    assert all("ms" in r["triton"] and "ms" in r["torch"] for r in results["fused"])
+    assert all("ms" in r["triton"] for r in results["decode"])
+    assert set(results["goals"]) >= {"lse_merge_goal_met", "fused_goal_met"}
+
+
+def test_gpu_bench_script_refuses_without_cuda() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.bench_all", "--out", "/nonexistent"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "no CUDA device" in proc.stdout
