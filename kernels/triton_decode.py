@@ -162,6 +162,8 @@ def decode_attention(
     check_launchable(_decode_partial_kernel, q, key_cache, value_cache, block_table, seq_lens)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    seq_lens = seq_lens.contiguous()
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("caches need a unit stride on the head dim")
     interp = is_interpreted(_decode_partial_kernel)

@@ -157,6 +157,7 @@ def rope_kv_write(
     )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("caches need a unit stride on the head dim")
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
     if t:

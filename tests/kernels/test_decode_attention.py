@@ -74,10 +74,17 @@ def test_triton_matches_reference(
     close(got_lse, want_lse, torch.float32)
 
 
-def test_public_api_and_default_splits() -> None:
+def test_public_api_default_splits_and_strided_tables() -> None:
     case = _case([40, 9], 8, 2, 48, 16, torch.bfloat16)
-    got = kernels.decode_attention(**case, impl="triton")
-    close(got, kernels.decode_attention(**case, impl="torch"))
+    want = kernels.decode_attention(**case, impl="torch")
+    bt = case["block_table"]
+    strided = dict(
+        case,
+        block_table=bt.t().contiguous().t(),
+        seq_lens=case["seq_lens"].repeat_interleave(2)[::2],
+    )
+    assert strided["block_table"].stride(-1) != 1 and strided["seq_lens"].stride(0) == 2
+    close(kernels.decode_attention(**strided, impl="triton"), want)
     assert triton_decode.default_num_splits(1, 8, 131072, 64) == 16
     assert triton_decode.default_num_splits(64, 8, 131072, 64) == 1
     assert triton_decode.default_num_splits(1, 1, 40, 16) == 3  # never more than steps
@@ -119,7 +126,7 @@ def test_reference_matches_sdpa_with_gqa() -> None:
 
 def test_split_results_merge_like_one_pass() -> None:
     """The split count changes only the summation order: 1, 2 and 5 splits agree (fp32)."""
-    case = _case([50, 31], 4, 1, 96, 16, torch.float32)
+    case = _case([50, 31], 4, 1, 48, 16, torch.float32)
     runs = [triton_decode.decode_attention(**case, num_splits=s, block_n=16) for s in (1, 2, 5)]
     close(runs[1], runs[0])
     close(runs[2], runs[0])

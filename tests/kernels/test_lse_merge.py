@@ -12,7 +12,7 @@ import torch
 
 import kernels
 from kernels import reference, triton_lse
-from tests.kernels._util import FP8_CPU_XFAIL, close, padded_view, vllm_function
+from tests.kernels._util import FP8_CPU_XFAIL, FP8_ONE_ULP, close, padded_view, vllm_function
 
 pytestmark = pytest.mark.kernels
 
@@ -160,7 +160,7 @@ def test_fp8_output_with_scale() -> None:
                             impl="triton")  # fmt: skip
     want = reference.lse_merge(outputs, lses, out_dtype=torch.float8_e4m3fn, out_scale=scale)
     assert got.dtype == torch.float8_e4m3fn
-    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0.0625)
+    torch.testing.assert_close(got.float(), want.float(), **FP8_ONE_ULP)
 
 
 def test_fp8_reference_saturates_and_scales() -> None:

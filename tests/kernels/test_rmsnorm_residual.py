@@ -10,7 +10,7 @@ import torch
 
 import kernels
 from kernels import reference, triton_norm
-from tests.kernels._util import FP8_CPU_XFAIL, close, padded_view
+from tests.kernels._util import FP8_CPU_XFAIL, FP8_ONE_ULP, close, padded_view
 
 pytestmark = pytest.mark.kernels
 
@@ -115,4 +115,4 @@ def test_fp8_output(block: int | None) -> None:
     want, want_res = reference.rmsnorm_residual(x, residual, weight, quant_scale=scale)
     assert got.dtype == torch.float8_e4m3fn
     close(got_res, want_res)
-    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0.0625)
+    torch.testing.assert_close(got.float(), want.float(), **FP8_ONE_ULP)

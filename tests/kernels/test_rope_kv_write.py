@@ -41,7 +41,8 @@ def _case(t: int, hq: int, hk: int, d: int, bs: int, dtype: torch.dtype) -> dict
 
 
 def _run(case: dict[str, torch.Tensor], impl: str, is_neox: bool) -> tuple[torch.Tensor, ...]:
-    c = {k: v.clone() for k, v in case.items()}
+    # Fresh caches per run; inputs as given (clone() would make strided views contiguous).
+    c = dict(case, key_cache=case["key_cache"].clone(), value_cache=case["value_cache"].clone())
     q, k = kernels.rope_kv_write(**c, is_neox=is_neox, impl=impl)  # type: ignore[arg-type]
     return q, k, c["key_cache"], c["value_cache"]
 
@@ -108,6 +109,9 @@ def test_strided_inputs_and_read_masks() -> None:
         view, _ = padded_view((t, h, d), 16, torch.float32, float("nan"))
         view.copy_(case[name])
         case[name] = view
+    case["positions"] = case["positions"].repeat_interleave(2)[::2]  # stride 2
+    case["slot_mapping"] = case["slot_mapping"].repeat_interleave(2)[::2]
+    assert case["q"].stride(1) == 64 and case["positions"].stride(0) == 2
     got = _run(case, "triton", True)
     want = _run({k: v.contiguous() for k, v in case.items()}, "torch", True)
     for g, w in zip(got, want, strict=True):
