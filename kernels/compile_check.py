@@ -54,7 +54,11 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         }
         consts.update(D_PAD=max(2, 1 << (d - 1).bit_length()), RETURN_LSE=ret)
         consts.update(OUT_FP8=o == "fp8e4nv", FP8_MAX=fp8max)
-        warps = triton_lse.merge_num_warps(d)
+        size = {"fp32": 4, "bf16": 2, "fp16": 2}[i]
+        block_h = triton_lse.merge_block_h(32, consts["N_PAD"], consts["D_PAD"], size)
+        consts["BLOCK_H"] = block_h
+        warps = triton_lse.merge_num_warps(block_h * consts["N_PAD"] * consts["D_PAD"])
+        label += f" BLOCK_H={block_h}"
         out.append((label, triton_lse._lse_merge_kernel, ptrs, consts, warps))
 
     merge("lse_merge bf16 N=4 D=128 e lse", "bf16", "bf16", 4, 128, True, True)

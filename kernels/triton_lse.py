@@ -53,46 +53,60 @@ def _lse_merge_kernel(
     D: tl.constexpr,
     N_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BASE_E: tl.constexpr,
     RETURN_LSE: tl.constexpr,
     OUT_FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
-    # One program per (token b, head h): an [N_PAD, D_PAD] tile of the partial outputs.
+    # One program per (token b, BLOCK_H heads): a [BLOCK_H, N_PAD, D_PAD] tile of the partial
+    # outputs, so one program moves several KB even when N·D is small.
     pid = tl.program_id(0).to(tl.int64)
-    b = pid // H
-    h = pid % H
+    h_blocks = tl.cdiv(H, BLOCK_H)
+    b = pid // h_blocks
+    h = (pid % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     n = tl.arange(0, N_PAD)
     d = tl.arange(0, D_PAD)
-    n_ok = n < N
-    lse = tl.load(lse_ptr + n * l_sn + b * l_sb + h * l_sh, mask=n_ok, other=-float("inf"))
-    lse = _sanitize(lse.to(tl.float32))
-    m = tl.max(lse, axis=0)
+    h_ok = h < H
+    lse_ptrs = lse_ptr + h[:, None] * l_sh + n[None, :] * l_sn + b * l_sb
+    lse_mask = h_ok[:, None] & (n[None, :] < N)
+    lse = tl.load(lse_ptrs, mask=lse_mask, other=-float("inf"))
+    lse = _sanitize(lse.to(tl.float32))  # [BLOCK_H, N_PAD]
+    m = tl.max(lse, axis=1)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
     if BASE_E:
-        w = tl.exp(lse - m_safe)
+        w = tl.exp(lse - m_safe[:, None])
     else:
-        w = tl.exp2(lse - m_safe)
-    s = tl.sum(w, axis=0)
+        w = tl.exp2(lse - m_safe[:, None])
+    s = tl.sum(w, axis=1)  # [BLOCK_H]
     live = w > 0.0
-    ptrs = in_ptr + n[:, None] * i_sn + b * i_sb + h * i_sh + d[None, :] * i_sd
-    # Shards with weight 0 are not read at all; upcast right after the load.
-    o = tl.load(ptrs, mask=live[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    ptrs = (
+        in_ptr
+        + h[:, None, None] * i_sh
+        + n[None, :, None] * i_sn
+        + b * i_sb
+        + d[None, None, :] * i_sd
+    )
+    # Shards with weight 0 (and padded heads / ranks) are not read at all; upcast after the load.
+    o_mask = live[:, :, None] & (d[None, None, :] < D)
+    o = tl.load(ptrs, mask=o_mask, other=0.0).to(tl.float32)
     o = tl.where((o == o) & (tl.abs(o) < float("inf")), o, 0.0)
-    acc = tl.sum(o * w[:, None], axis=0)
+    acc = tl.sum(o * w[:, :, None], axis=1)  # [BLOCK_H, D_PAD]
     s_safe = tl.where(s > 0.0, s, 1.0)  # all shards empty: acc is 0, so is the output
-    res = acc / s_safe
+    res = acc / s_safe[:, None]
     if OUT_FP8:
         res = res * (1.0 / tl.load(scale_ptr))
         res = tl.minimum(tl.maximum(res, -FP8_MAX), FP8_MAX)
-    tl.store(out_ptr + b * o_sb + h * o_sh + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
+    out_ptrs = out_ptr + b * o_sb + h[:, None] * o_sh + d[None, :]
+    out_mask = h_ok[:, None] & (d[None, :] < D)
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=out_mask)
     if RETURN_LSE:
         if BASE_E:
             g = m_safe + tl.log(s_safe)
         else:
             g = m_safe + tl.log2(s_safe)
         g = tl.where(s > 0.0, g, -float("inf"))
-        tl.store(out_lse_ptr + b * ol_sb + h * ol_sh, g)
+        tl.store(out_lse_ptr + b * ol_sb + h * ol_sh, g, mask=h_ok)
 
 
 @triton.jit
@@ -183,8 +197,10 @@ def lse_merge(
     elif out.shape != (b, h, d) or out.dtype != out_dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be [B,H,D] {out_dtype} with unit stride on D")
     out_lse = torch.empty((b, h) if return_lse else (1, 1), dtype=torch.float32, device=lses.device)
+    n_pad, d_pad = next_pow2(n), next_pow2(d)
+    block_h = merge_block_h(h, n_pad, d_pad, outputs.element_size())
     if b * h:
-        _lse_merge_kernel[(b * h,)](
+        _lse_merge_kernel[(b * triton.cdiv(h, block_h),)](
             out,
             out_lse,
             outputs,
@@ -199,20 +215,33 @@ def lse_merge(
             out_lse.stride(1),
             N=n,
             D=d,
-            N_PAD=next_pow2(n),
-            D_PAD=next_pow2(d),
+            N_PAD=n_pad,
+            D_PAD=d_pad,
+            BLOCK_H=block_h,
             BASE_E=base_e,
             RETURN_LSE=return_lse,
             OUT_FP8=fp8,
             FP8_MAX=fp8_max(),
-            num_warps=merge_num_warps(d),
+            num_warps=merge_num_warps(block_h * n_pad * d_pad),
         )
     return (out, out_lse) if return_lse else out
 
 
-def merge_num_warps(d: int) -> int:
-    """Warps for one (b, h) program: one per 128 lanes of D, at most 4."""
-    return max(1, min(4, d // 128))
+TILE_BYTES = 8192  # input bytes one merge program aims to read
+
+
+def merge_block_h(h: int, n_pad: int, d_pad: int, elem_size: int) -> int:
+    """Heads per merge program: ~``TILE_BYTES`` of input, a power of two in 1..16, ≤ H."""
+    per_head = n_pad * d_pad * elem_size
+    block = 1
+    while block < 16 and block * 2 * per_head <= TILE_BYTES and block < h:
+        block *= 2
+    return block
+
+
+def merge_num_warps(lanes: int) -> int:
+    """Warps for a tile of ``lanes`` elements: one per 256, 1..8."""
+    return max(1, min(8, lanes // 256))
 
 
 def lse_correct(
@@ -246,6 +275,6 @@ def lse_correct(
             N_PAD=next_pow2(n),
             D_PAD=next_pow2(d),
             BASE_E=base_e,
-            num_warps=merge_num_warps(d),
+            num_warps=merge_num_warps(next_pow2(n) * next_pow2(d)),
         )
     return res, glse

@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("triton")
 
 import torch
+import triton
 
 import kernels
 from kernels import reference, triton_lse
@@ -118,7 +119,8 @@ def test_non_contiguous_inputs() -> None:
 
 
 def test_masks_read_and_write_only_head_dim() -> None:
-    """D = 48 runs a 64-lane tile: lanes 48..63 must be neither read nor written."""
+    """D = 48 runs a 64-lane tile: lanes 48..63 are never written, and the NaN that sits
+    past D in the input rows cannot reach the output."""
     n, b, h, d = 2, 2, 13, 48
     outputs, _ = padded_view((n, b, h, d), 16, torch.float32, float("nan"))
     outputs.copy_(torch.randn(n, b, h, d))
@@ -126,6 +128,22 @@ def test_masks_read_and_write_only_head_dim() -> None:
     out, out_buf = padded_view((b, h, d), 16, torch.float32, 7.0)
     triton_lse.lse_merge(outputs, lses, out=out)
     assert torch.equal(out_buf[..., d:], torch.full((b, h, 16), 7.0))
+    close(out, kernels.lse_merge(outputs, lses, impl="torch"))
+
+
+@pytest.mark.parametrize(("n", "d", "dtype"), [(2, 48, torch.float32), (8, 96, torch.bfloat16)])
+def test_head_tile_masks(n: int, d: int, dtype: torch.dtype) -> None:
+    """H = 13 in tiles of 16 (one tile) or 4 (four, the last with one head): padded heads
+    write nothing — the output sits in a buffer 3 heads and 16 lanes larger."""
+    b, h = 2, 13
+    block_h = triton_lse.merge_block_h(h, triton.next_power_of_2(n), triton.next_power_of_2(d),
+                                       torch.empty((), dtype=dtype).element_size())  # fmt: skip
+    assert block_h in (16, 4)
+    outputs, lses = _inputs(n, b, h, d, dtype)
+    buf = torch.full((b, h + 3, d + 16), 7.0, dtype=dtype)
+    out = buf[:, :h, :d]
+    triton_lse.lse_merge(outputs, lses, out=out)
+    assert (buf[:, h:] == 7.0).all() and (buf[:, :, d:] == 7.0).all()
     close(out, kernels.lse_merge(outputs, lses, impl="torch"))
 
 
