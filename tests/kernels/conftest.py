@@ -13,11 +13,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 
 import pytest
 
 KERNEL_MODULES = ("triton_lse", "triton_norm", "triton_rope", "triton_decode")
 HAVE_TRITON = all(importlib.util.find_spec(m) for m in ("torch", "triton"))
+# Triton imported earlier in this process (without the variable) has compiled-mode helpers
+# (tl.sum, tl.cdiv, ...) that interpreted kernels cannot call: detected below, reported per test.
+TRITON_WAS_IMPORTED = "triton" in sys.modules
 
 if HAVE_TRITON:
     _previous = os.environ.get("TRITON_INTERPRET")
@@ -36,8 +40,29 @@ if HAVE_TRITON:
             os.environ["TRITON_INTERPRET"] = _previous
 
 
+def _interpreted() -> bool:
+    if not HAVE_TRITON:
+        return False
+    import triton.language.standard as standard
+
+    from kernels import launch, triton_lse
+
+    return launch.is_interpreted(standard.sum) and launch.is_interpreted(
+        triton_lse._lse_merge_kernel
+    )
+
+
+INTERPRETED = _interpreted()
+
+
 @pytest.fixture(autouse=True)
-def _seeded() -> None:
+def _interpreter_and_seed() -> None:
+    if not INTERPRETED:
+        pytest.fail(
+            "Triton was imported in this process before tests/kernels/conftest.py could set "
+            f"TRITON_INTERPRET (imported early: {TRITON_WAS_IMPORTED}); run the kernels tier "
+            "in its own process: make test-kernels"
+        )
     import torch
 
     torch.manual_seed(0)
