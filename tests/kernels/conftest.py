@@ -1,4 +1,9 @@
-"""Kernels tier: Triton kernels run by the interpreter on CPU tensors, against torch references.
+"""Kernels tier: Triton kernels against torch references — interpreted on CPU, compiled on GPU.
+
+Without a GPU (or with ``KVROUTE_KERNELS_TEST_DEVICE=cpu``) the kernels run under the
+Triton interpreter on CPU tensors. With one, they run compiled and every test allocates on
+CUDA (``torch.set_default_device``), so the same tests check the real kernels (the fp8
+output tests are expected to fail only in the interpreter).
 
 ``@triton.jit`` picks the interpreter when the kernel is *decorated*, i.e. when a kernel
 module is imported, from ``TRITON_INTERPRET``. So this file sets ``TRITON_INTERPRET=1``,
@@ -14,6 +19,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,7 +29,13 @@ HAVE_TRITON = all(importlib.util.find_spec(m) for m in ("torch", "triton"))
 # (tl.sum, tl.cdiv, ...) that interpreted kernels cannot call: detected below, reported per test.
 TRITON_WAS_IMPORTED = "triton" in sys.modules
 
+DEVICE = "cpu"
 if HAVE_TRITON:
+    from tests.kernels._util import kernels_test_device
+
+    DEVICE = kernels_test_device()
+
+if HAVE_TRITON and DEVICE == "cpu":
     _previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -41,7 +53,7 @@ if HAVE_TRITON:
 
 
 def _interpreted() -> bool:
-    if not HAVE_TRITON:
+    if not HAVE_TRITON or DEVICE != "cpu":
         return False
     import triton.language.standard as standard
 
@@ -56,13 +68,19 @@ INTERPRETED = _interpreted()
 
 
 @pytest.fixture(autouse=True)
-def _interpreter_and_seed() -> None:
+def _device_and_seed() -> Iterator[None]:
+    import torch
+
+    torch.manual_seed(0)
+    if DEVICE != "cpu":
+        torch.set_default_device(DEVICE)
+        yield
+        torch.set_default_device("cpu")
+        return
     if not INTERPRETED:
         pytest.fail(
             "Triton was imported in this process before tests/kernels/conftest.py could set "
             f"TRITON_INTERPRET (imported early: {TRITON_WAS_IMPORTED}); run the kernels tier "
             "in its own process: make test-kernels"
         )
-    import torch
-
-    torch.manual_seed(0)
+    yield

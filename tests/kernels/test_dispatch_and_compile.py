@@ -18,6 +18,7 @@ import torch
 
 import kernels
 from kernels import launch, reference, triton_lse
+from tests.kernels._util import ON_CPU
 
 pytestmark = pytest.mark.kernels
 
@@ -29,7 +30,7 @@ def test_auto_picks_the_reference_for_cpu_tensors(monkeypatch: pytest.MonkeyPatc
         raise AssertionError("Triton path taken for CPU tensors")
 
     monkeypatch.setattr(triton_lse, "lse_merge", boom)
-    outputs, lses = torch.randn(2, 1, 4, 48), torch.randn(2, 1, 4)
+    outputs, lses = torch.randn(2, 1, 4, 48, device="cpu"), torch.randn(2, 1, 4, device="cpu")
     got = kernels.lse_merge(outputs, lses)  # impl="auto"
     torch.testing.assert_close(got, reference.lse_merge(outputs, lses))
     with pytest.raises(AssertionError, match="Triton path"):
@@ -41,15 +42,17 @@ def test_triton_on_cpu_without_the_interpreter_is_refused() -> None:
         pass
 
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        launch.check_launchable(JitLike(), torch.zeros(1))
+        launch.check_launchable(JitLike(), torch.zeros(1, device="cpu"))
     with pytest.raises(ValueError, match="devices"):
-        launch.check_launchable(JitLike(), torch.zeros(1), torch.zeros(1, device="meta"))
+        cpu, meta = torch.zeros(1, device="cpu"), torch.zeros(1, device="meta")
+        launch.check_launchable(JitLike(), cpu, meta)
 
 
-def test_available_offers_no_settings_on_cpu() -> None:
+def test_available_offers_settings_only_with_cuda() -> None:
     info = kernels.available()
     assert info["torch"] == torch.__version__ and info["triton"]
-    assert info["cuda"] is False and info["settings"] == []
+    assert info["cuda"] is torch.cuda.is_available()
+    assert info["settings"] == (sorted(kernels.SETTINGS) if info["cuda"] else [])
     assert set(kernels.SETTINGS) == {
         "dcp_lse_merge",
         "fused_add_rmsnorm",
@@ -60,7 +63,7 @@ def test_available_offers_no_settings_on_cpu() -> None:
 
 def test_interpreter_variable_does_not_leak_out_of_the_tier() -> None:
     assert os.environ.get("TRITON_INTERPRET") != "1"
-    assert launch.is_interpreted(triton_lse._lse_merge_kernel)
+    assert launch.is_interpreted(triton_lse._lse_merge_kernel) is ON_CPU
 
 
 def test_importing_kernels_needs_no_torch() -> None:
