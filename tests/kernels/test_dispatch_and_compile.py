@@ -125,6 +125,7 @@ def test_gpu_bench_script_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
 
 def test_gpu_bench_script_refuses_without_cuda() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # hide a GPU if the host has one
     proc = subprocess.run(
         [sys.executable, "-m", "kernels.bench_all", "--out", "/nonexistent"],
         cwd=ROOT,
