@@ -71,11 +71,12 @@ def available() -> dict[str, Any]:
         info["torch"] = torch.__version__
         info["cuda"] = bool(torch.cuda.is_available())
     if _has("triton"):
+        import importlib.metadata
         import os
 
-        import triton
-
-        info["triton"] = triton.__version__
+        # The version without importing triton: an import decorates Triton's own helpers
+        # for the current TRITON_INTERPRET, which must stay the caller's choice.
+        info["triton"] = importlib.metadata.version("triton")
         info["interpreter"] = os.environ.get("TRITON_INTERPRET") == "1"
     if info["cuda"] and info["triton"]:
         info["settings"] = sorted(SETTINGS)

@@ -67,7 +67,10 @@ def test_interpreter_variable_does_not_leak_out_of_the_tier() -> None:
 
 
 def test_importing_kernels_needs_no_torch() -> None:
-    code = "import sys, kernels; kernels.SETTINGS; assert 'torch' not in sys.modules"
+    code = (
+        "import sys, kernels; kernels.SETTINGS; assert 'torch' not in sys.modules; "
+        "kernels.available(); assert 'triton' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
