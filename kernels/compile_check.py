@@ -47,7 +47,6 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         ptrs = {"out_ptr": o, "out_lse_ptr": "fp32", "in_ptr": i, "lse_ptr": "fp32"}
         ptrs["scale_ptr"] = "fp32"
         consts: dict[str, Any] = {
-            "N": n,
             "D": d,
             "N_PAD": max(2, 1 << (n - 1).bit_length()),
             "BASE_E": base_e,
@@ -67,14 +66,14 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     for dt, n, d, base_e in (("bf16", 4, 128, True), ("fp16", 2, 48, False)):
         ptrs = {"out_ptr": dt, "glse_ptr": "fp32", "x_ptr": dt, "lse_ptr": "fp32"}
         consts: dict[str, Any] = {
-            "N": n,
             "D": d,
             "N_PAD": max(2, n),
             "D_PAD": 1 << (d - 1).bit_length(),
         }
         consts["BASE_E"] = base_e
         label = f"lse_correct {dt} N={n} D={d}"
-        out.append((label, triton_lse._lse_correct_kernel, ptrs, consts, 1))
+        warps = triton_lse.merge_num_warps(consts["N_PAD"] * consts["D_PAD"])
+        out.append((label, triton_lse._lse_correct_kernel, ptrs, consts, warps))
     for dt, o, block, single in (
         ("bf16", "bf16", 8192, True),
         ("bf16", "bf16", 1024, False),
@@ -111,7 +110,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
             "D": d,
             "D_PAD": pad,
         }
-        consts.update(BLOCK_N=bn, NUM_SPLITS=4, DOT_F32=f32)
+        consts.update(BLOCK_N=bn, DOT_F32=f32)
         label = f"decode_partial {dt} G={g} D={d} BLOCK_N={bn} f32dot={f32}"
         out.append((label, triton_decode._decode_partial_kernel, ptrs, consts, 4))
     return out

@@ -52,12 +52,12 @@ def _decode_partial_kernel(
     vc_so,
     vc_sh,
     bt_sb,
+    num_splits,  # runtime: no recompilation per split count
     G: tl.constexpr,  # query heads per KV head
     G_PAD: tl.constexpr,  # ≥ 16 (tl.dot's smallest M)
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,  # tokens per step, ≥ 16
-    NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -66,7 +66,7 @@ def _decode_partial_kernel(
     seq_len = tl.load(sl_ptr + b).to(tl.int64)
     # Split boundaries in whole BLOCK_N steps, so only the last step of a split is ragged.
     steps = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(steps, NUM_SPLITS)
+    per_split = tl.cdiv(steps, num_splits)
     start = split * per_split * BLOCK_N
     end = tl.minimum(start + per_split * BLOCK_N, seq_len)
 
@@ -130,14 +130,18 @@ def _decode_partial_kernel(
     tl.store(lse_ptr + row, lse, mask=g_ok)
 
 
-def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int) -> int:
-    """Enough splits to give ~2 programs per SM (132 SMs on H100/H200), at most 16.
+TARGET_PROGRAMS = 4 * 132  # ~4 programs per SM on H100/H200 (132 SMs) to hide latency
+MAX_SPLITS = 64
 
-    Never more splits than BLOCK_N steps of the longest sequence.
+
+def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int) -> int:
+    """Splits per sequence so that batch · kv_heads · splits ≈ ``TARGET_PROGRAMS``.
+
+    At most ``MAX_SPLITS`` and never more than the BLOCK_N steps of the longest sequence.
     """
     steps = max(1, math.ceil(max_seq_len / block_n))
-    want = max(1, math.ceil(264 / max(1, batch * kv_heads)))
-    return int(min(16, steps, want))
+    want = max(1, math.ceil(TARGET_PROGRAMS / max(1, batch * kv_heads)))
+    return int(min(MAX_SPLITS, steps, want))
 
 
 def decode_attention(
@@ -199,12 +203,12 @@ def decode_attention(
             value_cache.stride(1),
             value_cache.stride(2),
             block_table.stride(0),
+            splits,
             G=hq // hk,
             G_PAD=max(16, next_pow2(hq // hk)),
             D=d,
             D_PAD=d_pad,
             BLOCK_N=block_n,
-            NUM_SPLITS=splits,
             DOT_F32=interp or q.dtype == torch.float32,
             num_warps=4,
         )

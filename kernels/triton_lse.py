@@ -38,6 +38,7 @@ def _lse_merge_kernel(
     lse_ptr,  # [N, B, H] fp32, strides l_sn, l_sb, l_sh
     scale_ptr,  # [1] fp32 output scale (read only when OUT_FP8)
     H,
+    N,  # ranks / splits (runtime: no recompilation per N; the tile is N_PAD)
     i_sn,
     i_sb,
     i_sh,
@@ -49,7 +50,6 @@ def _lse_merge_kernel(
     o_sh,
     ol_sb,
     ol_sh,
-    N: tl.constexpr,
     D: tl.constexpr,
     N_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -116,6 +116,7 @@ def _lse_correct_kernel(
     x_ptr,  # [B, H, D] this rank's partial output, strides x_sb, x_sh, x_sd
     lse_ptr,  # [N, B, H] fp32 all-gathered LSEs, strides l_sn, l_sb, l_sh
     H,
+    N,  # ranks (runtime)
     rank,
     x_sb,
     x_sh,
@@ -123,7 +124,6 @@ def _lse_correct_kernel(
     l_sn,
     l_sb,
     l_sh,
-    N: tl.constexpr,
     D: tl.constexpr,
     N_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -207,13 +207,13 @@ def lse_merge(
             lses,
             _scale_tensor(out_scale, outputs.device),
             h,
+            n,
             *outputs.stride(),
             *lses.stride(),
             out.stride(0),
             out.stride(1),
             out_lse.stride(0),
             out_lse.stride(1),
-            N=n,
             D=d,
             N_PAD=n_pad,
             D_PAD=d_pad,
@@ -267,10 +267,10 @@ def lse_correct(
             out,
             lses,
             h,
+            n,
             rank,
             *out.stride(),
             *lses.stride(),
-            N=n,
             D=d,
             N_PAD=next_pow2(n),
             D_PAD=next_pow2(d),

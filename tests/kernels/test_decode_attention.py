@@ -85,8 +85,9 @@ def test_public_api_default_splits_and_strided_tables() -> None:
     )
     assert strided["block_table"].stride(-1) != 1 and strided["seq_lens"].stride(0) == 2
     close(kernels.decode_attention(**strided, impl="triton"), want)
-    assert triton_decode.default_num_splits(1, 8, 131072, 64) == 16
-    assert triton_decode.default_num_splits(64, 8, 131072, 64) == 1
+    assert triton_decode.default_num_splits(1, 8, 131072, 64) == 64
+    assert triton_decode.default_num_splits(64, 8, 131072, 64) == 2
+    assert triton_decode.default_num_splits(512, 8, 131072, 64) == 1
     assert triton_decode.default_num_splits(1, 1, 40, 16) == 3  # never more than steps
 
 
