@@ -13,14 +13,14 @@ export KVROUTE_VLLM_PYTHON := $(VLLM_ENV)/bin/python
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: setup venv redis vllm-env model test test-fast test-vllm demo bench bench-peers lint clean
+.PHONY: setup venv redis vllm-env model test test-fast test-vllm test-kernels demo bench bench-peers bench-kernels lint clean
 
 venv: $(STAMP)
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml kernels/constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "kvroute: installing the package into $(VENV)"
 	@$(BIN)/pip install -q --upgrade pip > $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
-	@$(BIN)/pip install -q -e '.[dev]' >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@$(BIN)/pip install -q -e '.[dev,kernels]' -c kernels/constraints.txt >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@touch $@
 
 redis:
@@ -46,11 +46,18 @@ test-fast: venv model
 test-vllm: setup
 	$(PYTEST) -m vllm tests
 
+test-kernels: venv
+	$(PYTEST) -m kernels tests/kernels
+
 demo: setup
 	$(BIN)/kvroute demo
 
 bench: setup
 	$(BIN)/python -m loadtest.benchmarks
+
+# GPU hosts only (CUDA + Triton): every kernel benchmark in one run, JSON under out/kernels-bench.
+bench-kernels: venv
+	$(BIN)/python -m kernels.bench_all --out out/kernels-bench
 
 # Peer routers (sglang-router, vllm-router from PyPI) in their own venvs under $(KVROUTE_CACHE),
 # for `kvroute bench --targets sglang:cache_aware,...` and the demo.
