@@ -49,7 +49,9 @@ test-vllm: setup
 test-kernels: venv
 	$(PYTEST) -m kernels tests/kernels
 
+# The demo compares against the real sglang-router, so its set-up installs that peer too.
 demo: setup
+	@bash scripts/setup_peers.sh sglang >/dev/null
 	$(BIN)/kvroute demo
 
 bench: setup
