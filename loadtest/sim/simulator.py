@@ -42,6 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from costmodel.profiles import ReplicaProfile
 from loadtest.metrics import CallNumbers, UnlimitedCache, agentx_numbers
 from loadtest.traces.synthetic import agentx_chains
@@ -350,18 +352,22 @@ class SimResult:
     gpus_per_replica: int = 1  # the profile's tensor-parallel size
     failed: int = 0  # DAG calls refused (prompt + output over max_model_len)
     cut: bool = False  # stopped by ``until`` with work left: ``sim_time_s`` is ``until``
+    session_spans: list[tuple[float, float]] = field(default_factory=list)  # DAG: start, end
 
     @property
     def gpus(self) -> int:
         return self.replicas * self.gpus_per_replica
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, warmup_s: float = 0.0) -> dict[str, Any]:
         """AgentX numbers in simulated seconds, by :func:`loadtest.metrics.agentx_numbers`
         (the HTTP replay's definitions: TPOT over calls with ≥2 output tokens, interactivity
         = 1 / P90 TPOT, tokens per GPU-second over ``sim_time_s``); where there is nothing to
-        measure, NaN (TPOT, interactivity) or 0 (hit ratio) as before."""
-        r = self.records
-        if not r:
+        measure, NaN (TPOT, interactivity) or 0 (hit ratio) as before. ``warmup_s``: only
+        calls (and completed sessions) that arrived (started) after it count, over the time
+        after it. Session completion p50/p90 over DAG sessions that finished."""
+        r = [x for x in self.records if x.arrival >= warmup_s] if warmup_s else self.records
+        span = self.sim_time_s - warmup_s
+        if not r or span <= 0:
             return {"requests": 0, "wall_s": round(self.wall_s, 2)}
         n = agentx_numbers(
             (
@@ -369,10 +375,11 @@ class SimResult:
                             x.bound_cached_tokens)
                 for x in r
             ),
-            wall_s=self.sim_time_s,
+            wall_s=span,
             gpus=self.gpus,
         )  # fmt: skip
         nan = float("nan")
+        done = sorted(e - s for s, e in self.session_spans if s >= warmup_s)
         out = {
             "requests": len(r),
             "sessions_done": self.sessions_done,
@@ -384,6 +391,8 @@ class SimResult:
             "p90_interactivity_tok_s": _or(n["p90_interactivity_tok_s"], nan),
             "cache_hit_ratio": _or(n["cache_hit_ratio"], 0.0),
             "throughput_tok_per_gpu_s": n["tokens_per_gpu_s"],
+            "session_p50_s": float(np.percentile(done, 50)) if done else nan,
+            "session_p90_s": float(np.percentile(done, 90)) if done else nan,
             "preemptions": sum(x.preemptions for x in r),
             "tier_hit_blocks": dict(self.tier_hit_blocks),
             "sim_time_s": self.sim_time_s,
@@ -411,11 +420,12 @@ class _DagRun:
     """One DAG session in flight: dependency counters, ready times, routing identities."""
 
     __slots__ = ("agent_index", "children", "final", "lane", "left", "pending", "ready",
-                 "session", "sids")  # fmt: skip
+                 "session", "sids", "start")  # fmt: skip
 
     def __init__(self, s: DagSession, lane: int | None, start: float):
         n = len(s.calls)
         self.session = s
+        self.start = start
         self.lane = lane
         self.left = n
         self.pending = [len(c.deps) for c in s.calls]
@@ -640,8 +650,9 @@ class Simulator:
                 nxt = feed.next_session(lane, 0.0)
                 if nxt is not None:
                     n_sessions += 1
-                    self._push(0.0, _SESSION, (nxt, lane))
+                    self._push(nxt.start, _SESSION, (nxt, lane))  # a lane may start late
         records: list[CallRecord] = []
+        spans: list[tuple[float, float]] = []  # DAG sessions completed: (start, end)
         done_sessions = 0
         failed = 0
         # DAG sessions: request id -> (run, call, unlimited-cache hit); the bound's cache
@@ -661,6 +672,7 @@ class Simulator:
             run.left -= 1
             if run.left == 0:
                 done_sessions += 1
+                spans.append((run.start, now))
                 if feed is not None and run.lane is not None:
                     nxt = feed.next_session(run.lane, now)
                     if nxt is not None:
@@ -813,7 +825,7 @@ class Simulator:
             sessions_done=done_sessions, sessions=n_sessions,
             engine_busy_s=[r.engine.busy_time for r in self.replicas],
             tier_hit_blocks=tier_hits, gpus_per_replica=self.profile.gpus, failed=failed,
-            cut=cut,
+            cut=cut, session_spans=spans,
         )  # fmt: skip
 
 

@@ -125,9 +125,13 @@ class TraceFeed:
         shared_prefix: bool = True,
         max_gap_s: float | None = None,
         max_plays: int | None = None,
+        seed: int | None = None,
+        stagger_s: float = 0.0,
     ):
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
+        if stagger_s < 0:
+            raise ValueError("stagger_s must be >= 0")
         if block_size <= 0 or trace.block_size % block_size:
             raise ValueError(
                 f"trace block size {trace.block_size} is not a multiple of the profile's "
@@ -140,6 +144,11 @@ class TraceFeed:
             sessions = [cap_gaps(s, max_gap_s) for s in sessions]
         if not sessions:
             raise ValueError(f"trace {trace.name} has no sessions with calls")
+        self._rng = np.random.default_rng(seed) if seed is not None else None
+        if self._rng is not None:  # another seed: another order of sessions on the lanes
+            sessions = [sessions[i] for i in self._rng.permutation(len(sessions))]
+        self.stagger_s = stagger_s
+        self._first_of_lane: set[int] = set()
         self.trace = trace
         self.sessions: list[Session] = sessions
         self.block_size = block_size
@@ -196,6 +205,10 @@ class TraceFeed:
         nxt = self.plays.next()  # the HTTP replay's lane rule
         if nxt is None:
             return None
+        if lane not in self._first_of_lane:  # a lane's first session may start late
+            self._first_of_lane.add(lane)
+            if self.stagger_s and self._rng is not None:
+                now += float(self._rng.uniform(0.0, self.stagger_s))
         return self.instance(nxt[0], nxt[1], start=now)
 
     @property
@@ -213,11 +226,15 @@ def trace_workload(
     shared_prefix: bool = True,
     max_gap_s: float | None = None,
     max_plays: int | None = None,
+    seed: int | None = None,
+    stagger_s: float = 0.0,
 ) -> TraceFeed:
     """Closed-loop lanes over ``trace`` for :meth:`Simulator.run` (``feed=``).
 
     ``max_gap_s`` caps every idle gap (``loadtest.traces.cap_gaps``; the HTTP bench loads
-    traces with 30 s); ``max_plays`` bounds the session plays started over all lanes."""
+    traces with 30 s); ``max_plays`` bounds the session plays started over all lanes;
+    ``seed`` shuffles which sessions the lanes take in which order, and with ``stagger_s``
+    starts each lane's first session at a seeded time in [0, stagger_s) instead of all at 0."""
     return TraceFeed(
         trace,
         profile_block_size,
@@ -226,6 +243,8 @@ def trace_workload(
         shared_prefix=shared_prefix,
         max_gap_s=max_gap_s,
         max_plays=max_plays,
+        seed=seed,
+        stagger_s=stagger_s,
     )
 
 
@@ -264,6 +283,8 @@ def simulate_trace(
     max_gap_s: float | None = None,
     max_plays: int | None = None,
     open_loop: bool = False,
+    seed: int | None = None,
+    stagger_s: float = 0.0,
     **sim_kw: Any,
 ) -> SimResult:
     """Replay ``trace`` on ``n_replicas`` simulated replicas of ``profile``: closed loop at
@@ -289,6 +310,8 @@ def simulate_trace(
             shared_prefix=shared_prefix,
             max_gap_s=max_gap_s,
             max_plays=max_plays,
+            seed=seed,
+            stagger_s=stagger_s,
         )
         res = sim.run([], until=duration_s, feed=feed)
     return res  # cut by the bound (``res.cut``): ``sim_time_s`` is the bound

@@ -304,3 +304,34 @@ def test_the_simulators_bound_is_the_unlimited_cache_of_the_metrics():
     assert keys.observe_keys([1, 2, 3, 4], 17) == 12
     assert keys.observe_keys([1, 2, 7], 12) == 8
     assert keys.observe_keys([1, 2, 3, 4, 5], 8) == 4  # only n_tokens // block keys count
+
+
+def test_seeds_reorder_the_lanes_sessions_and_stagger_their_starts():
+    def first_sessions(seed, stagger=0.0):
+        feed = trace_workload(small_trace(8), 64, concurrency=3, duration_s=100.0, seed=seed,
+                              stagger_s=stagger)  # fmt: skip
+        return [feed.next_session(lane, 0.0) for lane in range(3)]
+
+    plain = [s.id for s in first_sessions(None)]
+    assert plain == ["t/s0#0", "t/s1#0", "t/s2#0"]  # no seed: the trace's order
+    orders = {tuple(s.id for s in first_sessions(seed)) for seed in range(4)}
+    assert len(orders) > 1  # seeds give other orders ...
+    assert first_sessions(3)[0].id == first_sessions(3)[0].id  # ... reproducibly
+    starts = [s.start for s in first_sessions(1, stagger=10.0)]
+    assert all(0.0 <= t < 10.0 for t in starts) and len(set(starts)) == 3
+    # only a lane's first session starts late; later ones start when the lane frees
+    feed = trace_workload(small_trace(8), 64, concurrency=1, duration_s=100.0, seed=1,
+                          stagger_s=10.0)  # fmt: skip
+    assert feed.next_session(0, 0.0).start > 0.0 and feed.next_session(0, 50.0).start == 50.0
+    res = simulate_trace(P70, 2, small_trace(8), "round_robin", concurrency=3,
+                         duration_s=60.0, seed=1, stagger_s=10.0)  # fmt: skip
+    assert min(r.arrival for r in res.records) > 0.0  # every lane started late
+
+
+def test_warmup_excludes_early_calls_and_sessions_are_timed():
+    res = simulate_trace(P70, 2, small_trace(6), "round_robin", concurrency=2, duration_s=60.0)
+    full, late = res.summary(), res.summary(warmup_s=5.0)
+    assert late["requests"] == sum(1 for r in res.records if r.arrival >= 5.0) < full["requests"]
+    assert full["session_p50_s"] > 0 and full["session_p90_s"] >= full["session_p50_s"]
+    spans = sorted(e - s for s, e in res.session_spans)
+    assert len(spans) == res.sessions_done and full["session_p50_s"] == np.percentile(spans, 50)
