@@ -65,8 +65,6 @@ class KVCall:
     """What the analyzer learnt of one call (``ctx.analysis``), for the observer."""
 
     counted: bool = False  # footprint in-flight counts were raised: lower them once
-    reused_tokens: int = 0  # tokens the incremental tokenizer did not recompute
-    approximate_tokens: bool = False  # rendered without the route's own template
 
 
 class KVState:
@@ -258,8 +256,6 @@ class KVState:
         )
         ctx.block_keys = p.keys
         ctx.prompt_tokens = p.n_tokens
-        call.reused_tokens = p.reused_tokens
-        call.approximate_tokens = prompt.approximate
         if fp.tokens:
             fp.turn_tokens = max(p.n_tokens - fp.tokens, 0)
         fp.inflight += 1
