@@ -93,7 +93,10 @@ def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
         extra["eviction_policy"] = "AgentRetentionPolicy"
         extra["cache_policy_module_path"] = "engine_patches.retention"
     if opts.disk_tier_dir:
-        extra["secondary_tiers"] = [{"type": "fs", "root_dir": opts.disk_tier_dir}]
+        # enable_kv_events: the filesystem tier publishes BlockStored/BlockRemoved (STORAGE)
+        extra["secondary_tiers"] = [
+            {"type": "fs", "root_dir": opts.disk_tier_dir, "enable_kv_events": True}
+        ]
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",

@@ -35,7 +35,9 @@ def test_agentic_preset_has_every_documented_part():
     assert ktc["kv_connector"] == "OffloadingConnector"
     assert extra["spec_module_path"] == "engine_patches.offload"
     assert extra["cpu_bytes_to_use"] == 1 << 30
-    assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/var/kv"}]
+    assert extra["secondary_tiers"] == [
+        {"type": "fs", "root_dir": "/var/kv", "enable_kv_events": True}
+    ]
 
 
 def test_gpu_preset_uses_the_async_scheduler_and_dcp():
