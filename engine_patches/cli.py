@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="agent-aware retention on the host tier (router hints)",
     )
+    f.add_argument("--retention-ttl-s", type=float, default=d.retention_ttl_s)
+    f.add_argument("--retention-share", type=float, default=d.retention_share)
     f.add_argument("--no-cadence", action="store_true", help="leave vLLM's scheduler alone")
     f.add_argument("--cadence-interval", type=int, default=c.interval)
     f.add_argument("--max-defer-steps", type=int, default=c.max_defer_steps)
@@ -77,6 +79,8 @@ def options_from_args(args: argparse.Namespace):  # -> EngineOptions
         disk_tier_dir=args.disk_tier_dir,
         eviction_policy=args.eviction_policy,
         retention=args.retention,
+        retention_ttl_s=args.retention_ttl_s,
+        retention_share=args.retention_share,
         cadence=None
         if args.no_cadence
         else CadenceOptions(

@@ -201,7 +201,21 @@ def _build(name: str) -> type:
             self._worker = self.create_worker(kv_caches)
         return self._worker
 
-    ns = {"create_worker": create_worker, "get_worker": get_worker, "__module__": __name__}
+    def get_manager(self: Any) -> Any:
+        manager = base.get_manager(self)
+        policy = getattr(manager, "_policy", None)  # the CPU manager's CachePolicy
+        if policy is not None and hasattr(policy, "configure"):
+            from engine_patches.retention import RetentionConfig
+
+            policy.configure(RetentionConfig.from_dict(self.extra_config.get("retention")))
+        return manager
+
+    ns = {
+        "create_worker": create_worker,
+        "get_worker": get_worker,
+        "get_manager": get_manager,
+        "__module__": __name__,
+    }
     return type(name, (base,), ns)
 
 

@@ -60,6 +60,8 @@ class EngineOptions:
     disk_tier_dir: str | None = None  # a filesystem tier below the host tier
     eviction_policy: str = "lru"  # host tier: lru | arc (vLLM's)
     retention: bool = False  # agent-aware retention policy on the host tier (hints)
+    retention_ttl_s: float = 600.0  # no hold outlives this
+    retention_share: float = 0.5  # held chunks never exceed this share of the host tier
     cadence: CadenceOptions | None = field(default_factory=CadenceOptions)
     long_prefill_token_threshold: int = 512
     dcp: int = 1  # decode context parallel size (GPU hosts, TP >= dcp)
@@ -92,6 +94,7 @@ def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
     if opts.retention:
         extra["eviction_policy"] = "AgentRetentionPolicy"
         extra["cache_policy_module_path"] = "engine_patches.retention"
+        extra["retention"] = {"ttl_s": opts.retention_ttl_s, "max_share": opts.retention_share}
     if opts.disk_tier_dir:
         # enable_kv_events: the filesystem tier publishes BlockStored/BlockRemoved (STORAGE)
         extra["secondary_tiers"] = [

@@ -2,7 +2,8 @@
 guard (capacity escape) and with the plugin's bounded guard, under light/heavy/overload mixes.
 
     .venv/bin/python -m loadtest.bench_cadence [--intervals 1,2,4] [--guards vllm,bounded]
-        [--mixes light,heavy,overload] [--duration 15] [--json out.json]
+        [--mixes light,heavy,overload] [--duration 15] [--budget 4096] [--backlog-scale 16]
+        [--json out.json]
 
 One replica per (N, guard), started with the plugin's scheduler class
 (``engine_patches.scheduler.CadenceScheduler``; ``guard: vllm`` drives vLLM's own
@@ -48,8 +49,8 @@ class Mix:
 
 MIXES = {
     "light": Mix("light", rate=1.0, prompt_tokens=1000),
-    "heavy": Mix("heavy", rate=5.0, prompt_tokens=1500),
-    "overload": Mix("overload", rate=14.0, prompt_tokens=2000),
+    "heavy": Mix("heavy", rate=6.0, prompt_tokens=1000),
+    "overload": Mix("overload", rate=20.0, prompt_tokens=1000),
 }
 
 
@@ -120,7 +121,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def bench(
     intervals: list[int], guards: list[str], mixes: list[str], duration: float,
-    backlog_scale: float = 16.0,
+    backlog_scale: float = 16.0, budget: int = 4096,
 ) -> list:  # fmt: skip
     model = tinymodel.ensure()
     rows = []
@@ -135,7 +136,7 @@ def bench(
             name=f"n{n}-{guard}", model_dir=model, kv_cache_bytes=64 << 20, cpu=1,
             extra_args=["--scheduler-cls", "engine_patches.scheduler.CadenceScheduler",
                         "--additional-config", json.dumps({"kvroute": {"cadence": cad}}),
-                        "--max-num-batched-tokens", "1024"],
+                        "--max-num-batched-tokens", str(budget)],
         )  # fmt: skip
         with VllmBed([cfg], workdir=work) as bed:
             url = bed.replicas[0].url
@@ -180,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixes", default="light,heavy,overload")
     p.add_argument("--duration", type=float, default=15.0)
     p.add_argument("--backlog-scale", type=float, default=16.0)
+    p.add_argument("--budget", type=int, default=4096, help="--max-num-batched-tokens")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = bench([int(x) for x in a.intervals.split(",")], a.guards.split(","),
-                 a.mixes.split(","), a.duration, a.backlog_scale)  # fmt: skip
+                 a.mixes.split(","), a.duration, a.backlog_scale, a.budget)  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     print(table(rows))
