@@ -185,6 +185,14 @@ def _build(name: str) -> type:
             self.table.claim(keys, self._hint(req_context))
             super().on_store_miss(keys, req_context)
 
+        def on_request_access(self, keys: Iterable[Any], req_context: Any) -> None:
+            # vLLM 0.33.0 only: first accesses during a request
+            keys = list(keys)
+            self.table.claim(keys, self._hint(req_context))
+            parent = getattr(super(), "on_request_access", None)
+            if parent is not None:
+                parent(keys, req_context)
+
         def on_request_finished(
             self, key_groups: Any, insertion_only_keys: Any, reused_keys: Any, req_context: Any
         ) -> None:
@@ -198,7 +206,9 @@ def _build(name: str) -> type:
             if key not in self.chunks:
                 return
             self._cold_rank -= 1
-            self._ranks[key] = self._cold_rank  # below every LRU rank: evicted first
+            # below every LRU rank: evicted first (0.32.0 ranks are ints, 0.33.0 int pairs)
+            old = self._ranks.get(key)
+            self._ranks[key] = (self._cold_rank, 0) if isinstance(old, tuple) else self._cold_rank
             if key in self._evictable:
                 self._push_evictable(key)
 
