@@ -152,6 +152,39 @@ class HostCopyWorker:
             self._region = None
 
 
+# Router-facing signals, next to vLLM's own kv_offload_* series on /metrics.
+HOST_OCCUPANCY = "vllm:kv_offload_cpu_cache_occupancy_perc"
+HOST_RETAINED = "vllm:kv_offload_cpu_retained_perc"
+
+
+def _host_tier_manager(manager: Any) -> Any:
+    """vLLM's CPU manager: the manager itself, or the tiering manager's primary tier."""
+    if hasattr(manager, "_policy"):
+        return manager
+    return getattr(manager, "primary_tier", None)
+
+
+def _add_signals(cpu: Any) -> None:
+    """Add host-tier occupancy (and the retained share) to the CPU manager's stats, which vLLM
+    ships to the API server's /metrics with its own offload metrics."""
+    inner = cpu.get_stats
+
+    def get_stats() -> Any:
+        stats = inner()
+        n = getattr(cpu, "_num_chunks", 0)
+        if stats is not None and n > 0:
+            used = cpu._num_allocated_chunks - len(cpu._free_list)
+            stats.set_gauge(HOST_OCCUPANCY, used / n)
+            table = getattr(cpu._policy, "table", None)
+            if table is not None:
+                held = len(table.protected(time.monotonic()))
+                stats.set_gauge(HOST_RETAINED, held / n)
+        return stats
+
+    cpu.get_stats = get_stats
+    cpu._kvroute_signals = True
+
+
 def _on_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
@@ -203,17 +236,36 @@ def _build(name: str) -> type:
 
     def get_manager(self: Any) -> Any:
         manager = base.get_manager(self)
-        policy = getattr(manager, "_policy", None)  # the CPU manager's CachePolicy
+        cpu = _host_tier_manager(manager)
+        policy = getattr(cpu, "_policy", None)  # the host tier's CachePolicy
         if policy is not None and hasattr(policy, "configure"):
             from engine_patches.retention import RetentionConfig
 
             policy.configure(RetentionConfig.from_dict(self.extra_config.get("retention")))
+        if cpu is not None and not getattr(cpu, "_kvroute_signals", False):
+            _add_signals(cpu)
         return manager
+
+    def build_metric_definitions(cls: Any, extra_config: dict[str, Any]) -> dict[str, Any]:
+        from vllm.v1.kv_offload.base import OffloadingGaugeMetadata
+
+        defs = base.build_metric_definitions.__func__(cls, extra_config)
+        defs[HOST_OCCUPANCY] = OffloadingGaugeMetadata(
+            documentation="Fraction of host-tier KV chunks holding data (kvroute engine plugin)."
+        )
+        defs[HOST_RETAINED] = OffloadingGaugeMetadata(
+            documentation=(
+                "Fraction of host-tier KV chunks held for paused agent sessions "
+                "(kvroute retention policy)."
+            )
+        )
+        return defs
 
     ns = {
         "create_worker": create_worker,
         "get_worker": get_worker,
         "get_manager": get_manager,
+        "build_metric_definitions": classmethod(build_metric_definitions),
         "__module__": __name__,
     }
     return type(name, (base,), ns)

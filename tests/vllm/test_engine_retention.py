@@ -8,6 +8,7 @@ One replica: 8192 tokens of engine KV, a 16384-token host tier with
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -65,6 +66,13 @@ def test_paused_session_survives_pressure_and_holds_end_on_ttl_and_done(retainin
     # session d ends: its call says so (same prompt: a full hit, then released)
     assert ask(finished, {"session": "d", "state": "done"}) == full_hit(finished)
     time.sleep(2.0)  # session t's hold (1 s * 1.5) has expired
+    ask(unique_text(40, seed=1399))  # one more step: the stats reach /metrics
+    held = re.search(
+        r"^vllm:kv_offload_cpu_retained_perc\{[^}]*\} (\S+)",
+        http.get(rep.url + "/metrics").text,
+        re.M,
+    )
+    assert held is not None and abs(float(held.group(1)) * 512 - 2000 // BLOCK_SIZE) <= 2
     # 9 x 2k tokens: more than the engine cache and the host tier hold together
     for i in range(9):
         ask(unique_text(2000, seed=1320 + i))

@@ -115,6 +115,15 @@ def test_evicted_prefixes_come_back_from_host_then_disk_with_identical_logprobs(
     assert disk_b[1] == cold_b[1] and disk_b[2] == cold_b[2]
     assert any(disk.rglob("*.bin"))
 
+    # The plugin's signal: host-tier occupancy (vLLM's cpu_cache_usage_perc counts pinned
+    # chunks only).
+    occ = re.search(
+        r"^vllm:kv_offload_cpu_cache_occupancy_perc\{[^}]*\} (\S+)",
+        http.get(rep.url + "/metrics").text,
+        re.M,
+    )
+    assert occ is not None and float(occ.group(1)) > 0.9  # the burst filled the host tier
+
     # The tiers' events: medium CPU / STORAGE, the engine's own hashes, no tokens.
     hasher = BlockHasher(BLOCK_SIZE)
     keys_a, keys_b = hasher.hash_keys(tokens(a)), hasher.hash_keys(tokens(b))
