@@ -96,9 +96,13 @@ async def run_mix(url: str, mix: Mix, duration: float, seed: int) -> dict:
         decs = [asyncio.create_task(decoder(i)) for i in range(mix.decoders)]
         await asyncio.sleep(1.0)
         arrivals = []
-        while time.monotonic() < stop:
+        # a fixed schedule (absolute times; a late client catches up): the same offered load
+        # for every config even when the client is short of CPU
+        due = time.monotonic()
+        while due < stop:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             arrivals.append(asyncio.create_task(arrival()))
-            await asyncio.sleep(gaps.expovariate(mix.rate))
+            due += gaps.expovariate(mix.rate)
         await asyncio.gather(*arrivals)
         t_end = time.monotonic()
         await asyncio.gather(*decs)

@@ -34,6 +34,7 @@ from router.app import (
     STATE_PROVIDERS,
     STORE,
 )
+from router.hints import HINTED_ROUTES, retention_hint
 from router.proxy import (
     error_response,
     forward,
@@ -266,7 +267,7 @@ async def admin_route(request: web.Request) -> web.Response:
         # undo what the analyzer counted for this request
         observe_once(app, ctx, {"replica": None, "status": "dry_run"})
     ident = ctx.identity
-    out = {
+    out: dict[str, Any] = {
         "winner": d.endpoint.name,
         "identity": {
             "tenant": ident.tenant,
@@ -280,6 +281,8 @@ async def admin_route(request: web.Request) -> web.Response:
     }
     if d.explain:
         out["explain"] = d.explain
+        if app[CONFIG].engine_hints and route in HINTED_ROUTES:
+            out["engine_hint"] = retention_hint(ident, record)
     return web.json_response(out)
 
 

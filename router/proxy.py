@@ -35,6 +35,7 @@ from router.app import (
     STATE_PROVIDERS,
     STORE,
 )
+from router.hints import hinted_body
 from router.scheduling import RequestContext, Snapshot
 from router.scheduling.pipeline import Decision, NoCandidates
 from router.state import SessionRecord
@@ -175,6 +176,9 @@ async def forward(
     headers = upstream_headers(request.headers, ctx.request_id, cfg.upstream_api_key,
                                cfg.auth_enabled)  # fmt: skip
     path = request.rel_url.raw_path_qs
+    hinted = hinted_body(route, ctx.body, ctx.identity, record, cfg.engine_hints)
+    if hinted is not None:
+        raw = hinted  # retention hint set, or a client-set kvroute hint stripped
     tried: set[str] = set()
     last_problem = "no healthy replica"
     for attempt in range(cfg.retries + 1):
