@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import json
 import random
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -163,6 +164,7 @@ def bench(
                 }  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
