@@ -13,7 +13,7 @@ export KVROUTE_VLLM_PYTHON := $(VLLM_ENV)/bin/python
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: setup venv redis vllm-env model test test-fast test-vllm test-kernels demo bench bench-peers bench-kernels lint clean
+.PHONY: setup venv redis vllm-env engine-plugin model test test-fast test-vllm test-kernels demo bench bench-peers bench-kernels lint clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml kernels/constraints.txt
@@ -29,8 +29,14 @@ redis:
 	  $(SUDO) apt-get update -qq >/dev/null && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
+# The vLLM venv is cached across clones; the engine plugin is (re)installed into it from this
+# clone on every run (a copy, not an editable install; skipped when the sources are unchanged).
 vllm-env:
 	@bash scripts/setup_vllm.sh >/dev/null
+	@bash scripts/install_engine_plugin.sh $(KVROUTE_VLLM_PYTHON)
+
+engine-plugin:
+	@bash scripts/install_engine_plugin.sh $(KVROUTE_VLLM_PYTHON)
 
 model: $(STAMP)
 	@$(BIN)/kvroute model build >/dev/null

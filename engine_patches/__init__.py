@@ -1,6 +1,15 @@
-"""vLLM engine patches (a ``vllm.general_plugins`` plugin) — not built yet.
+"""kvroute's engine half: a vLLM plugin (``vllm.general_plugins`` entry point).
 
-Will own: agent-aware tiered offload/retention, local prefill cadence, DCP and fused-decode
-presets, router-facing signals. The entry point is added to pyproject.toml together with a
-``register()`` that checks the vLLM version; until then nothing here is loaded by vLLM.
+Owns: the plugin's ``register()`` (:mod:`engine_patches.plugin`), the vLLM version gate
+(:mod:`engine_patches.versions`), the flag presets and ``kvroute engine flags``
+(:mod:`engine_patches.presets`, :mod:`engine_patches.cli`), the bounded prefill cadence
+(:mod:`engine_patches.cadence` policy, :mod:`engine_patches.scheduler` the vLLM scheduler
+class), and a host-DRAM offloading tier that works on the CPU platform
+(:mod:`engine_patches.offload`).
+
+Every module here imports without vLLM installed (the router's venv has none): vLLM is only
+imported inside functions that run in vLLM processes. Must not import ``router`` or
+``loadtest``.
 """
+
+__version__ = "0.1.0"

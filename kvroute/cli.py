@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("loadtest.replay.cli", "replay an agentic trace, write AgentX metrics"),
     "bench": ("loadtest.sweep.cli", "concurrency sweeps of routers on a twin cluster"),
     "demo": ("loadtest.demo", "the quick start: twins + kvroute + a real-trace replay"),
+    "engine": ("engine_patches.cli", "the vLLM engine plugin: flag presets, supported versions"),
 }
 
 

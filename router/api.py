@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.errors import error_response, request_id
+from router.hints import HINTED_ROUTES, retention_hint
 from router.keys import CALLS, CONFIG, KV, METRICS, PIPELINE, REPLICAS, RUNTIME, STORE
 from router.outcome import CallOutcome
 from router.proxy import forward
@@ -255,7 +256,7 @@ async def admin_route(request: web.Request) -> web.Response:
         # undo what the analyzer counted for this request
         calls.finish(ctx, CallOutcome(None, "dry_run"))
     ident = ctx.identity
-    out = {
+    out: dict[str, Any] = {
         "winner": d.endpoint.name,
         "identity": {
             "tenant": ident.tenant,
@@ -269,6 +270,8 @@ async def admin_route(request: web.Request) -> web.Response:
     }
     if d.explain:
         out["explain"] = d.explain
+        if app[CONFIG].engine_hints and route in HINTED_ROUTES:
+            out["engine_hint"] = retention_hint(ident, record)
     return web.json_response(out)
 
 

@@ -80,6 +80,7 @@ class RouterConfig:
     admin_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # client key -> tenant
     prefix_chars: int = 4096  # fallback session identity: leading prompt characters
+    engine_hints: bool = False  # send retention hints to replicas (router.hints, docs/engine.md)
     log_level: str = "info"
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.errors import error_response, sse_error_event
+from router.hints import hinted_body
 from router.keys import CALLS, CLIENT, CONFIG, METRICS, REPLICAS, STORE
 from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_tail
 from router.scheduling import RequestContext
@@ -102,6 +103,9 @@ async def forward(
     headers = upstream_headers(request.headers, ctx.request_id, cfg.upstream_api_key,
                                cfg.auth_enabled)  # fmt: skip
     path = request.rel_url.raw_path_qs
+    hinted = hinted_body(route, ctx.body, ctx.identity, record, cfg.engine_hints)
+    if hinted is not None:
+        raw = hinted  # retention hint set, or a client-set kvroute hint stripped
     tried: set[str] = set()
     last_problem = "no healthy replica"
     for attempt in range(cfg.retries + 1):

@@ -1,0 +1,150 @@
+"""The documented flag sets (``kvroute engine flags``): vLLM command-line words for agentic
+serving with the plugin.
+
+Owns: :class:`EngineOptions` (every knob the presets take, with its default) and
+:func:`flags` (options -> list of vLLM flags). Pure: no vLLM import, no I/O; the words are
+passed to ``python -m vllm.entrypoints.openai.api_server`` as they are (tests do exactly
+that, so the documented preset is the tested one).
+
+Presets:
+
+``agentic``
+    prefix caching with ``sha256_cbor`` (hashes the router reproduces), prompt-token details
+    (``cached_tokens``), KV events with a replay endpoint (when ``kv_events`` is given), the
+    bounded prefill cadence scheduler, the long-prefill threshold, and — when
+    ``host_tier_bytes`` > 0 — the host-DRAM tier (plus a disk tier under ``disk_tier_dir``)
+    through vLLM's ``OffloadingConnector`` with the plugin's spec. On GPU hosts
+    (``platform="gpu"``) also decode context parallelism when ``dcp`` > 1.
+``prefix``
+    only the prefix-caching / events / details part: the baseline the benchmarks compare with.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+PRESETS: tuple[str, ...] = ("agentic", "prefix")
+SCHEDULER_CLS = "engine_patches.scheduler.CadenceScheduler"
+ASYNC_SCHEDULER_CLS = "engine_patches.scheduler.CadenceAsyncScheduler"
+OFFLOAD_SPEC_MODULE = "engine_patches.offload"
+
+
+@dataclass
+class CadenceOptions:
+    """The bounded prefill cadence (:mod:`engine_patches.cadence`)."""
+
+    interval: int = 4  # admit prefill every N engine steps while requests decode
+    max_defer_steps: int = 16  # D: no request's prefill is held more than D steps in all
+    max_defer_ms: float = 500.0  # T: ... nor more than T ms in all
+    backlog_scale: float = 16.0  # interval shrinks as N / (1 + backlog / scale) (admit steps)
+
+    def as_config(self) -> dict[str, Any]:
+        return {
+            "interval": self.interval,
+            "max_defer_steps": self.max_defer_steps,
+            "max_defer_ms": self.max_defer_ms,
+            "backlog_scale": self.backlog_scale,
+        }
+
+
+@dataclass
+class EngineOptions:
+    preset: str = "agentic"
+    platform: str = "cpu"  # cpu | gpu (gpu: async-scheduling scheduler class, DCP allowed)
+    kv_events: str | None = None  # publisher endpoint, e.g. tcp://*:5557 or ipc:///run/kv.sock
+    kv_events_replay: str | None = None  # default: derived from kv_events
+    kv_events_topic: str = "kv"
+    host_tier_bytes: int = 0  # 0: no offload tiers
+    disk_tier_dir: str | None = None  # a filesystem tier below the host tier
+    eviction_policy: str = "lru"  # host tier: lru | arc (vLLM's)
+    retention: bool = False  # agent-aware retention policy on the host tier (hints)
+    retention_ttl_s: float = 600.0  # no hold outlives this
+    retention_share: float = 0.5  # held chunks never exceed this share of the host tier
+    cadence: CadenceOptions | None = field(default_factory=CadenceOptions)
+    long_prefill_token_threshold: int = 512
+    dcp: int = 1  # decode context parallel size (GPU hosts, TP >= dcp)
+    dcp_comm_backend: str | None = None  # ag_rs | a2a
+
+
+def replay_endpoint_for(endpoint: str) -> str:
+    """A replay endpoint next to the publisher's: ``ipc://x`` -> ``ipc://x.replay``,
+    ``tcp://h:P`` -> ``tcp://h:P+1``."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"cannot derive a replay endpoint from {endpoint!r}")
+        return f"tcp://{host}:{int(port) + 1}"
+    return endpoint + ".replay"
+
+
+def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
+    """vLLM's ``--kv-transfer-config`` for the tiers, or None without a host tier."""
+    if opts.host_tier_bytes <= 0:
+        if opts.disk_tier_dir:
+            raise ValueError("a disk tier needs a host tier (--host-tier-bytes > 0)")
+        return None
+    extra: dict[str, Any] = {
+        "spec_name": "KVRouteTieringSpec" if opts.disk_tier_dir else "KVRouteOffloadingSpec",
+        "spec_module_path": OFFLOAD_SPEC_MODULE,
+        "cpu_bytes_to_use": int(opts.host_tier_bytes),
+        "eviction_policy": opts.eviction_policy,
+    }
+    if opts.retention:
+        extra["eviction_policy"] = "AgentRetentionPolicy"
+        extra["cache_policy_module_path"] = "engine_patches.retention"
+        extra["retention"] = {"ttl_s": opts.retention_ttl_s, "max_share": opts.retention_share}
+    if opts.disk_tier_dir:
+        # enable_kv_events: the filesystem tier publishes BlockStored/BlockRemoved (STORAGE)
+        extra["secondary_tiers"] = [
+            {"type": "fs", "root_dir": opts.disk_tier_dir, "enable_kv_events": True}
+        ]
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def flags(opts: EngineOptions) -> list[str]:
+    """vLLM command-line words for ``opts`` (pass them after ``--model ...``)."""
+    if opts.preset not in PRESETS:
+        raise ValueError(f"unknown preset {opts.preset!r}; known: {', '.join(PRESETS)}")
+    if opts.platform not in ("cpu", "gpu"):
+        raise ValueError(f"platform must be cpu or gpu, not {opts.platform!r}")
+    out = [
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo", "sha256_cbor",
+        "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    if opts.kv_events:
+        ev: dict[str, Any] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": opts.kv_events,
+            "replay_endpoint": opts.kv_events_replay or replay_endpoint_for(opts.kv_events),
+            "topic": opts.kv_events_topic,
+        }
+        out += ["--kv-events-config", json.dumps(ev, separators=(",", ":"))]
+    if opts.preset == "prefix":
+        return out
+    if opts.cadence is not None:
+        cls = ASYNC_SCHEDULER_CLS if opts.platform == "gpu" else SCHEDULER_CLS
+        out += ["--scheduler-cls", cls]
+        out += [
+            "--additional-config",
+            json.dumps({"kvroute": {"cadence": opts.cadence.as_config()}}, separators=(",", ":")),
+        ]
+    if opts.long_prefill_token_threshold > 0:
+        out += ["--long-prefill-token-threshold", str(opts.long_prefill_token_threshold)]
+    ktc = kv_transfer_config(opts)
+    if ktc is not None:
+        out += ["--kv-transfer-config", json.dumps(ktc, separators=(",", ":"))]
+    if opts.dcp > 1:
+        if opts.platform != "gpu":
+            raise ValueError("decode context parallelism needs GPU hosts (--platform gpu)")
+        out += ["--decode-context-parallel-size", str(opts.dcp)]
+        if opts.dcp_comm_backend:
+            out += ["--dcp-comm-backend", opts.dcp_comm_backend]
+    return out

@@ -1,0 +1,179 @@
+"""vLLM scheduler classes with the bounded prefill cadence (:mod:`engine_patches.cadence`).
+
+Use with ``--scheduler-cls engine_patches.scheduler.CadenceScheduler`` (CPU platform, or any
+engine without async scheduling) or ``engine_patches.scheduler.CadenceAsyncScheduler`` (GPU
+hosts, where vLLM schedules asynchronously), and settings in
+``--additional-config '{"kvroute": {"cadence": {"interval": 4, "max_defer_steps": 16,
+"max_defer_ms": 500, "backlog_scale": 4}}}'`` (``kvroute engine flags`` writes both).
+
+The classes are built on first attribute access (module ``__getattr__``), so this module
+imports without vLLM; building one checks the vLLM version and refuses unknown ones.
+
+How it hooks in (vLLM 0.32.0 and 0.33.0 alike): ``Scheduler.schedule(throttle_prefills)``
+already knows how to hold back new admissions and in-flight prefill chunks for one step while
+decodes run. The subclass decides ``throttle_prefills`` itself every step and clears vLLM's
+``prefill_capacity_bound`` before each call, so vLLM's capacity escape never switches the
+cadence off; the bounded guard in :class:`~engine_patches.cadence.PrefillCadence` replaces it.
+0.33.0's own local cadence (``prefill_schedule_interval`` on a non-DP engine, with the same
+escape) is turned off in these classes. A DP engine (``data_parallel_size > 1``) keeps vLLM's
+own DP cadence: these classes then pass ``throttle_prefills`` through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from engine_patches.cadence import CadenceConfig, PendingPrefill, PrefillCadence, eligible_flags
+
+logger = logging.getLogger("vllm.kvroute.scheduler")
+
+# Built lazily by __getattr__ below (so this module imports without vLLM).
+SCHEDULER_CLASSES = ("CadenceAsyncScheduler", "CadenceScheduler")
+
+
+class CadenceMixin:
+    """The cadence, mixed into vLLM's ``Scheduler`` / ``AsyncScheduler``."""
+
+    _kvroute_cadence: PrefillCadence | None
+    _kvroute_trace: Any
+    _kvroute_step: int
+    # vLLM Scheduler attributes this mixin reads (annotations only: vLLM sets them)
+    vllm_config: Any
+    running: list[Any]
+    waiting: Any
+    kv_holding_waiting: Any
+    max_num_scheduled_tokens: int
+    max_num_running_reqs: int
+    prefill_capacity_bound: bool
+    local_prefill_interval: int
+
+    def _kvroute_init(self) -> None:
+        from engine_patches import versions
+
+        version = versions.check()
+        vcfg = self.vllm_config
+        cfg = CadenceConfig.from_additional_config(vcfg.additional_config)
+        self._kvroute_trace = None
+        self._kvroute_step = 0
+        if vcfg.parallel_config.data_parallel_size > 1:
+            logger.warning(
+                "kvroute cadence: data_parallel_size=%d, leaving vLLM's DP cadence in charge",
+                vcfg.parallel_config.data_parallel_size,
+            )
+            self._kvroute_cadence = None
+            return
+        if getattr(self, "local_prefill_interval", 1) > 1:
+            logger.warning(
+                "kvroute cadence replaces vLLM's local prefill cadence "
+                "(prefill_schedule_interval=%d and its capacity escape)",
+                self.local_prefill_interval,
+            )
+            self.local_prefill_interval = 1
+        budget = int(self.max_num_scheduled_tokens)
+        self._kvroute_cadence = PrefillCadence(cfg, token_budget=budget)
+        if cfg.trace_path:
+            self._kvroute_trace = open(cfg.trace_path, "a", buffering=1)
+        logger.info(
+            "kvroute cadence on vLLM %s: interval %d, hold each request at most %d steps / "
+            "%.0f ms, backlog scale %.1f admitting steps (guard %s)",
+            version,
+            cfg.interval,
+            cfg.max_defer_steps,
+            cfg.max_defer_ms,
+            cfg.backlog_scale,
+            cfg.guard,
+        )
+
+    def _kvroute_pending(self) -> list[PendingPrefill]:
+        from vllm.v1.request import RequestStatus
+
+        out: list[PendingPrefill] = []
+        for r in self.running:
+            if r.is_prefill_chunk:
+                out.append(PendingPrefill(r.request_id, r.num_tokens - r.num_computed_tokens, True))
+        waiting = [
+            r
+            for q in (self.kv_holding_waiting, self.waiting)
+            for r in q
+            if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        ]
+        remaining = [max(0, r.num_tokens - r.num_computed_tokens) for r in waiting]
+        seats = self.max_num_running_reqs - len(self.running)
+        flags = eligible_flags(remaining, int(self.max_num_scheduled_tokens), seats)
+        out += [
+            PendingPrefill(r.request_id, n, ok)
+            for r, n, ok in zip(waiting, remaining, flags, strict=True)
+        ]
+        return out
+
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        cad = self._kvroute_cadence
+        if cad is None:
+            return super().schedule(throttle_prefills)  # type: ignore[misc]
+        now = time.monotonic()
+        pending = self._kvroute_pending()
+        decoding = any(not r.is_prefill_chunk for r in self.running)
+        if cad.config.guard == "vllm":
+            # vLLM's rule as its DP engine applies it: throttle off-cadence steps, and let
+            # schedule() keep its capacity escape (prefill_capacity_bound).
+            self._kvroute_step += 1
+            admit = self._kvroute_step % cad.config.interval == 0
+            reason = "cadence" if admit else "defer"
+            if not admit and self.prefill_capacity_bound:
+                reason = "capacity-escape"
+            out = super().schedule(throttle_prefills=not admit)  # type: ignore[misc]
+            interval, backlog = cad.config.interval, sum(p.remaining_tokens for p in pending)
+        else:
+            d = cad.decide(now, pending, decoding)
+            self.prefill_capacity_bound = False  # vLLM's escape; our bound replaces it
+            out = super().schedule(throttle_prefills=not d.admit)  # type: ignore[misc]
+            admit, reason, interval, backlog = d.admit, d.reason, d.interval, d.backlog_tokens
+        left = {p.req_id: p.remaining_tokens for p in pending}
+        prefill_tokens = sum(
+            min(n, left[rid]) for rid, n in out.num_scheduled_tokens.items() if rid in left
+        )
+        if cad.config.guard != "vllm":
+            cad.observe(prefill_tokens)
+        if self._kvroute_trace is not None and out.total_num_scheduled_tokens > 0:
+            rec = {
+                "t": now,
+                "admit": admit,
+                "reason": reason,
+                "interval": interval,
+                "backlog": backlog,
+                "prefill_tokens": prefill_tokens,
+                "decodes": sum(1 for rid in out.num_scheduled_tokens if rid not in left),
+                "held": {p.req_id: cad.held(p.req_id) for p in pending if p.eligible},
+            }
+            self._kvroute_trace.write(json.dumps(rec) + "\n")
+        return out
+
+
+def _build(name: str) -> type:
+    from engine_patches import versions
+
+    versions.check()
+    if name == "CadenceScheduler":
+        from vllm.v1.core.sched.scheduler import Scheduler as base
+    else:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        self._kvroute_init()
+
+    return type(name, (CadenceMixin, base), {"__init__": __init__, "__module__": __name__})
+
+
+_built: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    if name in SCHEDULER_CLASSES:
+        if name not in _built:
+            _built[name] = _build(name)
+        return _built[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,90 @@
+"""Engine plugin presets, `kvroute engine flags`, and the version gate (without vLLM)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import pytest
+
+from engine_patches import presets, versions
+from kvroute.cli import main
+
+
+def flag_value(words: list[str], flag: str) -> str:
+    return words[words.index(flag) + 1]
+
+
+def test_agentic_preset_has_every_documented_part():
+    words = presets.flags(
+        presets.EngineOptions(
+            host_tier_bytes=1 << 30, disk_tier_dir="/var/kv", kv_events="tcp://*:5557"
+        )
+    )
+    assert flag_value(words, "--prefix-caching-hash-algo") == "sha256_cbor"
+    assert "--enable-prefix-caching" in words and "--enable-prompt-tokens-details" in words
+    ev = json.loads(flag_value(words, "--kv-events-config"))
+    assert ev["endpoint"] == "tcp://*:5557" and ev["replay_endpoint"] == "tcp://*:5558"
+    assert flag_value(words, "--scheduler-cls") == presets.SCHEDULER_CLS
+    cad = json.loads(flag_value(words, "--additional-config"))["kvroute"]["cadence"]
+    assert cad["interval"] >= 2 and cad["max_defer_steps"] > 0 and cad["max_defer_ms"] > 0
+    assert flag_value(words, "--long-prefill-token-threshold") == "512"
+    ktc = json.loads(flag_value(words, "--kv-transfer-config"))
+    extra = ktc["kv_connector_extra_config"]
+    assert ktc["kv_connector"] == "OffloadingConnector"
+    assert extra["spec_module_path"] == "engine_patches.offload"
+    assert extra["cpu_bytes_to_use"] == 1 << 30
+    assert extra["secondary_tiers"] == [
+        {"type": "fs", "root_dir": "/var/kv", "enable_kv_events": True}
+    ]
+
+
+def test_gpu_preset_uses_the_async_scheduler_and_dcp():
+    words = presets.flags(presets.EngineOptions(platform="gpu", dcp=4, dcp_comm_backend="a2a"))
+    assert flag_value(words, "--scheduler-cls") == presets.ASYNC_SCHEDULER_CLS
+    assert flag_value(words, "--decode-context-parallel-size") == "4"
+    assert flag_value(words, "--dcp-comm-backend") == "a2a"
+    with pytest.raises(ValueError, match="GPU"):
+        presets.flags(presets.EngineOptions(dcp=2))
+
+
+def test_prefix_preset_is_only_the_caching_part():
+    words = presets.flags(presets.EngineOptions(preset="prefix", host_tier_bytes=1 << 30))
+    assert "--scheduler-cls" not in words and "--kv-transfer-config" not in words
+
+
+def test_disk_tier_needs_a_host_tier():
+    with pytest.raises(ValueError, match="host tier"):
+        presets.flags(presets.EngineOptions(disk_tier_dir="/x"))
+
+
+def test_replay_endpoint_derivation():
+    assert presets.replay_endpoint_for("ipc:///run/kv.sock") == "ipc:///run/kv.sock.replay"
+    assert presets.replay_endpoint_for("tcp://127.0.0.1:7000") == "tcp://127.0.0.1:7001"
+
+
+def test_cli_prints_shell_words(capsys):
+    assert main(["engine", "flags", "--preset", "agentic", "--host-tier-bytes", "1024",
+                 "--kv-events", "ipc:///tmp/kv.sock"]) == 0  # fmt: skip
+    words = shlex.split(capsys.readouterr().out)
+    assert words == presets.flags(
+        presets.EngineOptions(host_tier_bytes=1024, kv_events="ipc:///tmp/kv.sock")
+    )
+    assert main(["engine", "versions"]) == 0
+    assert capsys.readouterr().out.split() == list(versions.SUPPORTED)
+
+
+def test_version_gate():
+    assert versions.check("0.32.0") == "0.32.0"
+    assert versions.check("0.33.0+cu129") == "0.33.0"
+    with pytest.raises(versions.UnsupportedVllmVersion, match=r"0\.31\.0"):
+        versions.check("0.31.0")
+
+
+def test_engine_patches_imports_without_vllm():
+    import engine_patches.cadence
+    import engine_patches.plugin
+    import engine_patches.scheduler  # noqa: F401
+
+    assert "vllm" not in sys.modules

