@@ -2,9 +2,11 @@
 cluster): every example passes the values schema and a strict lint, every rendered object
 passes kubernetes-validate in strict mode (ServiceMonitors: the CRD subset schema kept in
 tests/unit/data/helm), renders are diffed against goldens, and the behaviour operators rely
-on is pinned: the router gets the Redis URL, workers get the plugin / KV-event /
-prefix-caching flags, secrets are referenced and never inlined, contradictory values fail
-with a clear message, and the rendered router config loads with the router's own loader.
+on is pinned: the router gets the Redis URL, every worker's engine flags are word for word
+what the plugin's own ``kvroute engine flags`` prints for the same settings (so the chart
+cannot drift from ``engine_patches.presets``), secrets are referenced and never inlined,
+contradictory values fail with a clear message, and the rendered router config loads with
+the router's own loader.
 
 Regenerate the goldens after an intended change: ``KVROUTE_UPDATE_GOLDENS=1 pytest
 tests/unit/test_helm_chart.py`` (then read the diff).
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -314,37 +318,184 @@ def test_probes_on_health_and_ready(chart):
 # ---- the workers ----------------------------------------------------------------------------
 
 
-def test_worker_args_carry_plugin_kv_events_and_prefix_caching(chart):
+# The chart's own words before the preset's: model, serving and parallelism settings.
+CHART_OWN_FLAGS = {
+    "--model", "--served-model-name", "--host", "--port", "--block-size", "--dtype",
+    "--max-model-len", "--enforce-eager", "--kv-cache-memory-bytes", "--gpu-memory-utilization",
+    "--tensor-parallel-size",
+}  # fmt: skip
+
+
+def model_settings(chart: helm.Chart, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each model's settings as the chart's `kvroute.model` merges them: workers.defaults,
+    then the model's keys two levels deep, three under plugin and offload."""
+    w = chart.merge_values(values)["workers"]
+    out = {}
+    for model in w["models"]:
+        m = json.loads(json.dumps(w["defaults"]))
+        for k, v in model.items():
+            if isinstance(v, dict) and isinstance(m.get(k), dict):
+                for k2, v2 in v.items():
+                    if k in ("plugin", "offload") and isinstance(v2, dict):
+                        m[k][k2] = {**m[k].get(k2, {}), **v2}
+                    else:
+                        m[k][k2] = v2
+            else:
+                m[k] = v
+        out[model["name"]] = m
+    return out
+
+
+def num(x: Any) -> str:
+    """A number from the merged values as a command-line word (integral floats as ints)."""
+    return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
+
+
+def engine_flags_argv(m: dict[str, Any]) -> list[str]:
+    """The `kvroute engine flags` arguments for one model's chart settings (the mapping
+    docs/kubernetes.md documents); every option is passed, defaults included."""
+    p, o, ev = m["plugin"], m["offload"], m["kvEvents"]
+    c, r = p["cadence"], o["retention"]
+    argv = ["--preset", p["preset"] if p["enabled"] else "prefix"]
+    argv += ["--platform", "cpu" if m["cpu"] else "gpu"]
+    if ev["enabled"]:
+        argv += ["--kv-events", f"tcp://*:{num(ev['port'])}"]
+        argv += ["--kv-events-replay", f"tcp://*:{num(ev['replayPort'])}"]
+    argv += ["--host-tier-bytes", num(o["hostBytes"]), "--eviction-policy", o["evictionPolicy"]]
+    if o["diskDir"]:
+        argv += ["--disk-tier-dir", o["diskDir"]]
+    if r["enabled"]:
+        argv += ["--retention"]
+    argv += ["--retention-ttl-s", num(r["ttlSeconds"]), "--retention-share", num(r["maxShare"])]
+    if not c["enabled"]:
+        argv += ["--no-cadence"]
+    argv += ["--cadence-interval", num(c["interval"]), "--max-defer-steps", num(c["maxDeferSteps"])]
+    argv += ["--max-defer-ms", num(c["maxDeferMs"]), "--backlog-scale", num(c["backlogScale"])]
+    argv += ["--long-prefill-token-threshold", num(p["longPrefillTokenThreshold"])]
+    if m["decodeContextParallelSize"] > 1:
+        argv += ["--dcp", num(m["decodeContextParallelSize"])]
+        argv += ["--dcp-comm-backend", m["dcpCommBackend"]]
+    return argv
+
+
+def kvroute_engine_flags(argv: list[str]) -> list[str]:
+    """What `kvroute engine flags --json ARGV` prints (the real command, this venv's python)."""
+    cmd = [sys.executable, "-m", "kvroute.cli", "engine", "flags", "--json", *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, (argv, done.stdout, done.stderr)
+    words: list[str] = json.loads(done.stdout)
+    return words
+
+
+def assert_worker_args_are_the_plugins(chart: helm.Chart, values: dict[str, Any]) -> None:
+    """Every worker's args: the chart's own words, then exactly the plugin preset's words for
+    the same settings, then extraArgs; nothing of the preset's anywhere else."""
+    objs = objects(render(chart, values))
+    settings = model_settings(chart, values)
+    assert settings
+    for name, m in settings.items():
+        c = container(find(objs, m["kind"], f"kv-kvroute-{name}"), "vllm")
+        args, extra = c["args"], m["extraArgs"]
+        words = kvroute_engine_flags(engine_flags_argv(m))
+        dcp = int(m["decodeContextParallelSize"])
+        if dcp > 1 and (m["plugin"]["preset"] == "prefix" or not m["plugin"]["enabled"]):
+            # the prefix preset does not write DCP; the chart keeps the setting
+            words += ["--decode-context-parallel-size", str(dcp), "--dcp-comm-backend"]
+            words += [m["dcpCommBackend"]]
+        n_own = len(args) - len(words) - len(extra)
+        own = args[:n_own]
+        assert args[n_own:] == words + list(extra), name
+        assert own[0] == f"--model={m['model']}", own
+        assert {a.split("=", 1)[0] for a in own} <= CHART_OWN_FLAGS, own
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_worker_args_are_exactly_the_plugin_preset(chart, name):
+    assert_worker_args_are_the_plugins(chart, example(name))
+
+
+ENGINE_VARIATIONS = {
+    "gpu-host-tier-arc-no-cadence": {"workers": {"defaults": {
+        "plugin": {"cadence": {"enabled": False}},
+        "offload": {"hostBytes": 68719476736, "evictionPolicy": "arc"},
+    }}},
+    "odd-floats-ports-retention-no-long-prefill": {"workers": {"defaults": {
+        "kvEvents": {"port": 6001, "replayPort": 7002},
+        "plugin": {"cadence": {"interval": 2, "maxDeferSteps": 0, "maxDeferMs": 62.5,
+                               "backlogScale": 0.75},
+                   "longPrefillTokenThreshold": 0},
+        "offload": {"hostBytes": 1000, "diskDir": "/mnt/nvme-0/kv_tier.d",
+                    "retention": {"enabled": True, "ttlSeconds": 90.25, "maxShare": 0.0001}},
+    }}},
+    "agentic-dcp": {"workers": {"defaults": {
+        "tensorParallelSize": 4, "decodeContextParallelSize": 2, "dcpCommBackend": "a2a",
+    }}},
+    "prefix-preset-dcp": {"workers": {"defaults": {
+        "tensorParallelSize": 4, "decodeContextParallelSize": 4, "plugin": {"preset": "prefix"},
+    }}},
+    "plugin-and-events-off": {"workers": {"defaults": {
+        "plugin": {"enabled": False}, "kvEvents": {"enabled": False},
+        "extraArgs": ["--max-num-seqs=64"],
+    }}},
+    "per-model-overrides": {"workers": {"models": [
+        {"name": "a", "model": "m/a", "plugin": {"cadence": {"interval": 2}}},
+        {"name": "b", "model": "m/b", "cpu": True, "offload": {"hostBytes": 4096,
+         "retention": {"enabled": True}}},
+    ], "defaults": {"plugin": {"preset": "agentic"}}}, "kvCache": {"blockSize": 32}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ENGINE_VARIATIONS)
+def test_worker_args_are_exactly_the_plugin_preset_for_other_settings(chart, name):
+    assert_worker_args_are_the_plugins(chart, ENGINE_VARIATIONS[name])
+
+
+def word_after(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_worker_args_carry_plugin_kv_events_and_tiers(chart):
     objs = objects(render(chart, example("h200-70b-tp4")))
     sts = find(objs, "StatefulSet", "kv-kvroute-llama-70b")
     c = container(sts, "vllm")
     args = c["args"]
-    assert flag(args, "--enable-prefix-caching") == ""
-    assert flag(args, "--prefix-caching-hash-algo") == "sha256_cbor"
-    assert flag(args, "--enable-prompt-tokens-details") == ""
+    assert word_after(args, "--prefix-caching-hash-algo") == "sha256_cbor"
+    assert "--enable-prompt-tokens-details" in args
     assert flag(args, "--block-size") == "16"
     assert flag(args, "--tensor-parallel-size") == "4"
-    ev = json.loads(flag(args, "--kv-events-config") or "")
+    ev = json.loads(word_after(args, "--kv-events-config"))
     assert ev["enable_kv_cache_events"] is True and ev["publisher"] == "zmq"
     assert ev["endpoint"] == "tcp://*:5557" and ev["replay_endpoint"] == "tcp://*:5558"
-    tc = json.loads(flag(args, "--kv-transfer-config") or "")
+    assert word_after(args, "--scheduler-cls") == "engine_patches.scheduler.CadenceAsyncScheduler"
+    tc = json.loads(word_after(args, "--kv-transfer-config"))
     assert tc["kv_connector"] == "OffloadingConnector"
     extra = tc["kv_connector_extra_config"]
-    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert (extra["spec_name"], extra["spec_module_path"]) == (
+        "KVRouteTieringSpec",
+        "engine_patches.offload",
+    )
     assert extra["cpu_bytes_to_use"] == 800_000_000_000
-    assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/kv-disk"}]
+    assert extra["eviction_policy"] == "AgentRetentionPolicy"
+    assert extra["secondary_tiers"] == [
+        {"type": "fs", "root_dir": "/kv-disk", "enable_kv_events": True}
+    ]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
     env = env_of(c)
-    assert env["VLLM_PLUGINS"]["value"] == "kvroute"
-    assert env["KVROUTE_ENGINE_PRESET"]["value"] == "agentic"
+    # no allowlist (vLLM loads every general plugin, kvroute_engine among them); the plugin
+    # reads no preset from the environment: the flags carry everything
+    assert "VLLM_PLUGINS" not in env and "KVROUTE_ENGINE_PRESET" not in env
     assert env["PYTHONPATH"]["value"] == "/opt/kvroute-plugin"
     (init,) = sts["spec"]["template"]["spec"]["initContainers"]
     assert init["command"][-1] == "kvroute==0.1.0"  # pinned to the chart: no version drift
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    mounts = {v["name"]: v["mountPath"] for v in c["volumeMounts"]}
+    assert mounts["kv-disk"] == "/kv-disk"
     svc = find(objs, "Service", "kv-kvroute-workers")
     assert svc["spec"]["clusterIP"] == "None"
     assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "kv-events", "kv-replay"}
+    cfg = yaml.safe_load(find(objs, "ConfigMap", "kv-kvroute-router")["data"]["router.yaml"])
+    assert cfg["engine_hints"] is True and cfg["kv"]["hash_algo"] == "sha256_cbor"
 
 
 def test_cpu_mode_runs_vllm_cpu_on_the_tiny_model(chart):
@@ -356,11 +507,23 @@ def test_cpu_mode_runs_vllm_cpu_on_the_tiny_model(chart):
     assert flag(c["args"], "--kv-cache-memory-bytes") == "256M"
     assert flag(c["args"], "--block-size") == "32"
     assert flag(c["args"], "--tensor-parallel-size") is None
+    # the plugin's synchronous scheduler and its host tier, which runs on vLLM-CPU
+    assert word_after(c["args"], "--scheduler-cls") == "engine_patches.scheduler.CadenceScheduler"
+    tc = json.loads(word_after(c["args"], "--kv-transfer-config"))
+    assert tc["kv_connector_extra_config"]["spec_name"] == "KVRouteOffloadingSpec"
     assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
     (init,) = sts["spec"]["template"]["spec"]["initContainers"]
     assert init["command"] == ["kvroute", "model", "build", "--out", "/models/tiny"]
     router = find(objs, "Deployment")["spec"]["template"]["spec"]
     assert router["initContainers"][0]["command"] == init["command"]  # same tokenizer bytes
+
+
+def test_a_models_cadence_override_keeps_the_other_cadence_defaults(chart):
+    values = ENGINE_VARIATIONS["per-model-overrides"]
+    c = container(find(objects(render(chart, values)), "StatefulSet", "kv-kvroute-a"), "vllm")
+    cadence = json.loads(word_after(c["args"], "--additional-config"))["kvroute"]["cadence"]
+    assert cadence == {"interval": 2, "max_defer_steps": 16, "max_defer_ms": 500.0,
+                       "backlog_scale": 16.0}  # fmt: skip
 
 
 def test_engine_command_and_plugin_are_switchable(chart):
@@ -373,6 +536,7 @@ def test_engine_command_and_plugin_are_switchable(chart):
     )
     assert c["command"] == ["vllm", "serve"] and c["args"][-1] == "--max-num-seqs=64"
     assert "VLLM_PLUGINS" not in env_of(c) and flag(c["args"], "--kv-events-config") is None
+    assert "PYTHONPATH" not in env_of(c) and "--scheduler-cls" not in c["args"]
     over = {"workers": {"models": [{"name": "m", "overrideArgs": ["--model=x", "--port=8000"]}]}}
     c = container(find(objects(render(chart, over)), "StatefulSet", "kv-kvroute-m"), "vllm")
     assert c["args"] == ["--model=x", "--port=8000"]
@@ -440,10 +604,27 @@ CONTRADICTIONS = [
     ),
     ({"workers": {"models": [{"name": "a"}]}}, "workers.models[a].model is required"),
     (
-        {"workers": {"defaults": {"prefixCaching": False}}},
-        "kvEvents need prefixCaching",
+        {"workers": {"defaults": {"plugin": {"enabled": False}, "offload": {"hostBytes": 1}}}},
+        "the host/disk tiers are the plugin's",
+    ),
+    (
+        {"workers": {"defaults": {"plugin": {"preset": "prefix"}, "offload": {"hostBytes": 1}}}},
+        "set plugin.enabled=true and plugin.preset=agentic",
+    ),
+    (
+        {"workers": {"defaults": {"offload": {"retention": {"enabled": True}}}}},
+        "offload.retention holds host-tier KV; set offload.hostBytes too",
+    ),
+    (
+        {"workers": {"defaults": {"extraEnv": [{"name": "VLLM_PLUGINS", "value": "kvroute"}]}}},
+        "add kvroute_engine",
     ),
 ]
+
+
+def test_an_allowlist_naming_the_plugin_renders(chart):
+    env = [{"name": "VLLM_PLUGINS", "value": "lora_filesystem_resolver,kvroute_engine"}]
+    render(chart, {"workers": {"defaults": {"extraEnv": env}}})
 
 
 @pytest.mark.parametrize(("values", "message"), CONTRADICTIONS)
@@ -460,6 +641,11 @@ def test_schema_rejects_typos_and_bad_types(chart):
         {"workers": {"defaults": {"kind": "DaemonSet"}}},
         {"kvCache": {"blockSize": "16"}},
         {"workers": {"models": [{"name": "Bad_Name", "model": "x"}]}},
+        {"workers": {"defaults": {"plugin": {"preset": "agentic-ish"}}}},
+        {"workers": {"defaults": {"offload": {"evictionPolicy": "fifo"}}}},
+        {"workers": {"defaults": {"offload": {"diskDir": '/kv"disk'}}}},
+        {"workers": {"defaults": {"plugin": {"cadence": {"maxDeferMs": 2e6}}}}},
+        {"kvCache": {"hashAlgo": "xxhash"}},  # the presets hash with sha256_cbor only
     ):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(chart.merge_values(bad))

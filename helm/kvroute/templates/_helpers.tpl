@@ -54,8 +54,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/*
-One model's settings: workers.defaults, then the model's own keys (two levels deep, so a model
-may set a falsy value such as kvEvents.enabled: false). Use with fromJson.
+One model's settings: workers.defaults, then the model's own keys (key by key, so a model
+may set a falsy value such as kvEvents.enabled: false). Two levels deep, three for the
+chart's own settings maps (plugin.cadence, offload.retention); below free-form Kubernetes maps
+(resources, modelVolume, affinity, ...) a model's value replaces the default. Use with fromJson.
 (dict "root" $ "model" $model)
 */}}
 {{- define "kvroute.model" -}}
@@ -64,7 +66,15 @@ may set a falsy value such as kvEvents.enabled: false). Use with fromJson.
 {{- if and (kindIs "map" $v) (kindIs "map" (get $m $k)) -}}
 {{- $inner := deepCopy (get $m $k) -}}
 {{- range $k2, $v2 := $v -}}
+{{- if and (has $k (list "plugin" "offload")) (kindIs "map" $v2) (kindIs "map" (get $inner $k2)) -}}
+{{- $deep := deepCopy (get $inner $k2) -}}
+{{- range $k3, $v3 := $v2 -}}
+{{- $_ := set $deep $k3 $v3 -}}
+{{- end -}}
+{{- $_ := set $inner $k2 $deep -}}
+{{- else -}}
 {{- $_ := set $inner $k2 $v2 -}}
+{{- end -}}
 {{- end -}}
 {{- $_ := set $m $k $inner -}}
 {{- else -}}
@@ -112,4 +122,68 @@ may set a falsy value such as kvEvents.enabled: false). Use with fromJson.
     secretKeyRef:
       name: {{ .ref.name }}
       key: {{ .ref.key }}
+{{- end -}}
+
+{{/*
+A number as Python's json.dumps writes a float (500 -> 500.0, 0.5 -> 0.5). Exact for the
+ranges values.schema.json allows (below 1e6); used for the plugin's float settings.
+*/}}
+{{- define "kvroute.pyfloat" -}}
+{{- $f := float64 . -}}
+{{- if eq $f (float64 (int64 $f)) -}}
+{{- printf "%d.0" (int64 $f) -}}
+{{- else -}}
+{{- printf "%v" $f -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+One model's engine flags: the words engine_patches.presets.flags() produces for the same
+settings (what `kvroute engine flags --json --preset P --platform cpu|gpu --kv-events
+tcp://*:PORT --kv-events-replay tcp://*:REPLAY --host-tier-bytes N ...` prints; docs/engine.md),
+word for word and in its order, JSON keys in its order. tests/unit/test_helm_chart.py renders
+every example (and variations) and compares these words with the plugin's own output, so the
+chart cannot drift from the plugin. plugin.enabled false renders the `prefix` preset (no
+plugin code: prefix caching, prompt-token details, KV events). DCP is appended for the
+`prefix` preset too (the preset itself only writes it with `agentic`).
+A JSON list; use with fromJsonArray. (dict "model" $m)
+*/}}
+{{- define "kvroute.engineFlags" -}}
+{{- $m := .model -}}
+{{- $p := $m.plugin -}}
+{{- $o := $m.offload -}}
+{{- $preset := ternary $p.preset "prefix" $p.enabled -}}
+{{- $out := list "--enable-prefix-caching" "--prefix-caching-hash-algo" "sha256_cbor" "--enable-prompt-tokens-details" -}}
+{{- if $m.kvEvents.enabled -}}
+{{- $ev := printf `{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:%d","replay_endpoint":"tcp://*:%d","topic":"kv"}` (int $m.kvEvents.port) (int $m.kvEvents.replayPort) -}}
+{{- $out = concat $out (list "--kv-events-config" $ev) -}}
+{{- end -}}
+{{- if eq $preset "agentic" -}}
+{{- if $p.cadence.enabled -}}
+{{- $c := $p.cadence -}}
+{{- $cls := ternary "engine_patches.scheduler.CadenceScheduler" "engine_patches.scheduler.CadenceAsyncScheduler" $m.cpu -}}
+{{- $cc := printf `{"kvroute":{"cadence":{"interval":%d,"max_defer_steps":%d,"max_defer_ms":%s,"backlog_scale":%s}}}` (int64 $c.interval) (int64 $c.maxDeferSteps) (include "kvroute.pyfloat" $c.maxDeferMs) (include "kvroute.pyfloat" $c.backlogScale) -}}
+{{- $out = concat $out (list "--scheduler-cls" $cls "--additional-config" $cc) -}}
+{{- end -}}
+{{- if gt (int64 $p.longPrefillTokenThreshold) 0 -}}
+{{- $out = concat $out (list "--long-prefill-token-threshold" (printf "%d" (int64 $p.longPrefillTokenThreshold))) -}}
+{{- end -}}
+{{- if gt (int64 $o.hostBytes) 0 -}}
+{{- $spec := ternary "KVRouteTieringSpec" "KVRouteOffloadingSpec" (ne $o.diskDir "") -}}
+{{- $x := printf `"spec_name":"%s","spec_module_path":"engine_patches.offload","cpu_bytes_to_use":%d` $spec (int64 $o.hostBytes) -}}
+{{- if $o.retention.enabled -}}
+{{- $x = printf `%s,"eviction_policy":"AgentRetentionPolicy","cache_policy_module_path":"engine_patches.retention","retention":{"ttl_s":%s,"max_share":%s}` $x (include "kvroute.pyfloat" $o.retention.ttlSeconds) (include "kvroute.pyfloat" $o.retention.maxShare) -}}
+{{- else -}}
+{{- $x = printf `%s,"eviction_policy":"%s"` $x $o.evictionPolicy -}}
+{{- end -}}
+{{- if $o.diskDir -}}
+{{- $x = printf `%s,"secondary_tiers":[{"type":"fs","root_dir":%s,"enable_kv_events":true}]` $x (toJson $o.diskDir) -}}
+{{- end -}}
+{{- $out = concat $out (list "--kv-transfer-config" (printf `{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{%s}}` $x)) -}}
+{{- end -}}
+{{- end -}}
+{{- if gt (int $m.decodeContextParallelSize) 1 -}}
+{{- $out = concat $out (list "--decode-context-parallel-size" (printf "%d" (int $m.decodeContextParallelSize)) "--dcp-comm-backend" $m.dcpCommBackend) -}}
+{{- end -}}
+{{- toJson $out -}}
 {{- end -}}

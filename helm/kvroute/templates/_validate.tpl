@@ -78,9 +78,6 @@ message names the keys to change. Included from validate.yaml (renders nothing o
 {{- if $model.gpus -}}
 {{- fail (printf "workers.models[%s]: cpu mode takes no GPUs; drop gpus" $n) -}}
 {{- end -}}
-{{- if $m.offload.hostBytes -}}
-{{- fail (printf "workers.models[%s]: vLLM-CPU refuses native KV offloading; set offload.hostBytes to 0 in cpu mode" $n) -}}
-{{- end -}}
 {{- else if lt (int $m.gpus) $tp -}}
 {{- fail (printf "workers.models[%s]: gpus (%d) is below tensorParallelSize (%d)" $n (int $m.gpus) $tp) -}}
 {{- end -}}
@@ -90,8 +87,18 @@ message names the keys to change. Included from validate.yaml (renders nothing o
 {{- if and $m.kvEvents.enabled (eq (int $m.kvEvents.port) (int $m.kvEvents.replayPort)) -}}
 {{- fail (printf "workers.models[%s].kvEvents: port and replayPort must differ" $n) -}}
 {{- end -}}
-{{- if and $m.kvEvents.enabled (not $m.prefixCaching) -}}
-{{- fail (printf "workers.models[%s]: kvEvents need prefixCaching (vLLM publishes block events only for cached blocks)" $n) -}}
+{{- if and $m.offload.hostBytes (not (and $m.plugin.enabled (eq $m.plugin.preset "agentic"))) -}}
+{{- fail (printf "workers.models[%s].offload: the host/disk tiers are the plugin's (KVRouteOffloadingSpec); set plugin.enabled=true and plugin.preset=agentic, or offload.hostBytes=0" $n) -}}
+{{- end -}}
+{{- if and $m.offload.retention.enabled (not $m.offload.hostBytes) -}}
+{{- fail (printf "workers.models[%s].offload.retention holds host-tier KV; set offload.hostBytes too" $n) -}}
+{{- end -}}
+{{- if $m.plugin.enabled -}}
+{{- range $e := $m.extraEnv -}}
+{{- if and (eq (toString $e.name) "VLLM_PLUGINS") (not (has "kvroute_engine" (splitList "," (toString $e.value)))) -}}
+{{- fail (printf "workers.models[%s].extraEnv: VLLM_PLUGINS %q is an allowlist of vLLM plugins and leaves out the engine plugin; add kvroute_engine (its entry point name) or drop VLLM_PLUGINS" $n (toString $e.value)) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if and $m.plugin.enabled (not (has $m.plugin.install (list "image" "pip"))) -}}
 {{- fail (printf "workers.models[%s].plugin.install must be image or pip" $n) -}}
