@@ -13,7 +13,7 @@ export KVROUTE_VLLM_PYTHON := $(VLLM_ENV)/bin/python
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: setup venv redis vllm-env engine-plugin model test test-fast test-vllm test-kernels demo bench bench-peers bench-kernels lint clean
+.PHONY: setup venv redis vllm-env engine-plugin model peers test test-fast test-vllm test-kernels demo bench bench-peers bench-kernels lint clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml kernels/constraints.txt
@@ -41,7 +41,12 @@ engine-plugin:
 model: $(STAMP)
 	@$(BIN)/kvroute model build >/dev/null
 
-setup: venv redis vllm-env model
+# sglang-router (its venv under $(KVROUTE_CACHE)): the demo compares against it and the
+# integration tier holds kvroute's sglang_tree to its decisions (test_sglang_agreement.py).
+peers:
+	@bash scripts/setup_peers.sh sglang >/dev/null
+
+setup: venv redis vllm-env model peers
 
 test: setup
 	$(PYTEST) tests
@@ -55,9 +60,7 @@ test-vllm: setup
 test-kernels: venv
 	$(PYTEST) -m kernels tests/kernels
 
-# The demo compares against the real sglang-router, so its set-up installs that peer too.
 demo: setup
-	@bash scripts/setup_peers.sh sglang >/dev/null
 	$(BIN)/kvroute demo
 
 bench: setup

@@ -241,12 +241,33 @@ class Router:
         log = self.workdir / f"router-{self.name.replace(':', '-')}-{self.port}.log"
         self._proc = ManagedProcess(argv, env, log, Path.cwd())
         self._proc.start()
+        deadline = time.monotonic() + timeout_s
         try:
-            _wait_http(self._proc, self.url + health, time.monotonic() + timeout_s, self.name)
+            _wait_http(self._proc, self.url + health, deadline, self.name)
+            if self.name.startswith("sglang:"):
+                self._wait_sglang_workers(deadline)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_sglang_workers(self, deadline: float) -> None:
+        """sglang-router answers /health once its *first* worker has registered (0.3.2: the
+        workers register concurrently): wait until /workers lists every one, healthy."""
+        assert self._proc is not None
+        ws: list[dict] = []
+        with httpx.Client(timeout=2.0) as c:
+            while time.monotonic() < deadline:
+                if not self._proc.alive():
+                    raise StackError(f"{self.name} exited:\n{self._proc.log_tail()}")
+                try:
+                    ws = c.get(self.url + "/workers").json().get("workers", [])
+                except (httpx.HTTPError, ValueError):
+                    ws = []
+                if len(ws) >= len(self.replicas) and all(w.get("is_healthy") for w in ws):
+                    return
+                time.sleep(0.05)
+        raise StackError(f"{self.name} lists {len(ws)} of {len(self.replicas)} workers in time")
 
     def stop(self) -> None:
         if self._proc is not None:

@@ -224,13 +224,16 @@ def test_llmd_prefix_scorer_and_policy():
         ((0, 80), {}, "A"),  # imbalanced (> 64 apart and > 1.5x): least loaded wins
         ((0, 64), {"B": N}, "B"),  # 64 apart is not > 64: balanced, B's tree matches
         ((1, 0), {"A": N}, "A"),  # balanced, A's tree matches: cache wins
-        ((0, 1), {"A": -10, "B": -50}, "A"),  # no match anywhere: smallest tree wins
+        ((1, 0), {"A": -10, "B": -50}, "B"),  # no match anywhere: least loaded wins (0.3.2)
+        ((0, 0), {"A": -50, "B": -10}, "A"),  # ... at equal load the first replica, always
         ((0, 1), {"A": -100, "B": 601}, "B"),  # rate 601/2000 > 0.3: B's match wins
-        ((0, 1), {"A": -100, "B": 600}, "A"),  # rate exactly 0.3 is not > 0.3: smallest tree
+        ((0, 1), {"A": -100, "B": 600}, "A"),  # rate exactly 0.3 is not > 0.3: least loaded
+        ((0, 0), {"A": N, "B": N}, "A"),  # equal matches: the first replica
     ],
 )
 def test_sglang_tree_rules(loads, history, expect):
-    """sglang-router's cache_aware rules, thresholds strict, load = the router's in-flight.
+    """sglang-router 0.3.2's cache_aware rules, thresholds strict, load = the router's
+    in-flight, ties to the first replica (one winner: the picker never draws among equals).
     ``history``: replica -> n blocks of this prompt routed there (n < 0: -n other blocks)."""
     st = state()
     other = list(range(7_000_000, 7_000_000 + 1000))
@@ -240,6 +243,24 @@ def test_sglang_tree_rules(loads, history, expect):
     eps = [ep("A", inflight=loads[0]), ep("B", inflight=loads[1])]
     s = SGLangTree().score(ctx_for(), snap(st, eps), eps)
     assert max(s, key=s.get) == expect
+    assert sorted(s.values()).count(1.0) == 1
+
+
+def test_sglang_tree_smallest_tree_rule_of_the_older_router():
+    """``miss: smallest_tree`` (earlier sgl-router releases): a miss goes to the smallest
+    tree, where 0.3.2 takes the least-loaded replica."""
+    st = state()
+    for r, n in (("A", 50), ("B", 10)):
+        st.approx.set_capacity(r, 100_000)
+        st.approx.record(r, list(range(7_000_000 + n * 1000, 7_000_000 + n * 1001)))
+    eps = [ep("A"), ep("B", inflight=1)]
+    s = SGLangTree(miss="smallest_tree").score(ctx_for(), snap(st, eps), eps)
+    assert max(s, key=s.get) == "B"
+    assert (
+        max(SGLangTree().score(ctx_for(), snap(st, eps), eps).items(), key=lambda t: t[1])[0] == "A"
+    )
+    with pytest.raises(TypeError, match="miss"):
+        SGLangTree(miss="random")
 
 
 def test_kv_config_from_env_and_mapping():
