@@ -34,6 +34,9 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })  # fmt: skip
+# Never forwarded: the client's cookies and admin key are the router's business, and the body
+# goes upstream decoded (the HTTP parser undid any gzip/deflate), so its old label goes too.
+CLIENT_ONLY = frozenset({"cookie", "x-admin-key", "content-encoding"})
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 BUFFERED_MAX = 4 << 20  # sized non-SSE responses up to this are read whole, then sent
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
@@ -48,7 +51,7 @@ def _drop(headers: Mapping[str, str]) -> frozenset[str]:
 def upstream_headers(
     headers: CIMultiDictProxy[str], rid: str, upstream_key: str | None, strip_auth: bool
 ) -> CIMultiDict[str]:
-    drop = _drop(headers)
+    drop = _drop(headers) | CLIENT_ONLY
     if strip_auth or upstream_key:
         drop = drop | {"authorization", "x-api-key"}
     out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
@@ -101,7 +104,10 @@ async def forward(
     route = ctx.route
     headers = upstream_headers(request.headers, ctx.request_id, cfg.upstream_api_key,
                                cfg.auth_enabled)  # fmt: skip
-    path = request.rel_url.raw_path_qs
+    # only the matched API route goes upstream, never the client's raw path (the app's routes
+    # are an allow-list and the front door refused dot segments before routing)
+    query = request.rel_url.raw_query_string
+    path = route + ("?" + query if query else "")
     tried: set[str] = set()
     last_problem = "no healthy replica"
     for attempt in range(cfg.retries + 1):
@@ -164,11 +170,18 @@ async def _stream_from(
     app = request.app
     metrics = app[METRICS]
     name = replica.name
+    if replica.auth:  # credentials from the replica's URL win over the upstream key
+        headers = headers.copy()
+        headers["Authorization"] = replica.auth
+    first_byte = app[CONFIG].first_byte_timeout_s if ctx.body.get("stream") is True else 0.0
     try:
-        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts
-        resp = await app[CLIENT].request(
-            request.method, replica.url + path, data=raw, headers=headers
-        )
+        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts, and for
+        # a stream by first_byte_timeout_s: a replica that sent nothing (frozen, stuck) is
+        # left, and the call that has received nothing goes to another one
+        async with asyncio.timeout(first_byte if first_byte > 0 else None):
+            resp = await app[CLIENT].request(
+                request.method, replica.url + path, data=raw, headers=headers
+            )
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
         raise _RetryElsewhere("no_response", f"{type(e).__name__}") from None
