@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.errors import error_response, request_id
 from router.keys import CALLS, CONFIG, KV, METRICS, PIPELINE, REPLICAS, RUNTIME, STORE
+from router.openapi import openapi_document
 from router.outcome import CallOutcome
 from router.proxy import forward
 from router.scheduling import RequestContext
@@ -188,6 +189,10 @@ async def handle_model(request: web.Request) -> web.Response:
     return error_response("/v1/models", 404, "the model does not exist", "model_not_found")
 
 
+async def handle_openapi(request: web.Request) -> web.Response:
+    return web.Response(body=orjson.dumps(openapi_document()), content_type="application/json")
+
+
 async def handle_health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -314,6 +319,7 @@ def add_routes(app: web.Application) -> None:
         app.router.add_post(path, handle_inference)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model}", handle_model)
+    app.router.add_get("/openapi.json", handle_openapi)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/ready", handle_ready)
     app.router.add_get("/metrics", handle_metrics)

@@ -26,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 from aiohttp.web_server import Server
@@ -94,6 +95,9 @@ class FrontDoorHandler(RequestHandler):
     def log_exception(self, *args: Any, **kw: Any) -> None:
         exc = kw.get("exc_info")
         msg = str(args[0]) if args else "error"
+        if isinstance(exc, RequestPayloadError | HttpProcessingError):  # the client's fault
+            log.info("%s: %s", msg.split(" from ")[0], _exc_name(exc))
+            return
         log.error("%s: %s (message withheld)\n%s", msg.split(" from ")[0], _exc_name(exc),
                   _where(exc if isinstance(exc, BaseException) else None))  # fmt: skip
 
@@ -145,7 +149,7 @@ class FrontDoorRunner(web.AppRunner):
     async def _make_server(self) -> Server:
         base = await super()._make_server()  # starts the app, builds the stock server
         server = FrontDoorServer(
-            base.request_handler,
+            _outside_middlewares(base.request_handler),
             request_factory=base.request_factory,
             handler_cancellation=base.handler_cancellation,
             loop=base._loop,
@@ -153,6 +157,28 @@ class FrontDoorRunner(web.AppRunner):
         )
         server.header_timeout_s = self._header_timeout_s
         return server
+
+
+def _as_json(request: web.BaseRequest, e: web.HTTPException) -> web.Response:
+    headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+    return error_response(request.path, e.status, status_message(e.status),
+                          status_error_type(e.status), headers=headers)  # fmt: skip
+
+
+def _outside_middlewares(handler: Any) -> Any:
+    """aiohttp answers some requests before the app's middlewares run — an ``Expect`` header
+    other than ``100-continue`` raises a plain-text 417 that quotes the header — so the
+    server's own handler is wrapped as well."""
+
+    async def handle(request: web.BaseRequest) -> StreamResponse:
+        try:
+            return cast(StreamResponse, await handler(request))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _as_json(request, e)
+
+    return handle
 
 
 # ---- the middleware ----------------------------------------------------------------------
@@ -194,9 +220,7 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        return error_response(route, e.status, status_message(e.status),
-                              status_error_type(e.status), headers=headers)  # fmt: skip
+        return _as_json(request, e)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as e:
