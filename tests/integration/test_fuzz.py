@@ -179,7 +179,7 @@ _path_junk = st.sampled_from(
         "/reset_prefix_cache",
         "%20",
         "/%c3%28",
-    ]  # fmt: skip
+    ]
 )
 paths = st.one_of(
     st.sampled_from(ROUTES),
@@ -196,7 +196,7 @@ json_values = st.recursive(
     lambda inner: st.one_of(
         st.lists(inner, max_size=4),
         st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=8)), inner, max_size=5),
-    ),  # fmt: skip
+    ),
     max_leaves=8,
 )
 valid_bodies = st.fixed_dictionaries(
@@ -207,7 +207,7 @@ valid_bodies = st.fixed_dictionaries(
                 {
                     "role": st.sampled_from(["user", "system", "assistant", "tool"]),
                     "content": st.one_of(st.text(max_size=30), json_values),
-                }  # fmt: skip
+                }
             ),
             max_size=3,
         ),
@@ -235,7 +235,7 @@ bodies = st.one_of(
         valid_bodies.map(orjson.dumps),
         st.integers(0, 60),
         st.binary(min_size=1, max_size=3),
-    ),  # fmt: skip
+    ),
     st.sampled_from([_deep(990), _deep(1100), b"", b"null", b"[]", b'"x"', b"{" * 5000]),
 )
 
@@ -260,13 +260,13 @@ header_values = st.one_of(
             b"100-continue",
             b"true",
         ]
-    ),  # fmt: skip
+    ),
 )
 header_lines = st.lists(
     st.one_of(
         st.builds(
             lambda n, v: n.encode() + b": " + v, st.sampled_from(HEADER_NAMES), header_values
-        ),  # fmt: skip
+        ),
         st.binary(max_size=40).map(_no_crlf),
     ),
     max_size=5,
