@@ -171,6 +171,13 @@ def _outside_middlewares(handler: Any) -> Any:
     server's own handler is wrapped as well."""
 
     async def handle(request: web.BaseRequest) -> StreamResponse:
+        problem = header_problem(request)
+        if problem is None:
+            expect = request.headers.get("expect")
+            if expect is not None and expect.lower() != "100-continue":
+                return error_response(request.path, 417, "only Expect: 100-continue is served")
+        else:
+            return error_response(request.path, 400, problem)
         try:
             return cast(StreamResponse, await handler(request))
         except web.HTTPException as e:

@@ -3,10 +3,10 @@
 Owns: the twin's web application — ``/v1/completions``, ``/v1/chat/completions`` (streaming
 and not), ``/v1/messages`` (+ ``count_tokens``) and ``/v1/responses`` (in
 :mod:`loadtest.twin.apis`), ``/v1/models``, ``/tokenize``, ``/health``, ``/load``,
-``/metrics`` (vLLM's metric names, :mod:`loadtest.twin.exporter`), ``POST /reset_prefix_cache`` — with vLLM's error shapes
-and status codes, and :func:`serve` to run one. The engine loop is
-:mod:`loadtest.twin.replica`'s, the event publisher :mod:`loadtest.twin.publisher`'s. Must not
-import torch or vllm.
+``/metrics`` (vLLM's metric names, :mod:`loadtest.twin.exporter`),
+``POST /reset_prefix_cache`` — with vLLM's error shapes and status codes, and :func:`serve`
+to run one. The engine loop is :mod:`loadtest.twin.replica`'s, the event publisher
+:mod:`loadtest.twin.publisher`'s. Must not import torch or vllm.
 """
 
 from __future__ import annotations

@@ -261,3 +261,13 @@ async def test_a_replica_that_never_answers_loses_no_call(fakes, router, http):
     assert good.completed == 4 and len(stuck.seen) >= 1
     async with http.get(url + "/metrics") as r:
         assert 'kvroute_retries_total{reason="no_response"}' in await r.text()
+
+
+async def test_expect_headers_are_answered_in_json(fakes, router):
+    (f,) = await fakes(1)
+    url, _ = await router([f.url])
+    for value in (b"zz9", b"\x80", b"secret-value"):
+        status, _, body = await raw(url, post("/v1/chat/completions", orjson.dumps(CHAT),
+                                                    b"Expect: " + value + b"\r\n"))  # fmt: skip
+        assert status in (400, 417) and value not in body
+        is_json_error(body)
