@@ -12,6 +12,7 @@ torch, vllm or loadtest; does not parse response bodies (observers may).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Mapping
@@ -75,6 +76,20 @@ async def place_session(
     store = app[STORE]
     chosen = decision.endpoint.name
     if record is None:
+        return chosen
+    if store.backend == "redis" and not store.up:
+        # Redis away: every router must give a session the same answer without talking to
+        # the others — the binding this router holds, else a rendezvous hash of the session
+        # over the replicas the policy ranked (the same healthy set on every router)
+        names = [e.name for e, _ in decision.ranked]
+        if record.replica not in names:
+            chosen = rendezvous(ctx.identity.key, names) or chosen
+        else:
+            chosen = record.replica
+        if record.replica != chosen:
+            await store.assign(ctx.identity.key, chosen)  # local view, written back later
+        app[METRICS].placed(record.replica, chosen, decision)
+        record.replica = chosen
         return chosen
     if record.replica is None:
         owner = await store.claim(ctx.identity.key, chosen)
@@ -147,6 +162,17 @@ async def forward(
         headers={"Retry-After": str(max(1, int(cfg.health_interval_s))),
                  "X-Request-Id": ctx.request_id},
     )  # fmt: skip
+
+
+def rendezvous(key: str, names: list[str]) -> str | None:
+    """Highest-random-weight choice of ``names`` for ``key`` (stable across processes)."""
+    best, best_w = None, b""
+    for n in names:
+        w = hashlib.blake2b(f"{key}\x00{n}".encode("utf-8", "surrogateescape"),
+                            digest_size=8).digest()  # fmt: skip
+        if best is None or w > best_w:
+            best, best_w = n, w
+    return best
 
 
 class _RetryElsewhere(Exception):
