@@ -82,6 +82,7 @@ class RouterConfig:
     # a streamed call whose replica sent no response head by then is moved to another
     # replica (0: off; non-streamed calls wait read_timeout_s: their head follows generation)
     first_byte_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 60.0  # silence after a stream's first chunk (0: off)
     header_timeout_s: float = 10.0  # a client's request head must be complete by then
     idle_timeout_s: float = 75.0  # a client connection with no request in progress
     client_body_timeout_s: float = 30.0  # a client must finish sending its body by then

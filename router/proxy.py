@@ -237,9 +237,13 @@ async def _stream_from(
         tail = b""
         status = str(resp.status)
         it = resp.content.iter_any()
+        idle = app[CONFIG].stream_idle_timeout_s
         while True:
             try:
-                chunk = await it.__anext__()
+                # before the first chunk the wait is prefill (read_timeout_s); after it, a
+                # replica silent for stream_idle_timeout_s is frozen: end with an error event
+                async with asyncio.timeout(idle if first_at is not None and idle > 0 else None):
+                    chunk = await it.__anext__()
             except StopAsyncIteration:
                 break
             except UPSTREAM_ERRORS as e:

@@ -271,3 +271,15 @@ async def test_expect_headers_are_answered_in_json(fakes, router):
                                                     b"Expect: " + value + b"\r\n"))  # fmt: skip
         assert status in (400, 417) and value not in body
         is_json_error(body)
+
+
+async def test_a_replica_frozen_mid_stream_ends_the_stream_with_an_sse_error(fakes, router, http):
+    (f,) = await fakes(1, chunk_delay_s=20)  # one chunk, then silence
+    url, _ = await router([f.url], stream_idle_timeout_s=0.3)
+    t0 = time.monotonic()
+    async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+        got = await r.read()
+    assert time.monotonic() - t0 < 5
+    assert got.startswith(SSE_CHUNKS[0])
+    tail = got[len(SSE_CHUNKS[0]) :]
+    assert orjson.loads(tail.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
