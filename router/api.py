@@ -7,8 +7,9 @@ the send are :class:`router.call.CallSequence`'s; the send itself is :mod:`route
 Must not import :mod:`router.app` (which imports this), torch, vllm or loadtest.
 
 Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
-``/v1/messages`` and any other ``POST /v1/*`` (passthrough to a chosen replica);
-``GET /v1/models`` (union over healthy replicas), ``/health`` (liveness), ``/ready``
+``/v1/messages`` and the passthrough API routes (:data:`PASSTHROUGH_ROUTES`, sent to a chosen
+replica) — an allow-list: no other path reaches a replica; ``GET /v1/models`` (union over
+healthy replicas), ``GET /v1/models/{id}``, ``/health`` (liveness), ``/ready``
 (a healthy replica and not draining), ``/metrics``; ``GET /admin/replicas``,
 ``GET /admin/sessions``, ``GET /admin/config``, ``POST /admin/route?explain=1``.
 """
@@ -22,11 +23,13 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.errors import error_response, request_id
 from router.hints import HINTED_ROUTES, retention_hint
 from router.keys import CALLS, CONFIG, KV, METRICS, PIPELINE, REPLICAS, RUNTIME, STORE
+from router.openapi import openapi_document
 from router.outcome import CallOutcome
 from router.proxy import forward
 from router.scheduling import RequestContext
@@ -34,6 +37,16 @@ from router.scheduling.pipeline import NoCandidates
 from router.sessions import identify
 
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+# other vLLM API routes that take a JSON body and are proxied to a scheduled replica as they are
+PASSTHROUGH_ROUTES = (
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/v1/classify",
+)
+# request body encodings the HTTP parser decodes (the body then goes upstream plain)
+BODY_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
 
 
 class _Reject(Exception):
@@ -58,6 +71,10 @@ def _tenant(request: web.Request, route: str) -> str:
 
 async def _read_json(request: web.Request, route: str) -> tuple[bytes, dict[str, Any]]:
     cfg = request.app[CONFIG]
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in BODY_ENCODINGS:
+        raise _Reject(error_response(route, 415, "unsupported Content-Encoding (use gzip, "
+                                     "deflate or none)"))  # fmt: skip
     if request.content_length is not None and request.content_length > cfg.max_body_bytes:
         raise _Reject(error_response(route, 413, f"body over {cfg.max_body_bytes} bytes",
                                      "request_too_large"))  # fmt: skip
@@ -73,10 +90,14 @@ async def _read_json(request: web.Request, route: str) -> tuple[bytes, dict[str,
     except web.HTTPRequestEntityTooLarge:
         raise _Reject(error_response(route, 413, f"body over {cfg.max_body_bytes} bytes",
                                      "request_too_large")) from None  # fmt: skip
+    except RequestPayloadError:  # a gzip/deflate body that does not decode
+        raise _Reject(error_response(route, 400, "the body does not decode as its "
+                                     "Content-Encoding says")) from None  # fmt: skip
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise _Reject(error_response(route, 400, f"invalid JSON body: {e}")) from None
+    except orjson.JSONDecodeError as e:  # position only: the message quotes no body bytes
+        where = f" at line {e.lineno} column {e.colno}" if e.lineno else ""
+        raise _Reject(error_response(route, 400, f"invalid JSON body{where}")) from None
     if not isinstance(body, dict):
         raise _Reject(error_response(route, 400, "the JSON body must be an object"))
     model = body.get("model")
@@ -94,7 +115,7 @@ def known_models(app: web.Application) -> set[str]:
 def _check_model(app: web.Application, route: str, model: str | None) -> None:
     models = known_models(app)
     if model and models and model not in models:
-        raise _Reject(error_response(route, 404, f"model {model!r} does not exist",
+        raise _Reject(error_response(route, 404, "the model does not exist",
                                      "model_not_found"))  # fmt: skip
 
 
@@ -115,7 +136,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     app = request.app
     path = request.path
-    route = path if path in INFERENCE_ROUTES else "/v1/*"
+    route = path if path in INFERENCE_ROUTES else "/v1/*"  # metric label
     rt = app[RUNTIME]
     if rt.draining:
         return error_response(path, 503, "router is shutting down", "service_unavailable",
@@ -154,6 +175,25 @@ async def handle_models(request: web.Request) -> web.Response:
                         content_type="application/json")  # fmt: skip
 
 
+async def handle_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}``: the card from a healthy replica, else vLLM's JSON 404."""
+    try:
+        _tenant(request, "/v1/models")
+    except _Reject as rej:
+        return rej.response
+    want = request.match_info["model"]
+    for r in request.app[REPLICAS]:
+        if r.healthy:
+            for card in r.model_cards:
+                if str(card["id"]) == want:
+                    return web.Response(body=orjson.dumps(card), content_type="application/json")
+    return error_response("/v1/models", 404, "the model does not exist", "model_not_found")
+
+
+async def handle_openapi(request: web.Request) -> web.Response:
+    return web.Response(body=orjson.dumps(openapi_document()), content_type="application/json")
+
+
 async def handle_health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -189,7 +229,7 @@ def _admin(request: web.Request) -> None:
     auth = request.headers.get("authorization", "")
     if not given and auth[:7].lower() == "bearer ":  # X-Admin-Key wins: Authorization may
         given = auth[7:].strip()  # carry the client key of the request being explained
-    if not hmac.compare_digest(given.encode(), key.encode()):
+    if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
         raise _Reject(error_response("/admin", 401, "invalid admin key", "authentication_error"))
 
 
@@ -278,8 +318,11 @@ async def admin_route(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     for path in INFERENCE_ROUTES:
         app.router.add_post(path, handle_inference)
+    for path in PASSTHROUGH_ROUTES:
+        app.router.add_post(path, handle_inference)
     app.router.add_get("/v1/models", handle_models)
-    app.router.add_post("/v1/{tail:.+}", handle_inference)
+    app.router.add_get("/v1/models/{model}", handle_model)
+    app.router.add_get("/openapi.json", handle_openapi)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/ready", handle_ready)
     app.router.add_get("/metrics", handle_metrics)

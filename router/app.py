@@ -23,6 +23,7 @@ from aiohttp import web
 from router import api
 from router.call import CallSequence, DecisionHook, Observer, PromptAnalyzer
 from router.config import RouterConfig
+from router.frontdoor import FrontDoorRunner, json_errors
 from router.keys import (
     CALLS,
     CLIENT,
@@ -124,7 +125,7 @@ def build_app(
     """The router app. ``kv`` installs the KV layer (its analyzer, its ``"kv"`` view, its
     observer, and its event subscribers following the app's replica set); ``analyzer``,
     ``state_providers`` and ``observers`` are the bare seams (tests, out-of-tree layers)."""
-    app = web.Application(client_max_size=cfg.max_body_bytes)
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[json_errors])
     app[CONFIG] = cfg
     metrics = app[METRICS] = RouterMetrics()
     app[REPLICAS] = ReplicaSet(cfg.breaker_failures, cfg.breaker_cooldown_s)
@@ -161,10 +162,14 @@ def build_app(
 async def start_site(
     app: web.Application, host: str = "127.0.0.1", port: int = 0
 ) -> tuple[web.AppRunner, str]:
-    """Start ``app`` on ``host:port`` (0 = a free port); returns the runner and base URL."""
+    """Start ``app`` on ``host:port`` (0 = a free port); returns the runner and base URL.
+    Connections get the front door (:mod:`router.frontdoor`): JSON parser errors without
+    echo, ``header_timeout_s`` for a request head, ``idle_timeout_s`` without a request."""
     cfg = app[CONFIG]
-    runner = web.AppRunner(
+    runner = FrontDoorRunner(
         app,
+        header_timeout_s=cfg.header_timeout_s,
+        keepalive_timeout=cfg.idle_timeout_s,
         handler_cancellation=True,  # a client disconnect cancels the handler: abort upstream
         max_line_size=cfg.max_header_bytes,
         max_field_size=cfg.max_header_bytes,

@@ -40,6 +40,18 @@ def mask_url_password(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+def strip_url_credentials(url: str) -> str:
+    """``http://user:secret@host:8000/x`` -> ``http://host:8000/x``: the form a URL takes
+    wherever it is shown (names, metrics labels, admin views, logs)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 @dataclass
 class RouterConfig:
     host: str = "127.0.0.1"
@@ -67,6 +79,12 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # longest upstream silence, incl. the first byte (prefill)
+    # a streamed call whose replica sent no response head by then is moved to another
+    # replica (0: off; non-streamed calls wait read_timeout_s: their head follows generation)
+    first_byte_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 60.0  # silence after a stream's first chunk (0: off)
+    header_timeout_s: float = 10.0  # a client's request head must be complete by then
+    idle_timeout_s: float = 75.0  # a client connection with no request in progress
     client_body_timeout_s: float = 30.0  # a client must finish sending its body by then
     max_body_bytes: int = 32 << 20
     max_header_bytes: int = 8190
@@ -91,6 +109,10 @@ class RouterConfig:
                 v = "***"
             elif f.name == "redis_url" and v:
                 v = mask_url_password(v)
+            elif f.name == "k8s_api_url" and v:
+                v = strip_url_credentials(v)
+            elif f.name in ("replicas", "replica_dns"):
+                v = [strip_url_credentials(u) for u in v]
             parts.append(f"{f.name}={v!r}")
         return f"RouterConfig({', '.join(parts)})"
 

@@ -12,6 +12,7 @@ torch, vllm or loadtest; does not parse response bodies (observers may).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Mapping
@@ -35,6 +36,9 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })  # fmt: skip
+# Never forwarded: the client's cookies and admin key are the router's business, and the body
+# goes upstream decoded (the HTTP parser undid any gzip/deflate), so its old label goes too.
+CLIENT_ONLY = frozenset({"cookie", "x-admin-key", "content-encoding"})
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 BUFFERED_MAX = 4 << 20  # sized non-SSE responses up to this are read whole, then sent
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
@@ -49,7 +53,7 @@ def _drop(headers: Mapping[str, str]) -> frozenset[str]:
 def upstream_headers(
     headers: CIMultiDictProxy[str], rid: str, upstream_key: str | None, strip_auth: bool
 ) -> CIMultiDict[str]:
-    drop = _drop(headers)
+    drop = _drop(headers) | CLIENT_ONLY
     if strip_auth or upstream_key:
         drop = drop | {"authorization", "x-api-key"}
     out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
@@ -73,6 +77,20 @@ async def place_session(
     store = app[STORE]
     chosen = decision.endpoint.name
     if record is None:
+        return chosen
+    if store.backend == "redis" and not store.up:
+        # Redis away: every router must give a session the same answer without talking to
+        # the others — the binding this router holds, else a rendezvous hash of the session
+        # over the replicas the policy ranked (the same healthy set on every router)
+        names = [e.name for e, _ in decision.ranked]
+        if record.replica not in names:
+            chosen = rendezvous(ctx.identity.key, names) or chosen
+        else:
+            chosen = record.replica
+        if record.replica != chosen:
+            await store.assign(ctx.identity.key, chosen)  # local view, written back later
+        app[METRICS].placed(record.replica, chosen, decision)
+        record.replica = chosen
         return chosen
     if record.replica is None:
         owner = await store.claim(ctx.identity.key, chosen)
@@ -102,7 +120,10 @@ async def forward(
     route = ctx.route
     headers = upstream_headers(request.headers, ctx.request_id, cfg.upstream_api_key,
                                cfg.auth_enabled)  # fmt: skip
-    path = request.rel_url.raw_path_qs
+    # only the matched API route goes upstream, never the client's raw path (the app's routes
+    # are an allow-list and the front door refused dot segments before routing)
+    query = request.rel_url.raw_query_string
+    path = route + ("?" + query if query else "")
     hinted = hinted_body(route, ctx.body, ctx.identity, record, cfg.engine_hints)
     if hinted is not None:
         raw = hinted  # retention hint set, or a client-set kvroute hint stripped
@@ -147,6 +168,17 @@ async def forward(
     )  # fmt: skip
 
 
+def rendezvous(key: str, names: list[str]) -> str | None:
+    """Highest-random-weight choice of ``names`` for ``key`` (stable across processes)."""
+    best, best_w = None, b""
+    for n in names:
+        w = hashlib.blake2b(f"{key}\x00{n}".encode("utf-8", "surrogateescape"),
+                            digest_size=8).digest()  # fmt: skip
+        if best is None or w > best_w:
+            best, best_w = n, w
+    return best
+
+
 class _RetryElsewhere(Exception):
     def __init__(self, kind: str, reason: str):
         super().__init__(reason)
@@ -168,11 +200,18 @@ async def _stream_from(
     app = request.app
     metrics = app[METRICS]
     name = replica.name
+    if replica.auth:  # credentials from the replica's URL win over the upstream key
+        headers = headers.copy()
+        headers["Authorization"] = replica.auth
+    first_byte = app[CONFIG].first_byte_timeout_s if ctx.body.get("stream") is True else 0.0
     try:
-        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts
-        resp = await app[CLIENT].request(
-            request.method, replica.url + path, data=raw, headers=headers
-        )
+        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts, and for
+        # a stream by first_byte_timeout_s: a replica that sent nothing (frozen, stuck) is
+        # left, and the call that has received nothing goes to another one
+        async with asyncio.timeout(first_byte if first_byte > 0 else None):
+            resp = await app[CLIENT].request(
+                request.method, replica.url + path, data=raw, headers=headers
+            )
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
         raise _RetryElsewhere("no_response", f"{type(e).__name__}") from None
@@ -202,9 +241,13 @@ async def _stream_from(
         tail = b""
         status = str(resp.status)
         it = resp.content.iter_any()
+        idle = app[CONFIG].stream_idle_timeout_s
         while True:
             try:
-                chunk = await it.__anext__()
+                # before the first chunk the wait is prefill (read_timeout_s); after it, a
+                # replica silent for stream_idle_timeout_s is frozen: end with an error event
+                async with asyncio.timeout(idle if first_at is not None and idle > 0 else None):
+                    chunk = await it.__anext__()
             except StopAsyncIteration:
                 break
             except UPSTREAM_ERRORS as e:

@@ -16,6 +16,7 @@ closes the breaker, its failure re-opens it for another cooldown.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import math
@@ -27,11 +28,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
+
+from router.config import strip_url_credentials
 
 log = logging.getLogger("kvroute.replicas")
 
@@ -133,6 +136,8 @@ class Replica:
     finished: int = 0
     finished_at_scrape: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    # ``Authorization`` from credentials in the configured URL (wins over the upstream key)
+    auth: str | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -163,7 +168,22 @@ class Replica:
 
 
 def normalize_url(url: str) -> str:
-    return url.rstrip("/")
+    """The replica's name: the URL without a trailing ``/`` and without credentials."""
+    return strip_url_credentials(url.rstrip("/"))
+
+
+def url_auth(url: str) -> str | None:
+    """The ``Authorization`` value that credentials in a replica URL stand for
+    (``http://user:pass@host`` -> HTTP Basic), or None. They are taken out of the URL, so
+    they show nowhere and aiohttp does not refuse them next to an explicit header."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if parts.username is None and parts.password is None:
+        return None
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
 ReplicaListener = Callable[[frozenset[str], frozenset[str]], None]
@@ -209,7 +229,9 @@ class ReplicaSet:
     def set_source(self, source: str, urls: Iterable[str]) -> tuple[set[str], set[str]]:
         """Make ``source``'s list exactly ``urls``; returns the (added, removed) names of that
         list. Membership (and the listeners) changes only for names no other source lists."""
+        urls = list(urls)
         want = {normalize_url(u) for u in urls}
+        auth = {normalize_url(u): url_auth(u) for u in urls}
         have = self._lists.get(source, set())
         added, removed = want - have, have - want
         if want:
@@ -228,6 +250,10 @@ class ReplicaSet:
                 r.source = min(others)  # still listed: another source owns it now
         for n in entered:
             self._by_name[n] = Replica(n, source, breaker=CircuitBreaker(*self._breaker))
+        for n in want:
+            r = self._by_name.get(n)
+            if r is not None and auth.get(n) is not None:
+                r.auth = auth[n]
         if added or removed:
             self.version += 1
             log.info("replicas from %s: +%s -%s", source, sorted(added), sorted(removed))
@@ -344,16 +370,21 @@ class ReplicaMonitor:
         self.k8s_stats = {"lists": 0, "watches": 0, "events": 0, "relists_gone": 0}
         self._k8s_added: set[str] = set()
 
+    def headers_for(self, r: Replica) -> dict[str, str]:
+        """Probe headers: the replica's own URL credentials, else the upstream key."""
+        return {"Authorization": r.auth} if r.auth else self._headers
+
     async def check_one(self, r: Replica) -> None:
+        hdrs = self.headers_for(r)
         try:
             async with self.session.get(
-                r.url + "/health", timeout=self._probe_timeout, headers=self._headers
+                r.url + "/health", timeout=self._probe_timeout, headers=hdrs
             ) as resp:
                 ok = resp.status == 200
                 await resp.read()
             if ok:
                 async with self.session.get(
-                    r.url + "/v1/models", timeout=self._probe_timeout, headers=self._headers
+                    r.url + "/v1/models", timeout=self._probe_timeout, headers=hdrs
                 ) as resp:
                     if resp.status == 200:
                         doc = orjson.loads(await resp.read())
@@ -378,7 +409,7 @@ class ReplicaMonitor:
         mark = r.finished
         try:
             async with self.session.get(
-                r.url + "/metrics", timeout=self._probe_timeout, headers=self._headers
+                r.url + "/metrics", timeout=self._probe_timeout, headers=self.headers_for(r)
             ) as resp:
                 if resp.status != 200:
                     return
@@ -423,12 +454,14 @@ class ReplicaMonitor:
             try:
                 infos = await loop.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM)
             except OSError as e:
-                log.warning("cannot resolve %s: %s (keeping the last answer)", base, e)
+                log.warning("cannot resolve %s: %s (keeping the last answer)",
+                            strip_url_credentials(base), e)  # fmt: skip
                 continue
             urls = set()
+            userinfo = u.netloc.rsplit("@", 1)[0] + "@" if "@" in u.netloc else ""
             for fam, *_rest, addr in infos:
                 host = f"[{addr[0]}]" if fam == socket.AF_INET6 else addr[0]
-                urls.add(urlunsplit((u.scheme, f"{host}:{port}", u.path, "", "")))
+                urls.add(urlunsplit((u.scheme, f"{userinfo}{host}:{port}", u.path, "", "")))
             added, _ = self.replicas.set_source(f"dns:{i}", urls)
             await asyncio.gather(*(self.check_one(r) for n in added if (r := self.replicas.get(n))))
 

@@ -90,29 +90,27 @@ def _truthy(v: str | None) -> bool:
     return v is not None and v.strip().lower() in ("1", "true", "yes", "on")
 
 
+_TEXT_KEYS = ("role", "type", "text", "content", "input", "output", "name", "arguments")
+
+
 def prompt_prefix_text(body: Mapping[str, Any], limit: int) -> str:
-    """The prompt's leading characters, from whichever API shape the body has."""
+    """The prompt's leading characters, from whichever API shape the body has.
+
+    Walks the body depth-first with its own stack (no recursion: a body nested ~1,000 deep,
+    which the JSON parser accepts, must not raise ``RecursionError``)."""
     parts: list[str] = []
     n = 0
-
-    def add(x: Any) -> bool:
-        nonlocal n
+    stack: list[Any] = [body[k] for k in reversed(("system", "instructions", "messages",
+                                                   "input", "prompt")) if k in body]  # fmt: skip
+    while stack and n < limit:
+        x = stack.pop()
         if isinstance(x, str):
             parts.append(x)
             n += len(x)
         elif isinstance(x, list):
-            for item in x:
-                if add(item):
-                    return True
+            stack.extend(reversed(x))
         elif isinstance(x, dict):
-            for k in ("role", "type", "text", "content", "input", "output", "name", "arguments"):
-                if k in x and add(x[k]):
-                    return True
-        return n >= limit
-
-    for k in ("system", "instructions", "messages", "input", "prompt"):
-        if k in body and add(body[k]):
-            break
+            stack.extend(x[k] for k in reversed(_TEXT_KEYS) if k in x)
     return "\x1e".join(parts)[:limit]
 
 

@@ -215,6 +215,8 @@ class RedisStore:
         self._up = True
         self._dirty: set[str] = set()
         self.reconciles = 0
+        self.adopted = 0  # sessions whose binding was taken from Redis on reconcile
+        self.outages = 0  # times the store went from up to down
         self._wake = asyncio.Event()
 
     @property
@@ -228,7 +230,9 @@ class RedisStore:
 
     def _down(self, err: BaseException, key: str | None) -> None:
         if self._up:
-            log.warning("redis unreachable (%s): serving sessions from the local view", err)
+            log.warning("redis unreachable (%s): serving sessions from the local view",
+                        type(err).__name__)  # fmt: skip
+            self.outages += 1
         self._up = False
         if key:
             self._dirty.add(key)
@@ -344,9 +348,18 @@ class RedisStore:
         return self.local.list(limit)
 
     async def reconcile(self) -> bool:
-        """Ping Redis; when it answers, write back what changed while it was away."""
+        """Ping Redis; when it answers, write back what changed while it was away and adopt
+        the owner Redis holds for each of those sessions (``HSETNX``: a binding another
+        router wrote first wins, here too, so the routers' views agree again at once).
+
+        While Redis is away the connection pool is dropped before each probe: a restarted
+        Redis leaves the pool's sockets dead, and reusing them would fail the first
+        operations after the ping succeeded (the router would flap down and up again)."""
         try:
-            async with asyncio.timeout(self.timeout_s * 2):
+            if not self._up:
+                with contextlib.suppress(Exception):
+                    await self._r.connection_pool.disconnect()
+            async with asyncio.timeout(self.timeout_s * 4):
                 await self._r.ping()
                 dirty, self._dirty = self._dirty, set()
                 for key in dirty:
@@ -361,7 +374,12 @@ class RedisStore:
                         p.expire(k, int(self.ttl_s))
                         if rec.parent:
                             p.sadd(self.CHILDREN + rec.parent, key)
-                        await p.execute()
+                        p.hget(k, "replica")
+                        res = await p.execute()
+                    owner = res[-1]
+                    if owner and owner != rec.replica:
+                        rec.replica = str(owner)  # another router's binding won
+                        self.adopted += 1
         except Exception as e:  # still away: keep the dirty keys for next time
             self._dirty |= locals().get("dirty", set())
             log.debug("redis still unreachable: %s", e)

@@ -69,6 +69,7 @@ class TwinCluster:
             self.profile,
             "--speedup",
             repr(self.speedup),
+            "--enable-auto-tool-choice",  # agents send tools with tool_choice "auto"
         ]
         if self.kv_events:
             argv += ["--kv-events", self.kv_events]

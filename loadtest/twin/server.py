@@ -1,11 +1,12 @@
 """The HTTP replica twin: vLLM's OpenAI-compatible API in front of a :class:`TwinReplica`.
 
 Owns: the twin's web application — ``/v1/completions``, ``/v1/chat/completions`` (streaming
-and not), ``/v1/models``, ``/tokenize``, ``/health``, ``/load``, ``/metrics`` (vLLM's metric
-names, :mod:`loadtest.twin.exporter`), ``POST /reset_prefix_cache`` — with vLLM's error shapes
-and status codes, and :func:`serve` to run one. The engine loop is
-:mod:`loadtest.twin.replica`'s, the event publisher :mod:`loadtest.twin.publisher`'s. Must not
-import torch or vllm.
+and not), ``/v1/messages`` (+ ``count_tokens``) and ``/v1/responses`` (in
+:mod:`loadtest.twin.apis`), ``/v1/models``, ``/tokenize``, ``/health``, ``/load``,
+``/metrics`` (vLLM's metric names, :mod:`loadtest.twin.exporter`),
+``POST /reset_prefix_cache`` — with vLLM's error shapes and status codes, and :func:`serve`
+to run one. The engine loop is :mod:`loadtest.twin.replica`'s, the event publisher
+:mod:`loadtest.twin.publisher`'s. Must not import torch or vllm.
 """
 
 from __future__ import annotations
@@ -448,6 +449,9 @@ def build_app(twin: TwinReplica) -> web.Application:
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    from loadtest.twin import apis
+
+    apis.add_routes(app)  # /v1/messages (+ count_tokens), /v1/responses
     return app
 
 

@@ -78,12 +78,17 @@ class ModelTokenizer:
             body["tools"] = tools
         return self.encode_body(body, session)
 
-    def encode_body(self, body: Mapping[str, Any], session: str | None = None) -> list[int]:
-        """A chat completion request body's prompt tokens, rendered as the router renders it
-        (:func:`router.vllm.chat_template.request_prompt`: the same fields, the same
-        template, the same special-token rule)."""
+    def encode_body(
+        self,
+        body: Mapping[str, Any],
+        session: str | None = None,
+        route: str = "/v1/chat/completions",
+    ) -> list[int]:
+        """A chat (``/v1/messages``, ``/v1/responses``) request body's prompt tokens, rendered
+        as the router renders it (:func:`router.vllm.chat_template.request_prompt`: the same
+        fields, the same template, the same special-token rule)."""
         try:
-            prompt = request_prompt(self.inner, "/v1/chat/completions", body)
+            prompt = request_prompt(self.inner, route, body)
         except (ChatTemplateError, TypeError, KeyError, AttributeError) as e:
             raise TemplateError(str(e)) from e
         if prompt is None:

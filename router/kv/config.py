@@ -32,6 +32,12 @@ class KVConfig:
     forget_after_s: float = 30.0  # a replica discovery removed is forgotten after this long
     time_scale: float = 1.0  # replicas run this many times faster than the profile (twins)
     max_cached_tokens: int = 16_000_000  # incremental tokenizer cache bound
+    # prompt analysis runs on one thread off the event loop; a call waits at most this long
+    # for its own (0: never — placed on what is known) and never behind another call's
+    analysis_wait_s: float = 1.0
+    analysis_behind_s: float = 0.05  # most other calls' cold analysis a call waits behind
+    analysis_queue: int = 64  # analyses waiting for the thread; beyond that: not analyzed
+    analysis_process: bool = True  # long encodes in a worker process (the GIL), see tokens.py
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -35,10 +35,13 @@ session as the prior for sessions that have shown none): nothing a client would 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +51,7 @@ from router.kv.approx import ApproxCache
 from router.kv.config import KVConfig
 from router.kv.index import BlockIndex
 from router.kv.sessions import ReplicaStat, SessionFootprint
-from router.kv.tokens import SessionTokenizer
+from router.kv.tokens import ProcessEncoder, SessionTokenizer
 from router.kv.view import KVView
 from router.outcome import CallOutcome
 from router.vllm.chat_template import ChatTemplateError, request_prompt
@@ -65,6 +68,19 @@ class KVCall:
     """What the analyzer learnt of one call (``ctx.analysis``), for the observer."""
 
     counted: bool = False  # footprint in-flight counts were raised: lower them once
+
+
+class _AnalysisLane:
+    """The one analysis thread of a :class:`KVState` (the incremental tokenizer's caches are
+    touched only there) and what it knows of the queue: calls pending, characters of cold
+    work queued, the measured cost per character, and counts of how calls fared."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-analysis")
+        self.pending = 0
+        self.cold_chars = 0
+        self.s_per_char = 1e-6  # ~1 µs per character to start with, then measured
+        self.stats = {"waited": 0, "not_waited": 0, "late": 0, "dropped": 0}
 
 
 class KVState:
@@ -102,6 +118,7 @@ class KVState:
         self.output_ewma: float | None = None  # mean output tokens per call, every session
         self._gone: dict[str, None] = {}  # removed by discovery and not back (insertion order)
         self._leaving: dict[str, float] = {}  # removed by discovery, not forgotten yet: since
+        self._lane: _AnalysisLane | None = None  # started by the first analysis in a loop
 
     # ---- lifetime (the caller pairs these in an aiohttp cleanup context) --------------------
 
@@ -131,6 +148,9 @@ class KVState:
         if self.subscriber is not None:
             await self.subscriber.close()
             self.subscriber = None
+        if self._lane is not None:  # queued analyses are dropped: no call waits for them now
+            self._lane.pool.shutdown(wait=False, cancel_futures=True)
+            self._lane = None
 
     async def lifespan(self, replicas: Any = None) -> AsyncIterator[None]:
         """Start the subscribers and follow ``replicas`` (a :class:`router.replicas.ReplicaSet`,
@@ -226,9 +246,22 @@ class KVState:
 
     # ---- the analyzer: tokens + block keys ----------------------------------------------------
 
-    def analyze(self, ctx: Any) -> None:
+    def analyze(self, ctx: Any) -> Awaitable[None] | None:
         """Open the session's footprint; fill ``ctx.block_keys``, ``ctx.prompt_tokens`` and
-        ``ctx.analysis`` (a :class:`KVCall`) from the body when a tokenizer is configured."""
+        ``ctx.analysis`` (a :class:`KVCall`) from the body when a tokenizer is configured.
+
+        Inside a running event loop (the router) the render + tokenize + hash work runs on one
+        analysis thread, never on the loop, and this returns what the call awaits: its own
+        analysis, for at most ``cfg.analysis_wait_s``. A call that would wait behind more than
+        ``cfg.analysis_behind_s`` of other calls' cold analyses (sessions the tokenizer does
+        not know yet: a full tokenization, ~0.3 s for 142k tokens; estimated from the queued
+        characters and the measured cost per character) does not wait (nor does one past the
+        wait): it is placed on what is known (session, prefix, load) while its tokens are
+        still computed, so the session's next call is warm. Warm analyses (incremental, ~1 ms)
+        are not counted as work ahead.
+        At most ``cfg.analysis_queue`` analyses wait for the thread; beyond that a call is not
+        analyzed. Without a running loop (the simulator,
+        unit tests) the work is done here, synchronously."""
         self._calls += 1
         if self._calls % 256 == 0:
             self.sweep()
@@ -238,30 +271,103 @@ class KVState:
             fp = self.sessions[ident.key] = SessionFootprint(ident.key, parent=ident.parent)
         call = KVCall()
         ctx.analysis = call
-        if self.tokens is None or self.tokenizer is None:
-            return
+        tokens, tokenizer = self.tokens, self.tokenizer
+        if tokens is None or tokenizer is None:
+            return None
+        route, body, request_id = ctx.route, ctx.body, ctx.request_id
+
+        def work() -> Any:  # pure CPU: the template, tokens, block hashes (a TokenizedPrompt)
+            try:
+                prompt = request_prompt(tokenizer, route, body)
+            except ChatTemplateError as e:
+                log.debug("kv: cannot render %s: %s", request_id, e)
+                return None
+            if prompt is None:
+                return None
+            salt = body.get("cache_salt")
+            p = tokens.prompt(
+                prompt.text,
+                session=ident.key,
+                add_special_tokens=prompt.add_special_tokens,
+                cache_salt=salt if isinstance(salt, str) else None,
+            )
+            return p
+
+        def apply(p: Any) -> None:  # on the loop: the call's own fields
+            if p is None or ctx.observed:
+                return
+            ctx.block_keys = p.keys
+            ctx.prompt_tokens = p.n_tokens
+            if fp.tokens:
+                fp.turn_tokens = max(p.n_tokens - fp.tokens, 0)
+            fp.inflight += 1
+            if ident.parent and ident.parent in self.sessions:
+                self.sessions[ident.parent].children_inflight += 1
+            call.counted = True
+
         try:
-            prompt = request_prompt(self.tokenizer, ctx.route, ctx.body)
-        except ChatTemplateError as e:
-            log.debug("kv: cannot render %s: %s", ctx.request_id, e)
-            return
-        if prompt is None:
-            return
-        salt = ctx.body.get("cache_salt")
-        p = self.tokens.prompt(
-            prompt.text,
-            session=ident.key,
-            add_special_tokens=prompt.add_special_tokens,
-            cache_salt=salt if isinstance(salt, str) else None,
-        )
-        ctx.block_keys = p.keys
-        ctx.prompt_tokens = p.n_tokens
-        if fp.tokens:
-            fp.turn_tokens = max(p.n_tokens - fp.tokens, 0)
-        fp.inflight += 1
-        if ident.parent and ident.parent in self.sessions:
-            self.sessions[ident.parent].children_inflight += 1
-        call.counted = True
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            apply(work())
+            return None
+        lane = self._lane
+        if lane is None:  # the first call inside the loop: start the analysis thread
+            if self.cfg.analysis_process:
+                enc = ProcessEncoder(tokenizer)
+                tokens.tokenizer = enc  # type: ignore[assignment]
+                weakref.finalize(self, enc.close)
+            lane = self._lane = _AnalysisLane()
+        stats = lane.stats
+        if lane.pending >= self.cfg.analysis_queue:
+            stats["dropped"] += 1
+            return None
+        cold = not tokens.knows(ident.key)
+        size = 0  # the body's text, in characters: a cold job's cost estimate
+        if cold:
+            todo: list[Any] = [body]
+            while todo and len(todo) < 100_000:
+                x = todo.pop()
+                if isinstance(x, str):
+                    size += len(x)
+                elif isinstance(x, dict):
+                    todo.extend(x.values())
+                elif isinstance(x, list):
+                    todo.extend(x)
+        # seconds of other calls' cold work queued ahead of this one (estimated)
+        ahead_s = lane.cold_chars * lane.s_per_char
+        lane.pending += 1
+        lane.cold_chars += size
+        t_submit = time.perf_counter()
+        fut = loop.run_in_executor(lane.pool, work)
+
+        def done(f: asyncio.Future[Any]) -> None:
+            lane.pending -= 1
+            lane.cold_chars -= size
+            if size > 10_000 and not f.cancelled():  # learn the cost per character
+                per = (time.perf_counter() - t_submit - ahead_s) / size
+                if per > 0:
+                    lane.s_per_char = 0.8 * lane.s_per_char + 0.2 * per
+            if not f.cancelled() and f.exception() is not None:
+                log.error("kv: analysis of %s failed: %s", request_id,
+                          type(f.exception()).__name__)  # fmt: skip
+
+        fut.add_done_callback(done)
+        if ahead_s > self.cfg.analysis_behind_s or self.cfg.analysis_wait_s <= 0:
+            stats["not_waited"] += 1
+            return None
+
+        async def wait() -> None:
+            try:
+                res = await asyncio.wait_for(asyncio.shield(fut), self.cfg.analysis_wait_s)
+            except TimeoutError:
+                stats["late"] += 1
+                return
+            except Exception:
+                return
+            stats["waited"] += 1
+            apply(res)
+
+        return wait()
 
     # ---- the decision hook: where it goes ------------------------------------------------------
 
@@ -333,10 +439,14 @@ class KVState:
             self.release(ident.key)
 
     def release(self, key: str) -> None:
-        """A session ended: forget its footprint and its incremental-tokenizer state."""
+        """A session ended: forget its footprint and its incremental-tokenizer state (on the
+        analysis thread when there is one: only that thread touches the tokenizer's caches)."""
         self.sessions.pop(key, None)
         if self.tokens is not None:
-            self.tokens.forget(key)
+            if self._lane is not None:
+                self._lane.pool.submit(self.tokens.forget, key)
+            else:
+                self.tokens.forget(key)
 
     def sweep(self) -> None:
         now = self.clock()

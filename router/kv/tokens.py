@@ -193,6 +193,10 @@ class SessionTokenizer:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def knows(self, session: str) -> bool:
+        """Whether ``session``'s previous call is cached (its next call is incremental)."""
+        return session in self._sessions
+
     def prompt(
         self,
         text: str,
@@ -311,3 +315,55 @@ __all__ = [
     "TokenizedPrompt",
     "common_prefix_len",
 ]
+
+
+# ---- long encodes in a worker process ----------------------------------------------------------
+
+_WORKER: ModelTokenizer | None = None
+
+
+def _worker_init(tokenizer_json: str) -> None:
+    global _WORKER
+    from tokenizers import Tokenizer
+
+    _WORKER = ModelTokenizer(Tokenizer.from_str(tokenizer_json), None)
+
+
+def _worker_encode(text: str) -> tuple[np.ndarray, np.ndarray]:
+    assert _WORKER is not None
+    return _WORKER.encode_body(text)
+
+
+class ProcessEncoder:
+    """A :class:`router.vllm.tokenizer.ModelTokenizer` whose ``encode_body`` of long texts
+    runs in one worker process (``spawn``; the tokenizer travels as its JSON).
+
+    Why: the Hugging Face ``encode`` and the conversion of its ids and offsets to Python hold
+    the GIL for tens of milliseconds at a time on a 100k-token text, so even on a separate
+    thread a cold prompt stalls the event loop (measured: docs/reliability.md). In a process
+    the caller's thread only waits (GIL released). Texts under ``min_chars`` are encoded in
+    place (the round trip would cost more). Everything else is the wrapped tokenizer's."""
+
+    def __init__(self, inner: ModelTokenizer, min_chars: int = 20_000):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.inner = inner
+        self.min_chars = min_chars
+        self.pool = ProcessPoolExecutor(
+            1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(inner.tok.to_str(),),
+        )
+
+    def encode_body(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        if len(text) < self.min_chars:
+            return self.inner.encode_body(text)
+        return self.pool.submit(_worker_encode, text).result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

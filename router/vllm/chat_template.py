@@ -241,13 +241,47 @@ def anthropic_as_chat(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return msgs
 
 
+def responses_as_chat(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An OpenAI ``/v1/responses`` body (``instructions`` + ``input``: a string or a list of
+    message / function-call items) as chat messages, text parts only."""
+
+    def text(c: Any) -> str:
+        if isinstance(c, str):
+            return c
+        if isinstance(c, list):
+            return "".join(str(p.get("text", "")) for p in c if isinstance(p, dict) and "text" in p)
+        return ""
+
+    msgs: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str) and body["instructions"]:
+        msgs.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*msgs, {"role": "user", "content": items}]
+    for it in items if isinstance(items, list) else []:
+        if not isinstance(it, dict):
+            continue
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role", "user")
+            role = "system" if role == "developer" else role
+            msgs.append({"role": str(role), "content": text(it.get("content"))})
+        elif kind == "function_call":
+            msgs.append({"role": "assistant", "content": f"{it.get('name', '')}"
+                         f"({it.get('arguments', '')})"})  # fmt: skip
+        elif kind == "function_call_output":
+            msgs.append({"role": "user", "content": text(it.get("output"))})
+    return msgs
+
+
 def request_prompt(tokenizer: Any, route: str, body: Mapping[str, Any]) -> PromptText | None:
     """The prompt text a replica builds from ``body`` on ``route`` (``None``: no prompt, e.g.
     token-id prompts). ``tokenizer`` renders chat messages
     (:meth:`router.vllm.tokenizer.ModelTokenizer.render`). Chat bodies follow vLLM's request
     fields (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``,
-    ``add_special_tokens``); ``/v1/messages`` is rendered from its text parts through the
-    same template (approximate: vLLM's Anthropic adapter may differ in the details).
+    ``add_special_tokens``); ``/v1/messages`` and ``/v1/responses`` are rendered from their
+    text parts through the same template (approximate: vLLM's Anthropic and Responses adapters
+    may differ in the details).
     Raises :class:`ChatTemplateError` when the messages cannot be rendered."""
     if "messages" in body and route != "/v1/messages":
         kwargs = body.get("chat_template_kwargs")
@@ -259,8 +293,10 @@ def request_prompt(tokenizer: Any, route: str, body: Mapping[str, Any]) -> Promp
             chat_template_kwargs=kwargs if isinstance(kwargs, Mapping) else None,
         )
         return PromptText(text, bool(body.get("add_special_tokens", False)))
-    if route == "/v1/messages":
+    if route in ("/v1/messages", "/v1/messages/count_tokens"):
         return PromptText(tokenizer.render(anthropic_as_chat(body)), False, approximate=True)
+    if route == "/v1/responses":
+        return PromptText(tokenizer.render(responses_as_chat(body)), False, approximate=True)
     if isinstance(body.get("prompt"), str):
         return PromptText(body["prompt"], True)
     return None

@@ -118,13 +118,16 @@ class FakeAPI:
             if rv > since:
                 queue.put_nowait(ev)
         self._streams.append(queue)
-        while (item := await queue.get()) is not None:
-            await resp.write(orjson.dumps(item) + b"\n")
-        await resp.write_eof()
+        try:
+            while (item := await queue.get()) is not None:
+                await resp.write(orjson.dumps(item) + b"\n")
+            await resp.write_eof()
+        except ConnectionResetError:  # the router closed this watch (after a 410, a drop)
+            pass
         return resp
 
 
-async def until(pred: Callable[[], bool], what: str, within_s: float = 5.0) -> None:
+async def until(pred: Callable[[], bool], what: str, within_s: float = 15.0) -> None:
     """Wait (bounded) for state the watch changes in the background."""
     deadline = time.monotonic() + within_s
     while not pred():

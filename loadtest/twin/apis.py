@@ -1,0 +1,354 @@
+"""The twin's agent APIs beyond chat/completions: Anthropic Messages and OpenAI Responses.
+
+Owns: ``POST /v1/messages`` (non-streamed, and streamed with Anthropic's events
+``message_start``, ``content_block_start``, ``ping``, ``content_block_delta`` /
+``text_delta``, ``content_block_stop``, ``message_delta``, ``message_stop``; ``event: error``
+when the engine dies), ``POST /v1/messages/count_tokens`` (``{"input_tokens": n}``) and
+``POST /v1/responses`` (non-streamed, and streamed with the Responses events
+``response.created`` … ``response.output_text.delta`` … ``response.completed`` /
+``response.incomplete``, each with its ``sequence_number``) — what Claude Code, Codex and the
+Anthropic and OpenAI SDKs send. Prompts are rendered the way the router renders them
+(:func:`router.vllm.chat_template.request_prompt` on the route), so the twin's blocks and the
+router's block keys agree. Tools follow the chat rule (:func:`loadtest.twin.server.
+_check_tool_choice`: ``auto`` needs ``--enable-auto-tool-choice``); the twin's stand-in output
+is never parsed as a tool call (a real model's tool parser would find none in it either).
+Errors are Anthropic-shaped on ``/v1/messages*``. Must not import torch or vllm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from loadtest.twin.engine import Request
+from loadtest.twin.replica import ApiError, Stream, TwinReplica
+from loadtest.twin.tokenize import TemplateError
+from router.errors import anthropic_type
+
+__all__ = ["add_routes"]
+
+
+def _server() -> Any:
+    from loadtest.twin import server  # the chat helpers (import here: server imports us)
+
+    return server
+
+
+def anthropic_error(e: ApiError) -> web.Response:
+    body = {"type": "error", "error": {"type": anthropic_type(e.status), "message": e.message}}
+    return web.json_response(body, status=e.status, dumps=lambda x: orjson.dumps(x).decode())
+
+
+def _json(x: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(x), status=status, content_type="application/json", headers=headers
+    )
+
+
+def _chat_tools(tools: Any, anthropic: bool) -> list[dict[str, Any]] | None:
+    """Anthropic / Responses tool definitions as chat ``tools`` (for the tool-choice rule)."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    out = []
+    for t in tools:
+        if not isinstance(t, dict):
+            continue
+        if anthropic:
+            params = t.get("input_schema", {})
+        else:
+            params = t.get("parameters", {})
+        out.append({"type": "function", "function": {"name": str(t.get("name", "")),
+                    "description": t.get("description", ""), "parameters": params}})  # fmt: skip
+    return out or None
+
+
+def _tool_choice(choice: Any) -> Any:
+    """Anthropic ``{"type": "auto"|"any"|"tool"|"none"}`` / Responses choices as chat ones."""
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        if kind == "any":
+            return "required"
+        if kind == "tool":
+            return {"type": "function", "function": {"name": choice.get("name")}}
+        if kind == "function":
+            return {"type": "function", "function": {"name": choice.get("name")}}
+        return kind
+    return choice
+
+
+def _prepare(
+    twin: TwinReplica, request: web.Request, body: dict[str, Any], route: str
+) -> tuple[str, list[int], int, str | None]:
+    """Validate ``body`` and tokenize its prompt: (model, ids, max_tokens, session)."""
+    srv = _server()
+    model = srv._check_model(twin, body)
+    anthropic = route.startswith("/v1/messages")
+    tools = _chat_tools(body.get("tools"), anthropic)
+    if tools:
+        chat = {"tools": tools}
+        if "tool_choice" in body:
+            chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        srv._check_tool_choice(twin, chat)
+    if anthropic:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise srv._bad("messages: a non-empty list is required", "messages")
+    elif body.get("input") in (None, "", []):
+        raise srv._bad("input: required", "input")
+    session = srv._session_id(request, body)
+    try:
+        ids = twin.tokenizer.encode_body(body, session, route=route)
+    except TemplateError as e:
+        raise srv._bad(str(e), "messages" if anthropic else "input") from e
+    if not ids:
+        raise srv._bad("the prompt is empty", "messages" if anthropic else "input")
+    mt = body.get("max_tokens") if anthropic else body.get("max_output_tokens")
+    if anthropic and route == "/v1/messages" and mt is None:
+        raise srv._bad("max_tokens: Field required", "max_tokens")
+    max_tokens = srv._limits(twin, {} if mt is None else {"max_tokens": mt}, len(ids))
+    return model, ids, max_tokens, session
+
+
+@asynccontextmanager
+async def _generation(
+    twin: TwinReplica, ids: list[int], max_tokens: int, session: str | None, t_arrival: float
+) -> AsyncIterator[Stream]:
+    req = Request(uuid.uuid4().hex[:16], len(ids), max_tokens, token_ids=ids, session_id=session)
+    twin.in_flight += 1
+    try:
+        overhead = twin.profile.request_overhead_s / twin.speedup
+        if overhead > 0:
+            await asyncio.sleep(overhead)
+        twin.check_alive()
+        yield twin.submit(req, t_arrival)
+    finally:
+        twin.in_flight -= 1
+        twin.release(req)
+
+
+async def _sse(request: web.Request, twin: TwinReplica) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache",
+                                       **_server()._headers(twin)})  # fmt: skip
+    await resp.prepare(request)
+    return resp
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+# ---- Anthropic Messages -------------------------------------------------------------------
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    twin = request.app[_server().APP_TWIN]
+    t_arrival = time.monotonic()
+    try:
+        body = await _server()._json_body(request)
+        model, ids, max_tokens, session = _prepare(twin, request, body, "/v1/messages")
+    except ApiError as e:
+        return anthropic_error(e)
+    mid = "msg_" + uuid.uuid4().hex[:24]
+    try:
+        async with _generation(twin, ids, max_tokens, session, t_arrival) as st:
+            if body.get("stream") is True:
+                return await _messages_stream(request, twin, st, mid, model)
+            toks: list[int] = []
+            while (t := await st.queue.get()) is not None:
+                toks.append(t)
+            twin.check_alive()
+            return _json(
+                {
+                    "id": mid,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [{"type": "text", "text": twin.tokenizer.decode(toks)}],
+                    "stop_reason": "max_tokens",
+                    "stop_sequence": None,
+                    "usage": _anthropic_usage(st.req),
+                },
+                headers=_server()._headers(twin),
+            )
+    except ApiError as e:
+        return anthropic_error(e)
+
+
+def _anthropic_usage(req: Request, output: int | None = None) -> dict[str, Any]:
+    cached = req.cached_tokens or 0
+    return {
+        "input_tokens": req.prompt_len - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": req.num_output if output is None else output,
+    }
+
+
+async def _messages_stream(
+    request: web.Request, twin: TwinReplica, st: Stream, mid: str, model: str
+) -> web.StreamResponse:
+    resp = await _sse(request, twin)
+    req = st.req
+    start: dict[str, Any] = {
+        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": _anthropic_usage(req, output=0),
+    }  # fmt: skip
+    await resp.write(_event("message_start", {"type": "message_start", "message": start}))
+    await resp.write(_event("content_block_start", {"type": "content_block_start", "index": 0,
+                            "content_block": {"type": "text", "text": ""}}))  # fmt: skip
+    await resp.write(_event("ping", {"type": "ping"}))
+    n = 0
+    while (tok := await st.queue.get()) is not None:
+        n += 1
+        delta = {"type": "text_delta", "text": twin.tokenizer.decode([tok])}
+        ev = {"type": "content_block_delta", "index": 0, "delta": delta}
+        await resp.write(_event("content_block_delta", ev))
+    if twin.failed is not None:
+        err = {"type": "api_error", "message": f"EngineCore encountered an issue: {twin.failed!r}"}
+        await resp.write(_event("error", {"type": "error", "error": err}))
+        await resp.write_eof()
+        return resp
+    await resp.write(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
+    await resp.write(_event("message_delta", {
+        "type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+        "usage": {"output_tokens": n},
+    }))  # fmt: skip
+    await resp.write(_event("message_stop", {"type": "message_stop"}))
+    await resp.write_eof()
+    return resp
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    twin = request.app[_server().APP_TWIN]
+    try:
+        body = await _server()._json_body(request)
+        _model, ids, _mt, _s = _prepare(twin, request, body, "/v1/messages/count_tokens")
+    except ApiError as e:
+        return anthropic_error(e)
+    return _json({"input_tokens": len(ids)})
+
+
+# ---- OpenAI Responses ---------------------------------------------------------------------
+
+
+def _response(
+    rid: str, model: str, created: int, status: str, item: dict[str, Any] | None,
+    req: Request | None, capped: bool,
+) -> dict[str, Any]:  # fmt: skip
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": None,
+        "output": [item] if item is not None else [],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "max_output_tokens": req.max_tokens if (req is not None and capped) else None,
+        "usage": None,
+    }
+    if req is not None and status != "in_progress":
+        cached = req.cached_tokens or 0
+        out["usage"] = {
+            "input_tokens": req.prompt_len,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": req.num_output,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": req.prompt_len + req.num_output,
+        }
+    return out
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    srv = _server()
+    twin = request.app[srv.APP_TWIN]
+    t_arrival = time.monotonic()
+    try:
+        body = await srv._json_body(request)
+        model, ids, max_tokens, session = _prepare(twin, request, body, "/v1/responses")
+    except ApiError as e:
+        return srv.error_response(e)
+    rid = "resp_" + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    capped = body.get("max_output_tokens") is not None
+    try:
+        async with _generation(twin, ids, max_tokens, session, t_arrival) as st:
+            if body.get("stream") is True:
+                return await _responses_stream(request, twin, st, rid, model, created, capped)
+            toks: list[int] = []
+            while (t := await st.queue.get()) is not None:
+                toks.append(t)
+            twin.check_alive()
+            status = "incomplete" if capped else "completed"
+            item = _message_item("msg_" + rid[5:], twin.tokenizer.decode(toks), "completed")
+            return _json(_response(rid, model, created, status, item, st.req, capped),
+                         headers=srv._headers(twin))  # fmt: skip
+    except ApiError as e:
+        return srv.error_response(e)
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
+            "content": content}  # fmt: skip
+
+
+async def _responses_stream(
+    request: web.Request, twin: TwinReplica, st: Stream, rid: str, model: str, created: int,
+    capped: bool,
+) -> web.StreamResponse:  # fmt: skip
+    resp = await _sse(request, twin)
+    seq = 0
+
+    async def emit(kind: str, **data: Any) -> None:
+        nonlocal seq
+        await resp.write(_event(kind, {"type": kind, "sequence_number": seq, **data}))
+        seq += 1
+
+    item_id = "msg_" + rid[5:]
+    head = _response(rid, model, created, "in_progress", None, None, capped)
+    await emit("response.created", response=head)
+    await emit("response.in_progress", response=head)
+    await emit("response.output_item.added", output_index=0,
+               item=_message_item(item_id, None, "in_progress"))  # fmt: skip
+    part = {"type": "output_text", "text": "", "annotations": []}
+    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    await emit("response.content_part.added", **where, part=part)
+    texts: list[str] = []
+    while (tok := await st.queue.get()) is not None:
+        t = twin.tokenizer.decode([tok])
+        texts.append(t)
+        await emit("response.output_text.delta", **where, delta=t, logprobs=[])
+    if twin.failed is not None:
+        await emit("error", code="server_error", message="EngineCore encountered an issue",
+                   param=None)  # fmt: skip
+        await resp.write_eof()
+        return resp
+    text = "".join(texts)
+    await emit("response.output_text.done", **where, text=text, logprobs=[])
+    await emit("response.content_part.done", **where, part={**part, "text": text})
+    item = _message_item(item_id, text, "completed")
+    await emit("response.output_item.done", output_index=0, item=item)
+    status = "incomplete" if capped else "completed"
+    await emit("response." + status,
+               response=_response(rid, model, created, status, item, st.req, capped))  # fmt: skip
+    await resp.write_eof()
+    return resp
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_post("/v1/responses", responses)

@@ -1,0 +1,119 @@
+"""Prompt analysis off the event loop (issue 13): a cold prompt's tokenization never stalls the
+loop, no call waits behind another call's cold tokenization, and a call placed without waiting
+still leaves its session warm for the next call."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from loadtest import tinymodel
+from router.kv.config import KVConfig
+from router.kv.state import KVState
+from router.scheduling import RequestContext
+from router.sessions import SessionIdentity
+from router.vllm.tokenizer import ModelTokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer.from_dir(tinymodel.ensure())
+
+
+def words(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(tinymodel._WORDS) for _ in range(n))
+
+
+def ctx(session: str, text: str) -> RequestContext:
+    ident = SessionIdentity("t", session, None, None, False, "test")
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 10}
+    return RequestContext(f"r-{session}", "/v1/chat/completions", "tiny", ident, body)
+
+
+async def lag_while(aw: object) -> tuple[float, float]:
+    """(the longest the loop went without running a 1 ms ticker, wall time) while awaiting."""
+    worst = 0.0
+    stop = False
+
+    async def tick() -> None:
+        nonlocal worst
+        last = time.perf_counter()
+        while not stop:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            worst = max(worst, now - last - 0.001)
+            last = now
+
+    t = asyncio.create_task(tick())
+    await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    await aw  # type: ignore[misc]
+    wall = time.perf_counter() - t0
+    stop = True
+    await t
+    return worst, wall
+
+
+async def test_a_cold_prompt_does_not_stall_the_loop(tokenizer: ModelTokenizer) -> None:
+    text = words(60_000, 1)
+    inline = KVState(KVConfig(block_size=16), tokenizer=tokenizer)
+    t0 = time.perf_counter()
+    await asyncio.to_thread(inline.analyze, ctx("x", text))  # no loop in that thread: inline
+    inline_s = time.perf_counter() - t0
+
+    st = KVState(KVConfig(block_size=16, analysis_wait_s=30), tokenizer=tokenizer)
+    c = ctx("a", text)
+    pending = st.analyze(c)
+    assert pending is not None
+    worst, wall = await lag_while(pending)
+    assert c.block_keys and c.prompt_tokens and c.prompt_tokens > 50_000
+    assert worst < max(0.1, inline_s / 4), (worst, inline_s, wall)  # a loaded 2-core VM
+
+
+async def test_no_call_waits_behind_another_calls_cold_tokenization(
+    tokenizer: ModelTokenizer,
+) -> None:
+    st = KVState(KVConfig(block_size=16, analysis_wait_s=30), tokenizer=tokenizer)
+    warm = ctx("b", words(200, 2))
+    first = st.analyze(warm)
+    assert first is not None
+    await first  # session b is known now
+    cold = ctx("a", words(60_000, 3))
+    cold_wait = st.analyze(cold)
+    assert cold_wait is not None
+    nxt = ctx("b", words(200, 2) + " more words")
+    t0 = time.perf_counter()
+    assert st.analyze(nxt) is None  # placed at once, on what is known
+    assert time.perf_counter() - t0 < 0.01
+    await cold_wait
+    assert cold.block_keys
+    for _ in range(200):  # its analysis still ran: the session's next call is incremental
+        if st.tokens is not None and st.tokens.stats["incremental"] >= 1:
+            break
+        await asyncio.sleep(0.01)
+    assert st.tokens is not None and st.tokens.stats["incremental"] >= 1
+
+
+async def test_wait_zero_places_first_calls_at_once_and_warms_the_session(
+    tokenizer: ModelTokenizer,
+) -> None:
+    st = KVState(KVConfig(block_size=16, analysis_wait_s=0), tokenizer=tokenizer)
+    c = ctx("s", words(5_000, 4))
+    assert st.analyze(c) is None and c.block_keys is None
+    assert st.tokens is not None
+    for _ in range(300):
+        if st.tokens.knows("t/s"):
+            break
+        await asyncio.sleep(0.01)
+    assert st.tokens.knows("t/s")
+    assert st.analyze(ctx("s", words(5_000, 4) + " next")) is None
+    # without a running loop the analysis is done in place (the simulator's path)
+    c3 = ctx("z", words(100, 5))
+    await asyncio.to_thread(st.analyze, c3)
+    assert c3.block_keys
