@@ -31,7 +31,8 @@ async def _point(
     from loadtest.twin.cluster import start_cluster
     from router.app import build_app, start_site
     from router.config import RouterConfig
-    from router.kv.state import KVConfig, KVState
+    from router.kv.config import KVConfig
+    from router.kv.state import KVState
     from router.vllm.tokenizer import ModelTokenizer
 
     st = KVState(

@@ -14,7 +14,8 @@ from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
 from router.app import REPLICAS, build_app, start_site
 from router.config import RouterConfig
-from router.kv.state import KVConfig, KVState
+from router.kv.config import KVConfig
+from router.kv.state import KVState
 from router.vllm.tokenizer import ModelTokenizer
 
 pytestmark = pytest.mark.timeout(90)

@@ -15,12 +15,12 @@ import time
 
 import httpx
 import pytest
-from router.hashing import BlockHasher
-from router.index import BlockIndex
-from router.kvevents import BlockStored
 
 from engine_patches import presets
 from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
+from router.kv.index import BlockIndex
+from router.vllm.hashing import BlockHasher
+from router.vllm.kvevents import BlockStored
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
 from tests.vllm.test_engine_plugin import install_plugin
 

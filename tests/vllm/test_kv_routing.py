@@ -16,7 +16,8 @@ import pytest
 
 from router.app import build_app, start_site
 from router.config import RouterConfig
-from router.kv.state import KVConfig, KVState
+from router.kv.config import KVConfig
+from router.kv.state import KVState
 from router.vllm.kvevents import AllBlocksCleared, BlockStored
 from router.vllm.tokenizer import ModelTokenizer
 from tests.vllm.conftest import BLOCK_SIZE, unique_text
