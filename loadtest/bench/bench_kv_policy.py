@@ -33,6 +33,7 @@ cannot decode a 70B at 50 tok/s/user, see docs/twin.md):
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -93,8 +94,12 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def run(quick: bool = False) -> list[dict]:
+    """The rows; ``KVROUTE_BENCH_POLICIES=a,b`` runs only those policies (to re-run one after
+    a change: the simulator is deterministic per seed, so the other rows stand)."""
     duration = 480.0 if quick else 900.0
     seeds = SEEDS[:1] if quick else SEEDS
+    only = os.environ.get("KVROUTE_BENCH_POLICIES")
+    policies = tuple(p for p in only.split(",") if p) if only else POLICIES
     rows: list[dict] = []
     for wname, (fname, pname, n_rep, gap, levels, quick_levels) in WORKLOADS.items():
         path = TRACES / fname
@@ -105,7 +110,7 @@ def run(quick: bool = False) -> list[dict]:
         trace = load_trace(path, max_gap_s=gap)
         bound = round(trace_bound(trace, prof.block_size), 3)
         medians: dict[str, list[dict[str, float]]] = {}
-        for pol in POLICIES:
+        for pol in policies:
             medians[pol] = []
             for n in quick_levels if quick else levels:
                 t0 = time.perf_counter()
