@@ -15,7 +15,7 @@ from loadtest.sim.trace import TraceFeed, chained_keys, simulate_trace, trace_wo
 from loadtest.traces import Call, Dep, Session, Trace, load_trace
 
 P70 = load_profile("h200-70b-fp8")  # block 64
-WEKA = Path("/work/shared/data/traces/weka-dev.tar.gz")
+WEKA = Path(__file__).resolve().parents[2] / "loadtest" / "data" / "weka-dev-slice.tar.gz"
 
 
 def ids(a: int, b: int) -> tuple[int, ...]:
@@ -211,7 +211,6 @@ def test_dag_sessions_run_directly_and_with_the_routers_pipeline():
     assert pol.decisions == 5
 
 
-@pytest.mark.skipif(not WEKA.exists(), reason="shared weka-dev trace not present")
 def test_real_weka_trace_smoke():
     trace = load_trace(WEKA, max_sessions=3, max_gap_s=30)
     prof = load_profile("h200-70b-fp8-tp4")
@@ -222,7 +221,7 @@ def test_real_weka_trace_smoke():
     assert s["cache_hit_ratio"] <= s["hit_bound"] + 1e-9 < 1.0
     assert s["throughput_tok_per_gpu_s"] > 0 and res.gpus == 8
     assert {r.session_id.split("#")[0] for r in res.records} <= {
-        f"weka-dev/{x.id}" for x in trace.sessions
+        f"{trace.name}/{x.id}" for x in trace.sessions
     }
 
 
