@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from loadtest.metrics import UnlimitedCache, summarize
 from loadtest.prompts import PromptBuilder
@@ -75,6 +76,18 @@ class ReplayConfig:
     # "max_tokens" — as the call's max_tokens, an oracle input a real agent never sends,
     # for real vLLM replicas in tests (a real model stops where it likes).
     output_lengths: str = "twin"
+    # The model's context window as the client is configured with it (agents know their
+    # model's window); None: as the target lists it in /v1/models (peers may not list it).
+    context_limit: int | None = None
+    # Another seed, another workload on the same trace: it shuffles which sessions the lanes
+    # take in which order, and starts each lane's first session at a seeded time in
+    # [0, stagger_s) modelled seconds (the simulator's rule, loadtest.sim.trace). None: trace
+    # order, every lane at 0.
+    seed: int | None = None
+    stagger_s: float = 0.0
+    # Calls and sessions that start before warmup_s (modelled seconds) are left out of the
+    # summary (they are still written to calls.jsonl), and so is that time from throughput.
+    warmup_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.convention not in CONVENTIONS:
@@ -87,6 +100,11 @@ class ReplayConfig:
             raise ValueError(f"output_lengths must be one of {OUTPUT_LENGTHS}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1 (or None: no cap)")
+        if self.stagger_s < 0 or self.warmup_s < 0:
+            raise ValueError("stagger_s and warmup_s must be >= 0")
+        if self.warmup_s and self.duration_s is not None:
+            if self.warmup_s / self.time_scale >= self.duration_s:
+                raise ValueError("warmup_s must end before the run's duration")
 
 
 class _Run:
@@ -330,7 +348,7 @@ async def replay(
     async with aiohttp.ClientSession(connector=conn) as http:
         model, context = await _model_and_context(http, cfg)
         run = _Run(trace, builder, cfg, model)
-        run.context_limit = context
+        run.context_limit = cfg.context_limit or context
         progress = _Progress(cfg, trace) if cfg.progress else None
         if progress:
             run.on_call = progress.update
@@ -347,9 +365,14 @@ async def replay(
             if progress:
                 progress.stop()
         wall = max(run.now(), 1e-9)
-    summary = summarize(
-        run.calls, run.sessions, run.queue, wall_s=wall, gpus=cfg.gpus, speedup=cfg.speedup
-    )
+    calls, sessions, queue = run.calls, run.sessions, run.queue
+    if cfg.warmup_s:
+        w = cfg.warmup_s / cfg.time_scale  # run clock
+        calls = [c for c in calls if c.t_start >= w]
+        sessions = [s for s in sessions if s.t_start >= w]
+        queue = [q for q in queue if q.t >= w]
+        wall = max(wall - w, 1e-9)
+    summary = summarize(calls, sessions, queue, wall_s=wall, gpus=cfg.gpus, speedup=cfg.speedup)
     summary.update(
         {
             "trace": trace.name,
@@ -400,11 +423,22 @@ async def _bounded(run: _Run, main: Any) -> None:
 
 async def _closed_loop(run: _Run, http: aiohttp.ClientSession) -> None:
     sessions = run.trace.sessions
+    rng = np.random.default_rng(run.cfg.seed) if run.cfg.seed is not None else None
+    if rng is not None:
+        sessions = [sessions[i] for i in rng.permutation(len(sessions))]
     plays = PlayCounter(
         len(sessions), recycle=run.cfg.duration_s is not None, max_plays=run.cfg.max_plays
     )
+    starts = [
+        float(rng.uniform(0.0, run.cfg.stagger_s)) / run.cfg.time_scale
+        if rng is not None and run.cfg.stagger_s
+        else 0.0
+        for _ in range(run.cfg.concurrency)
+    ]
 
     async def lane(i: int) -> None:
+        if starts[i] and not await run.sleep_until(starts[i]):
+            return
         while not run.stopped():
             nxt = plays.next()
             if nxt is None:

@@ -31,9 +31,9 @@ def ttfts_at(results: dict[str, Any], root: Path, concurrency: int) -> dict[str,
         f = root / p["dir"] / "calls.jsonl"
         if f.exists():
             sp = float(p["summary"].get("speedup", 1.0))
-            out[p["target"]] = [
+            out.setdefault(p["target"], []).extend(  # every seed's calls together
                 c.ttft_s * sp for c in read_jsonl(f, CallRecord) if c.ok and c.ttft_s is not None
-            ]
+            )
     return out
 
 
@@ -87,8 +87,12 @@ def build_report(root: str | Path) -> Path:
             if s
             else f'<td colspan="{len(COLUMNS)}">failed: {html.escape(str(p.get("error")))}</td>'
         )
+        seed = "" if p.get("seed") is None else str(p["seed"])
+        cpu = p.get("cpu") or {}
+        mark = "saturated: " + "; ".join(cpu.get("why", [])) if cpu.get("saturated") else ""
         rows.append(
-            f"<tr><td>{html.escape(p['target'])}</td><td>{p['concurrency']}</td>{cells}</tr>"
+            f"<tr><td>{html.escape(p['target'])}</td><td>{p['concurrency']}</td>"
+            f"<td>{seed}</td>{cells}<td>{html.escape(mark)}</td></tr>"
         )
     cfg = results.get("config", {})
     notes = results.get("notes", [])
@@ -109,7 +113,7 @@ times are scaled back to modelled seconds). Machine: {html.escape(str(results.ge
 </p>
 <ul>{"".join(f"<li>{html.escape(n)}</li>" for n in notes)}</ul>
 <h2>Results</h2>
-<table><tr><th>target</th><th>concurrency</th>{head}</tr>
+<table><tr><th>target</th><th>concurrency</th><th>seed</th>{head}<th>CPU</th></tr>
 {"".join(rows)}</table>
 <h2>Plots</h2>
 {"".join(_img(f) for f in figs)}

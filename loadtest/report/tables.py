@@ -41,3 +41,41 @@ def print_summary(rows: Mapping[str, Mapping[str, Any]], title: str = "AgentX me
     console = Console()
     console.width = max(console.width, 140)  # never squeeze the table into 80 columns
     console.print(t)
+
+
+AGGREGATE_COLUMNS = [
+    ("tokens_per_gpu_s", "tok/GPU·s", "{:,.0f}"),
+    ("p90_interactivity_tok_s", "P90 tok/s/user", "{:.1f}"),
+    ("ttft_p90_s", "TTFT p90", "{:.2f}"),
+    ("session_completion_p90_s", "session p90", "{:.0f}"),
+    ("cache_hit_ratio", "hit", "{:.0%}"),
+    ("requests_ok", "ok", "{:.0f}"),
+]
+
+
+def median_range(v: Mapping[str, Any] | None, spec: str) -> str:
+    """``median [min–max]`` of an aggregate cell."""
+    if not v:
+        return "–"
+    return f"{fmt(v['median'], spec)} [{fmt(v['min'], spec)}–{fmt(v['max'], spec)}]"
+
+
+def print_aggregate(rows: list[Mapping[str, Any]], title: str = "over seeds") -> None:
+    """Per target and concurrency: median [min–max] over the seeds' unsaturated points."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title, caption="median [min–max] over seeds; CPU-saturated points left out")
+    t.add_column("target", no_wrap=True)
+    t.add_column("used/runs", justify="right")
+    for _, head, _ in AGGREGATE_COLUMNS:
+        t.add_column(head, justify="right")
+    for r in rows:
+        t.add_row(
+            f"{r['target']} c={r['concurrency']}",
+            f"{r['used']}/{r['points']}",
+            *(median_range(r.get(k), spec) for k, _, spec in AGGREGATE_COLUMNS),
+        )
+    console = Console()
+    console.width = max(console.width, 160)
+    console.print(t)

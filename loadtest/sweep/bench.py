@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.runner import ReplayConfig, replay
+from loadtest.sweep.cpuwatch import CpuWatch
 from loadtest.sweep.stack import PEERS, Router, StackError, TwinCluster, cleanup, needs_events
 from loadtest.traces import load_trace
 
@@ -50,7 +51,12 @@ class SweepConfig:
     tokens_per_id: int | None = None
     max_prompt_tokens: int | None = None
     open_loop: bool = False
-    seed: int = 0
+    seed: int = 0  # synthetic traces' generator seed
+    # Replay seeds: each point runs once per seed (lane order shuffled, first starts staggered
+    # over stagger_s modelled seconds; see ReplayConfig). [None]: trace order, one run.
+    seeds: list[int | None] = field(default_factory=lambda: [None])
+    stagger_s: float = 0.0
+    warmup_s: float = 0.0  # modelled seconds left out of each point's summary
     model: str = "tiny"  # the twins' served model name (peers may not list models)
     progress: bool = True
 
@@ -88,10 +94,18 @@ def notes_for(cfg: SweepConfig, trace_block: int, block: int, tpi: int) -> list[
 
 
 def run_point(
-    cfg: SweepConfig, target: str, conc: int, out: Path, trace: Any, builder: PromptBuilder
+    cfg: SweepConfig,
+    target: str,
+    conc: int,
+    out: Path,
+    trace: Any,
+    builder: PromptBuilder,
+    seed: int | None = None,
 ) -> dict[str, Any]:
-    point: dict[str, Any] = {"target": target, "concurrency": conc}
+    point: dict[str, Any] = {"target": target, "concurrency": conc, "seed": seed}
     d = out / "points" / target.replace(":", "_") / f"c{conc}"
+    if seed is not None:
+        d = d / f"s{seed}"
     events = "tcp://127.0.0.1:*" if needs_events(target) else None
     cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup, kv_events=events)
     try:
@@ -120,8 +134,16 @@ def run_point(
                 convention=PEERS[target][2] if target in PEERS else cfg.convention,
                 metrics_urls=cluster.metrics_urls,
                 progress=cfg.progress,
+                context_limit=_profile(cfg.profile).max_model_len,
+                seed=seed,
+                stagger_s=cfg.stagger_s,
+                warmup_s=cfg.warmup_s,
             )
-            summary = asyncio.run(replay(trace, builder, rcfg, d))
+            watch = CpuWatch({"twins": cluster.pgid, "router": router.pgid, "client": None}).start()
+            try:
+                summary = asyncio.run(replay(trace, builder, rcfg, d))
+            finally:
+                point["cpu"] = watch.stop()
         point["summary"] = summary
         point["dir"] = str(d.relative_to(out))
     except (StackError, RuntimeError, OSError) as e:
@@ -177,9 +199,55 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
     t0 = time.monotonic()
     for target in cfg.targets:
         for conc in cfg.concurrency:
-            results["points"].append(run_point(cfg, target, conc, out, trace, builder))
-            results["elapsed_s"] = round(time.monotonic() - t0, 1)
-            (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+            for seed in cfg.seeds:
+                results["points"].append(run_point(cfg, target, conc, out, trace, builder, seed))
+                results["elapsed_s"] = round(time.monotonic() - t0, 1)
+                results["aggregate"] = aggregate(results["points"])
+                (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     results["report"] = str(build_report(out))
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return results
+
+
+# What a point's summary contributes to the per-target figures over seeds.
+AGGREGATE_KEYS = (
+    "tokens_per_gpu_s",
+    "p90_interactivity_tok_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "cache_hit_ratio",
+    "session_completion_p50_s",
+    "session_completion_p90_s",
+    "requests_ok",
+)
+
+
+def aggregate(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (target, concurrency): min / median / max over the seeds' points of each of
+    :data:`AGGREGATE_KEYS`, from the points whose processes were **not** CPU-saturated
+    (``cpu.saturated`` false or unmeasured); how many were left out is kept beside them."""
+    import statistics
+
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["target"], p["concurrency"]), []).append(p)
+    rows = []
+    for (target, conc), pts in groups.items():
+        ok = [p for p in pts if p.get("summary")]
+        used = [p for p in ok if not (p.get("cpu") or {}).get("saturated")]
+        row: dict[str, Any] = {
+            "target": target,
+            "concurrency": conc,
+            "points": len(pts),
+            "failed": len(pts) - len(ok),
+            "saturated": len(ok) - len(used),
+            "used": len(used),
+        }
+        for k in AGGREGATE_KEYS:
+            xs = [p["summary"][k] for p in used if p["summary"].get(k) is not None]
+            row[k] = (
+                {"min": min(xs), "median": statistics.median(xs), "max": max(xs)} if xs else None
+            )
+        rows.append(row)
+    return rows

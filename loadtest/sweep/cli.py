@@ -36,6 +36,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--convention", default="claude", choices=["claude", "codex", "opencode", "none"]
     )
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated replay seeds: each point runs once per seed (lane order "
+        "shuffled, first starts staggered); default: trace order, one run",
+    )
+    p.add_argument(
+        "--stagger", type=float, default=None,
+        help="modelled seconds over which lanes' first sessions start (default 60 with --seeds)",
+    )  # fmt: skip
+    p.add_argument("--warmup", type=float, default=0.0, help="modelled seconds left out")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -43,10 +54,12 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from loadtest.prompts import PromptError
-    from loadtest.report.tables import print_summary
+    from loadtest.report.tables import print_aggregate, print_summary
     from loadtest.sweep.bench import SweepConfig, run_sweep
     from loadtest.traces import TraceError
 
+    seeds: list[int | None] = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [None]
+    stagger = args.stagger if args.stagger is not None else (60.0 if args.seeds else 0.0)
     cfg = SweepConfig(
         trace=args.trace,
         targets=[t for t in args.targets.split(",") if t],
@@ -64,19 +77,29 @@ def run(args: argparse.Namespace) -> int:
         open_loop=args.open_loop,
         convention=args.convention,
         progress=not args.no_progress,
+        seeds=seeds,
+        stagger_s=stagger,
+        warmup_s=args.warmup,
     )
     try:
         res = run_sweep(cfg, args.out, command="kvroute bench " + " ".join(sys.argv[2:]))
     except (TraceError, PromptError, ValueError) as e:
         print(f"kvroute bench: {e}", file=sys.stderr)
         return 2
-    rows = {
-        f"{p['target']} c={p['concurrency']}": p.get("summary") or {"error": p.get("error")}
-        for p in res["points"]
-    }
+    rows = {_label(p): p.get("summary") or {"error": p.get("error")} for p in res["points"]}
     print_summary(rows, title=f"kvroute bench: {res['config']['trace']}")
     for p in res["points"]:
         if p.get("error"):
-            print(f"  {p['target']} c={p['concurrency']}: {p['error']}")
+            print(f"  {_label(p)}: {p['error']}")
+        cpu = p.get("cpu") or {}
+        if cpu.get("saturated"):
+            print(f"  {_label(p)}: CPU-saturated, not used: {'; '.join(cpu['why'])}")
+    if any(p.get("seed") is not None for p in res["points"]):
+        print_aggregate(res["aggregate"])
     print(f"report: {res['report']}")
     return 0 if any(p.get("summary") for p in res["points"]) else 1
+
+
+def _label(p: dict) -> str:
+    seed = f" s{p['seed']}" if p.get("seed") is not None else ""
+    return f"{p['target']} c={p['concurrency']}{seed}"

@@ -113,6 +113,11 @@ class TwinCluster:
         self.urls, self.names = [], []
 
     @property
+    def pgid(self) -> int | None:
+        """The cluster's process group (its reaper's pid), for :mod:`loadtest.sweep.cpuwatch`."""
+        return self._proc.proc.pid if self._proc is not None and self._proc.proc else None
+
+    @property
     def metrics_urls(self) -> list[str]:
         return [u + "/metrics" for u in self.urls]
 
@@ -251,6 +256,11 @@ class Router:
             self.stop()
             raise
         return self
+
+    @property
+    def pgid(self) -> int | None:
+        """The router's process group (its reaper's pid), for :mod:`loadtest.sweep.cpuwatch`."""
+        return self._proc.proc.pid if self._proc is not None and self._proc.proc else None
 
     def _wait_sglang_workers(self, deadline: float) -> None:
         """sglang-router answers /health once its *first* worker has registered (0.3.2: the

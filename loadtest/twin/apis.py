@@ -201,12 +201,14 @@ async def _messages_stream(
         "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": _anthropic_usage(req, output=0),
     }  # fmt: skip
-    await resp.write(_event("message_start", {"type": "message_start", "message": start}))
-    await resp.write(_event("content_block_start", {"type": "content_block_start", "index": 0,
-                            "content_block": {"type": "text", "text": ""}}))  # fmt: skip
-    await resp.write(_event("ping", {"type": "ping"}))
     n = 0
     while (tok := await st.queue.get()) is not None:
+        if n == 0:  # vLLM opens the message with its first output (after prefill)
+            await resp.write(_event("message_start", {"type": "message_start", "message": start}))
+            block = {"type": "text", "text": ""}
+            await resp.write(_event("content_block_start", {
+                "type": "content_block_start", "index": 0, "content_block": block}))  # fmt: skip
+            await resp.write(_event("ping", {"type": "ping"}))
         n += 1
         delta = {"type": "text_delta", "text": twin.tokenizer.decode([tok])}
         ev = {"type": "content_block_delta", "index": 0, "delta": delta}
@@ -319,15 +321,17 @@ async def _responses_stream(
 
     item_id = "msg_" + rid[5:]
     head = _response(rid, model, created, "in_progress", None, None, capped)
+    # vLLM sends response.created / in_progress at once, the output item with the first token
     await emit("response.created", response=head)
     await emit("response.in_progress", response=head)
-    await emit("response.output_item.added", output_index=0,
-               item=_message_item(item_id, None, "in_progress"))  # fmt: skip
     part = {"type": "output_text", "text": "", "annotations": []}
     where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-    await emit("response.content_part.added", **where, part=part)
     texts: list[str] = []
     while (tok := await st.queue.get()) is not None:
+        if not texts:
+            await emit("response.output_item.added", output_index=0,
+                       item=_message_item(item_id, None, "in_progress"))  # fmt: skip
+            await emit("response.content_part.added", **where, part=part)
         t = twin.tokenizer.decode([tok])
         texts.append(t)
         await emit("response.output_text.delta", **where, delta=t, logprobs=[])

@@ -309,23 +309,24 @@ async def _stream(
         }
         return b"data: " + orjson.dumps(d) + b"\n\n"
 
-    if chat:
-        await resp.write(
-            chunk(
-                [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
-        )
+    role = chunk(
+        [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
+    )
     req = st.req
     limit = twin.max_model_len
     count = 0
     while (tok := await st.queue.get()) is not None:
+        if chat and count == 0:
+            # vLLM sends the role chunk with the first output, i.e. after prefill: nothing
+            # but the head before the first token (a router's TTFT and idle timeouts see that)
+            await resp.write(role)
         count += 1
         done = count >= req.max_tokens or req.prompt_len + count >= limit
         text = twin.tokenizer.decode([tok])

@@ -116,10 +116,28 @@ def test_sweep_writes_results_plots_and_a_self_contained_report(tmp_path):
         speedup=4.0,
         progress=False,
     )
+    cfg.seeds = [0, 1]
+    cfg.warmup_s = 2.0  # modelled seconds: 0.5 s of the run's clock at speedup 4
     res = run_sweep(cfg, tmp_path, command="test")
-    ok, bad = res["points"]
+    ok, ok1, bad, _bad1 = res["points"]
     assert ok["summary"]["requests_ok"] > 0 and ok["summary"]["requests_failed"] == 0
     assert "unknown router" in bad["error"]  # a broken target degrades to an error row
+    # every run records its processes' CPU headroom, and the aggregate says what it used
+    for p in (ok, ok1):
+        assert p["cpu"]["available"] and set(p["cpu"]["groups"]) == {"twins", "router", "client"}
+        assert p["cpu"]["groups"]["twins"]["mean_cores"] > 0
+    row = next(r for r in res["aggregate"] if r["target"] == "kvroute:round_robin")
+    assert row["points"] == 2 and row["used"] + row["saturated"] == 2
+    if row["used"]:
+        assert row["tokens_per_gpu_s"]["min"] <= row["tokens_per_gpu_s"]["median"]
+    # the seeds play the trace's sessions in different orders, and warm-up is left out
+    firsts = []
+    for p in (ok, ok1):
+        calls = [json.loads(x) for x in (tmp_path / p["dir"] / "calls.jsonl").open()]
+        firsts.append([c["session"] for c in sorted(calls, key=lambda c: c["t_start"])][:3])
+        counted = [c for c in calls if c["ok"] and c["t_start"] >= 0.5]
+        assert p["summary"]["requests_ok"] == len(counted) < sum(c["ok"] for c in calls)
+    assert firsts[0] != firsts[1]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["points"][0]["summary"]["requests_ok"] == ok["summary"]["requests_ok"]
     for png in ("pareto.png", "hit_ratio.png", "ttft_cdf.png", "queue_depth.png"):

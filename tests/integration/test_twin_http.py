@@ -339,6 +339,44 @@ async def test_speedup_compresses_time_and_scales_back_to_model_time(http):
     assert measured[0.25] > 10 * measured[8.0]
 
 
+async def test_stream_bodies_start_after_prefill_as_vllm_sends_them(http):
+    """vLLM sends a chat stream's role chunk, an Anthropic stream's message_start and a
+    Responses stream's output item with the first output, i.e. after prefill: before it only
+    the head (and for Responses response.created/in_progress). A twin that wrote them at once
+    gave routers a TTFT of ~0 (kvroute's calibration then read every replica as 5x faster
+    than its profile) and cut long prefills with the router's stream-idle timeout."""
+    prof = load_profile("cpu-tiny")
+    speedup = 0.25
+    prefill = (prof.request_overhead_s + request_prefill_time(prof, 3000)) / speedup
+    # a fresh prompt per case: a cached one would not prefill
+    msgs = [[{"role": "user", "content": text(3000, 9 + i)}] for i in range(2)]
+    cases = [
+        ("/v1/chat/completions", {"messages": msgs[0], "stream": True}, b"data: {"),
+        ("/v1/messages", {"messages": msgs[1], "stream": True}, b"event: message_start"),
+        ("/v1/responses", {"input": text(3000, 12), "stream": True}, b"response.output_item.added"),
+    ]
+    async with start_cluster(1, prof, speedup=speedup) as c:
+        for path, body, first_output in cases:
+            body = {"model": "tiny", "max_tokens": 1, "max_output_tokens": 16, **body}
+            if path != "/v1/responses":
+                body.pop("max_output_tokens")
+            else:
+                body.pop("max_tokens")
+            t0 = time.perf_counter()
+            seen = b""
+            at = None
+            async with http.stream("POST", c.urls[0] + path, json=body) as r:
+                assert r.status_code == 200, (path, await r.aread())
+                async for b in r.aiter_raw():
+                    if at is None:
+                        head_only = path == "/v1/responses" and first_output not in seen + b
+                        if not head_only:
+                            at = time.perf_counter() - t0
+                    seen += b
+            assert first_output in seen, (path, seen[:300])
+            assert at is not None and at > 0.7 * prefill, (path, at, prefill)
+
+
 async def test_client_disconnect_aborts_the_request(cluster, http):
     twin = cluster.replicas[0]
     body = {"model": "tiny", "prompt": text(50, 8), "max_tokens": 3000, "stream": True}
