@@ -77,6 +77,10 @@ class RouterConfig:
     health_interval_s: float = 2.0
     metrics_interval_s: float = 1.0
     health_timeout_s: float = 2.0
+    # consecutive timed-out probes before a replica is marked unhealthy (a refused connection
+    # or a non-200 answer marks it at once): an engine whose API server is busy tokenizing a
+    # burst of long prompts answers late, it is not down
+    health_failures: int = 3
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # longest upstream silence, incl. the first byte (prefill)
     # a streamed call whose replica sent no response head by then is moved to another

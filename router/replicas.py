@@ -123,6 +123,7 @@ class Replica:
     url: str
     source: str = "static"
     healthy: bool = True  # optimistic until the first probe says otherwise
+    health_strikes: int = 0  # consecutive timed-out health probes
     models: frozenset[str] = frozenset()
     model_cards: list[dict[str, Any]] = field(default_factory=list)
     inflight: int = 0
@@ -396,7 +397,21 @@ class ReplicaMonitor:
             if ok != r.healthy:
                 log.warning("replica %s is now %s", r.name, "healthy" if ok else "unhealthy")
             r.healthy, r.last_error = ok, None if ok else "health check failed"
-        except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as e:
+            r.health_strikes = 0
+        except TimeoutError as e:
+            # slow is not down: only health_failures timeouts in a row take it out
+            r.health_strikes += 1
+            limit = max(1, int(self.cfg.health_failures))
+            if r.health_strikes < limit:
+                log.info("replica %s: health check timed out (%d of %d)", r.name,
+                         r.health_strikes, limit)  # fmt: skip
+                return
+            if r.healthy:
+                log.warning("replica %s failed its health check %d times: %r", r.name,
+                            r.health_strikes, e)  # fmt: skip
+            r.healthy, r.last_error = False, f"health: {type(e).__name__}"
+        except (aiohttp.ClientError, ValueError, OSError) as e:
+            r.health_strikes = 0
             if r.healthy:
                 log.warning("replica %s failed its health check: %r", r.name, e)
             r.healthy, r.last_error = False, f"health: {type(e).__name__}"

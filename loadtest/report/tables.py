@@ -57,7 +57,7 @@ def median_range(v: Mapping[str, Any] | None, spec: str) -> str:
     """``median [min–max]`` of an aggregate cell."""
     if not v:
         return "–"
-    return f"{fmt(v['median'], spec)} [{fmt(v['min'], spec)}–{fmt(v['max'], spec)}]"
+    return f"{fmt(v['median'], spec)} \\[{fmt(v['min'], spec)}–{fmt(v['max'], spec)}]"
 
 
 def print_aggregate(rows: list[Mapping[str, Any]], title: str = "over seeds") -> None:
@@ -65,7 +65,7 @@ def print_aggregate(rows: list[Mapping[str, Any]], title: str = "over seeds") ->
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=title, caption="median [min–max] over seeds; CPU-saturated points left out")
+    t = Table(title=title, caption="median \\[min–max] over seeds; CPU-saturated points left out")
     t.add_column("target", no_wrap=True)
     t.add_column("used/runs", justify="right")
     for _, head, _ in AGGREGATE_COLUMNS:

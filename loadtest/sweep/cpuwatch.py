@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 BUSY_THREAD_P90 = 0.90  # a group's busiest thread, p90 over samples, in cores
-WAIT_SHARE = 0.25  # run-queue wait / (CPU + wait), over the point
+WAIT_SHARE = 0.5  # run-queue wait / (CPU + wait) over the point: waited longer than it ran
 MIN_ACTIVE_CORES = 0.05  # below this mean a group's wait share is noise (idle processes)
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

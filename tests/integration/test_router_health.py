@@ -1,0 +1,69 @@
+"""Health checks: a replica whose probes time out stays in until ``health_failures`` timeouts
+in a row; one that refuses connections or answers non-200 is out at once; one success clears
+the count."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from loadtest.vllmbed import free_port
+from router.config import RouterConfig
+from router.replicas import ReplicaMonitor, ReplicaSet
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture()
+async def slow_replica():
+    state = {"delay": 0.0, "status": 200}
+
+    async def health(_: web.Request) -> web.Response:
+        await asyncio.sleep(state["delay"])
+        return web.Response(status=state["status"])
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}", state
+    await runner.cleanup()
+
+
+async def test_timeouts_take_a_replica_out_only_after_health_failures_in_a_row(slow_replica):
+    url, state = slow_replica
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    cfg = RouterConfig(replicas=[url, dead], health_timeout_s=0.2, health_failures=3)
+    rs = ReplicaSet()
+    rs.set_source("static", [url, dead])
+    async with aiohttp.ClientSession() as http:
+        mon = ReplicaMonitor(rs, http, cfg)
+        slow, gone = rs.get(url), rs.get(dead)
+        await mon.check_all()
+        assert slow.healthy and not gone.healthy  # refused: out at the first probe
+        state["delay"] = 0.5  # past the probe timeout
+        for strike in (1, 2):
+            await mon.check_all()
+            assert slow.healthy and slow.health_strikes == strike
+        state["delay"] = 0.0  # one answer in time clears the count
+        await mon.check_all()
+        assert slow.healthy and slow.health_strikes == 0
+        state["delay"] = 0.5
+        for _ in range(3):
+            await mon.check_all()
+        assert not slow.healthy and slow.last_error == "health: TimeoutError"
+        state["delay"], state["status"] = 0.0, 200
+        await mon.check_all()
+        assert slow.healthy
+        state["status"] = 503  # an engine that says it is not healthy: out at once
+        await mon.check_all()
+        assert not slow.healthy
