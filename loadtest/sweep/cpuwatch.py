@@ -102,8 +102,16 @@ class _Group:
 class CpuWatch:
     """``CpuWatch({"twins": pgid, "router": pgid, "client": None}).start()`` … ``.stop()``."""
 
-    def __init__(self, groups: dict[str, int | None], interval_s: float = 1.0):
+    def __init__(
+        self,
+        groups: dict[str, int | None],
+        interval_s: float = 1.0,
+        judged: set[str] | None = None,
+    ):
+        """``judged``: the groups whose saturation marks the point (default: all). A real
+        engine on CPU is meant to be busy: its group is recorded, not judged."""
         self.groups = [_Group(n, g) for n, g in groups.items()]
+        self.judged = judged
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -184,7 +192,7 @@ class CpuWatch:
             "groups": groups,
             "machine": machine,
         }
-        rec.update(judge(groups))
+        rec.update(judge({k: v for k, v in groups.items() if not self.judged or k in self.judged}))
         return rec
 
 

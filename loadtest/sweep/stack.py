@@ -178,6 +178,8 @@ class Router:
     speedup: float = 1.0  # the twins' --speedup (kvroute's KV layer calibrates in profile time)
     port: int = 0
     extra_args: list[str] = field(default_factory=list)  # appended to the router's argv
+    # added to the router's environment; KVROUTE_KV_* here replace what kv_env derives
+    extra_env: dict[str, str] = field(default_factory=dict)
     _proc: ManagedProcess | None = None
 
     @property
@@ -225,6 +227,8 @@ class Router:
         """``KVROUTE_KV_*`` for kvroute's KV layer: tokenizer, blocks, profile, event sources."""
         if not (self.name.startswith("kvroute:") and needs_events(self.name)):
             return {}
+        if any(k.startswith("KVROUTE_KV_") for k in self.extra_env):
+            return {}  # the caller wires the KV layer itself (e.g. bound events, real vLLM)
         if not self.event_endpoints:
             raise StackError(f"{self.name} needs the twins' KV event endpoints")
         import json
@@ -244,6 +248,7 @@ class Router:
         argv += self.extra_args
         env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
         env.update(self.kv_env())
+        env.update(self.extra_env)
         log = self.workdir / f"router-{self.name.replace(':', '-')}-{self.port}.log"
         self._proc = ManagedProcess(argv, env, log, Path.cwd())
         self._proc.start()
