@@ -1,0 +1,31 @@
+"""Placement measurements from replay records: imbalance at placement, moves, cold calls."""
+
+from __future__ import annotations
+
+from loadtest.replay.records import CallRecord
+from loadtest.report.diagnose import point_measures
+
+
+def call(session, t0, t1, replica, prompt=1000, cached=0, ttft=0.5, agent="main"):
+    return CallRecord(session=session, play=0, call=f"{agent}/{t0}", agent=agent, t_start=t0,
+                      t_end=t1, ok=True, ttft_s=ttft, prompt_tokens=prompt,
+                      cached_tokens=cached, replica=replica)  # fmt: skip
+
+
+def test_imbalance_moves_and_cold_calls_are_measured_from_the_records():
+    calls = [
+        call("a", 0.0, 10.0, "r0"),  # cold
+        call("b", 1.0, 10.0, "r0"),  # cold, r0 has 1 in flight, r1 none: +1
+        call("c", 2.0, 10.0, "r0", ttft=9.0),  # cold, r0 has 2, r1 0: +2
+        call("a", 11.0, 12.0, "r0", cached=900),  # stayed, hit 90%
+        call("b", 11.5, 13.0, "r1", cached=0, ttft=3.0),  # moved: lost its prefix
+    ]
+    m = point_measures(calls, speedup=2.0)
+    assert m["calls"] == 5 and m["per_replica"] == {"r0": 4, "r1": 1}
+    assert m["cold_calls"] == 3 and m["moves"] == 1 and m["move_share"] == 0.5
+    assert m["hit_stayed"] == 0.9 and m["hit_moved"] == 0.0
+    assert m["ttft_p90_moved_s"] == 6.0  # scaled by the speedup
+    assert m["placed_busier_2"] == 1 / 5 and abs(m["imbalance_mean"] - 3 / 5) < 1e-9
+    assert m["tail"][0]["ttft_s"] == 18.0 and m["tail"][0]["extra_inflight"] == 2
+    # busy seconds: r0 10+9+8+1 = 28, r1 1.5, times the speedup
+    assert abs(m["occupancy_max_over_min"] - 28 / 1.5) < 1e-9
