@@ -142,6 +142,7 @@ def build_app(
         obs.append(kv.observe)
         hooks.append(kv.decided)
         metrics.watch_kv_events(lambda: kv.subscriber)
+        metrics.watch_calibration(kv)
     obs.extend(observers or [])
     app[CALLS] = CallSequence(pipeline, analyzer=analyzer, state_providers=providers,
                               observers=obs, decision_hooks=hooks)  # fmt: skip

@@ -171,6 +171,11 @@ class RouterMetrics:
         """KV event stream health from ``subscriber()`` (a ``KVEventSubscriber`` or None)."""
         self.registry.register(_KVEventCollector(subscriber))
 
+    def watch_calibration(self, kv: Any) -> None:
+        """The KV layer's per-replica fit of observed against modelled time (``kv`` has
+        ``calibrators`` and ``calibration(replica)``, :class:`router.kv.state.KVState`)."""
+        self.registry.register(_CalibrationCollector(kv))
+
     def placed(self, previous: str | None, chosen: str, decision: Any = None) -> None:
         """One placement of a session's call: kept / moved / new, and the decision's time
         (``decision.elapsed_s`` when the pipeline measured it)."""
@@ -298,6 +303,38 @@ class _StoreCollector:
         c.add_metric([], float(self.store.reconciles))
         yield g
         yield c
+
+
+class _CalibrationCollector:
+    """``kvroute_kv_calibration{replica, term}``: the cost model's fitted prefill scale, TTFT
+    offset (s) and decode scale per replica (1, 0, 1 until enough calls were seen), and the
+    samples behind each fit. A scale pinned at a bound (0.2 or 5) means the model and the
+    replica disagree by more than any calibration should absorb: look at the replica."""
+
+    def __init__(self, kv: Any):
+        self.kv = kv
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "kvroute_kv_calibration",
+            "Fitted observed/modelled time per replica: prefill_scale, ttft_offset_s, "
+            "decode_scale (the cost model's calibration)",
+            labels=["replica", "term"],
+        )
+        n = GaugeMetricFamily(
+            "kvroute_kv_calibration_samples",
+            "Observations in each replica's calibration window (ttft, itl)",
+            labels=["replica", "kind"],
+        )
+        for name in sorted(self.kv.calibrators):
+            c = self.kv.calibration(name)
+            g.add_metric([name, "prefill_scale"], c.prefill_scale)
+            g.add_metric([name, "ttft_offset_s"], c.ttft_offset_s)
+            g.add_metric([name, "decode_scale"], c.decode_scale)
+            n.add_metric([name, "ttft"], float(c.ttft_samples))
+            n.add_metric([name, "itl"], float(c.itl_samples))
+        yield g
+        yield n
 
 
 class _KVEventCollector:

@@ -13,6 +13,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from costmodel.calibration import Calibrator
 from router.kv.events import PublisherState, SubscriberStats
 from router.metrics import RouterMetrics
 from router.outcome import CallOutcome, Usage, usage_from_tail
@@ -190,6 +191,24 @@ def test_kv_event_collector_sums_streams_per_replica():
     assert value(m, "kvroute_kv_event_restarts_total", replica="r1") == 1.0
     assert value(m, "kvroute_kv_event_lag_seconds", replica="r1") == 0.05
     assert value(m, "kvroute_kv_event_decode_errors_total") == 2.0
+
+
+def test_calibration_collector_shows_each_replicas_fit():
+    from router.kv.config import KVConfig
+    from router.kv.state import KVState
+
+    kv = KVState(KVConfig(block_size=16), clock=lambda: 0.0)
+    m = RouterMetrics()
+    m.watch_calibration(kv)
+    assert value(m, "kvroute_kv_calibration", replica="r1", term="prefill_scale") is None
+    cal = kv.calibrators.setdefault("r1", Calibrator())
+    for i in range(10):  # the replica answers 5x faster than modelled: the scale pins at 0.2
+        cal.observe_ttft(2.0 + i, (2.0 + i) / 10)
+    assert value(m, "kvroute_kv_calibration", replica="r1", term="prefill_scale") == pytest.approx(
+        0.2
+    )
+    assert value(m, "kvroute_kv_calibration", replica="r1", term="decode_scale") == 1.0
+    assert value(m, "kvroute_kv_calibration_samples", replica="r1", kind="ttft") == 10.0
 
 
 def test_store_collector_only_for_redis():
