@@ -144,6 +144,8 @@ def run_point(
                 summary = asyncio.run(replay(trace, builder, rcfg, d))
             finally:
                 point["cpu"] = watch.stop()
+            if target.startswith("kvroute:"):
+                point["router_metrics"] = router_state(router.url)
         point["summary"] = summary
         point["dir"] = str(d.relative_to(out))
     except (StackError, RuntimeError, OSError) as e:
@@ -157,6 +159,28 @@ def run_point(
         cluster.stop()
         cleanup(cluster.workdir)
     return point
+
+
+# The router's own view at the end of a point, kept for diagnosis (docs/router.md has them).
+ROUTER_FAMILIES = ("kvroute_kv_calibration", "kvroute_session_placements_total")
+
+
+def router_state(url: str) -> dict[str, Any]:
+    """kvroute's calibration per replica and placement counts, from its ``/metrics``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=5.0).text
+    except httpx.HTTPError as e:
+        return {"error": repr(e)}
+    out: dict[str, Any] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name in ROUTER_FAMILIES:
+                key = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()))
+                out.setdefault(smp.name, {})[key] = smp.value
+    return out
 
 
 def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> dict[str, Any]:

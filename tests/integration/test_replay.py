@@ -122,6 +122,8 @@ def test_sweep_writes_results_plots_and_a_self_contained_report(tmp_path):
     ok, ok1, bad, _bad1 = res["points"]
     assert ok["summary"]["requests_ok"] > 0 and ok["summary"]["requests_failed"] == 0
     assert "unknown router" in bad["error"]  # a broken target degrades to an error row
+    placed = ok["router_metrics"]["kvroute_session_placements_total"]  # the router's own view
+    assert sum(placed.values()) >= ok["summary"]["requests_ok"]
     # every run records its processes' CPU headroom, and the aggregate says what it used
     for p in (ok, ok1):
         assert p["cpu"]["available"] and set(p["cpu"]["groups"]) == {"twins", "router", "client"}
