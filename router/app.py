@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from router import api
-from router.call import CallSequence, DecisionHook, Observer, PromptAnalyzer
+from router.call import CallSequence, DecisionHook, FirstByteHook, Observer, PromptAnalyzer
 from router.config import RouterConfig
 from router.frontdoor import FrontDoorRunner, json_errors
 from router.keys import (
@@ -134,6 +134,7 @@ def build_app(
     providers = dict(state_providers or {})
     obs: list[Observer] = [metrics.observe_call]
     hooks: list[DecisionHook] = []
+    first: list[FirstByteHook] = []
     if kv is not None:
         if analyzer is not None:
             raise ValueError("give the KV layer or an analyzer, not both")
@@ -141,11 +142,13 @@ def build_app(
         providers["kv"] = kv.view
         obs.append(kv.observe)
         hooks.append(kv.decided)
+        first.append(kv.prefill_done)
         metrics.watch_kv_events(lambda: kv.subscriber)
         metrics.watch_calibration(kv)
     obs.extend(observers or [])
     app[CALLS] = CallSequence(pipeline, analyzer=analyzer, state_providers=providers,
-                              observers=obs, decision_hooks=hooks)  # fmt: skip
+                              observers=obs, decision_hooks=hooks,
+                              first_byte_hooks=first)  # fmt: skip
     app[KV] = kv
     app[RUNTIME] = Runtime()
     app[RUNTIME].idle.set()

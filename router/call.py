@@ -12,6 +12,9 @@ Owns: :class:`CallSequence`, the steps every routed call goes through, in order:
    the call over HTTP (retrying elsewhere before the first byte: decide again with the tried
    replicas excluded); the simulator's adapter (:mod:`loadtest.sim.router_policy`) hands it to
    a simulated engine;
+   When the first byte of the answer arrives (a stream's first chunk: prefill is over), the
+   caller runs :meth:`CallSequence.first_byte` — the first-byte hooks (the KV layer stops
+   counting the call's prompt as prefill queued on its replica);
 4. **finish** — every observer hears how the call ended, exactly once, as a typed
    :class:`router.outcome.CallOutcome` (with the decision and its scorer terms), whatever the
    end: calls that never got a complete answer are reported with ``replica=None``.
@@ -37,6 +40,7 @@ log = logging.getLogger("kvroute.call")
 PromptAnalyzer = Callable[[RequestContext], Awaitable[None] | None]
 Observer = Callable[[RequestContext, CallOutcome], None]
 DecisionHook = Callable[[RequestContext, Decision], None]
+FirstByteHook = Callable[[RequestContext], None]
 
 
 class CallSequence:
@@ -50,12 +54,14 @@ class CallSequence:
         state_providers: Mapping[str, Callable[[], Any]] | None = None,
         observers: list[Observer] | None = None,
         decision_hooks: list[DecisionHook] | None = None,
+        first_byte_hooks: list[FirstByteHook] | None = None,
     ):
         self.pipeline = pipeline
         self.analyzer = analyzer
         self.state_providers = dict(state_providers or {})
         self.observers = list(observers or [])
         self.decision_hooks = list(decision_hooks or [])
+        self.first_byte_hooks = list(first_byte_hooks or [])
 
     def analyze(self, ctx: RequestContext) -> Awaitable[None] | None:
         """Run the analyzer; returns what the caller must await when it is asynchronous."""
@@ -107,6 +113,14 @@ class CallSequence:
                 except Exception:
                     log.exception("decision hook %r failed", fn)
         return d
+
+    def first_byte(self, ctx: RequestContext) -> None:
+        """The answer's first byte arrived (its prefill is done); hooks must be idempotent."""
+        for fn in self.first_byte_hooks:
+            try:
+                fn(ctx)
+            except Exception:
+                log.exception("first-byte hook %r failed", fn)
 
     def finish(self, ctx: RequestContext, outcome: CallOutcome) -> None:
         """Tell every observer how ``ctx`` ended (once: later calls do nothing)."""

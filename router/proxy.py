@@ -40,6 +40,17 @@ HOP_BY_HOP = frozenset({
 # goes upstream decoded (the HTTP parser undid any gzip/deflate), so its old label goes too.
 CLIENT_ONLY = frozenset({"cookie", "x-admin-key", "content-encoding"})
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+# vLLM's Responses stream opens with these two events at once, before prefill: a first byte
+# that is not the first token (TTFT and the end of prefill are measured after them)
+_RESPONSE_HEAD = (b"event: response.created", b"event: response.in_progress")
+
+
+def _response_head(chunk: bytes) -> bool:
+    """Whether ``chunk`` holds only a Responses stream's opening events."""
+    events = [e for e in chunk.split(b"\n\n") if e.strip()]
+    return bool(events) and all(e.lstrip().startswith(_RESPONSE_HEAD) for e in events)
+
+
 BUFFERED_MAX = 4 << 20  # sized non-SSE responses up to this are read whole, then sent
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -265,9 +276,10 @@ async def _stream_from(
                         request.transport.close()
                 break
             now = time.perf_counter()
-            if first_at is None:
+            if first_at is None and not (ctx.route == "/v1/responses" and _response_head(chunk)):
                 first_at = now
                 metrics.ttft.labels(name).observe(first_at - t0)
+                app[CALLS].first_byte(ctx)  # prefill is over: not queued work any more
             elif len(itl) < ITL_SAMPLES:
                 itl.append(now - last_at)
             last_at = now

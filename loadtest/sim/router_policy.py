@@ -68,6 +68,7 @@ class RouterPolicy:
             state_providers={"kv": self.kv.view},
             observers=[self.kv.observe],
             decision_hooks=[self.kv.decided],
+            first_byte_hooks=[self.kv.prefill_done],
         )
         self.tenant = tenant
         self.store = MemoryStore(ttl_s=float("inf"))
@@ -127,6 +128,14 @@ class RouterPolicy:
         self.now = now
         typed = [e for e in (decode_event(x) for x in events) if e is not None]
         self.kv.index.apply(self._name(replica), typed)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """The call's first token: what the proxy's first byte tells the KV layer."""
+        self.now = now
+        sid, _, idx = request_id.rpartition("/")
+        got = self._ctx.get((sid, int(idx))) if idx.isdigit() else None
+        if got is not None:
+            self.calls.first_byte(got[0])
 
     def on_finish(self, record: CallRecord) -> None:
         self.now = record.finish

@@ -473,6 +473,8 @@ class SimObserver(Protocol):
     def on_finish(self, record: CallRecord) -> None:
         """A call finished (its usage, TTFT and duration are in the record)."""
 
+    # optional: ``on_first_token(request_id, now)`` — a call's first token (``"sid/index"``)
+
 
 class Simulator:
     """N engines of one profile, a routing function, and a workload of sessions.
@@ -785,6 +787,11 @@ class Simulator:
                 self.steps += 1
                 res = eng.complete(step, now)
                 self._flush_events(i, now)
+                if res.first_tokens and self.observer is not None:
+                    first = getattr(self.observer, "on_first_token", None)
+                    if first is not None:  # the proxy's first byte: prefill is over
+                        for req in res.first_tokens:
+                            first(req.id, now)
                 for req in res.finished:
                     if dag_reqs:
                         got = dag_reqs.pop(req.id, None)

@@ -61,6 +61,8 @@ from router.vllm.tokenizer import ModelTokenizer
 log = logging.getLogger("kvroute.kv")
 
 MAX_GONE = 1024  # removed replicas remembered (late call outcomes there are not recorded)
+PREFILLING_MAX = 100_000  # calls tracked as awaiting their first byte, before old ones expire
+PREFILLING_MAX_AGE_S = 900.0  # past the longest upstream wait (read_timeout_s 600 s)
 
 
 @dataclass
@@ -109,6 +111,11 @@ class KVState:
         self.sessions: dict[str, SessionFootprint] = {}
         self.stats: dict[str, ReplicaStat] = {}
         self.calibrators: dict[str, Calibrator] = {}
+        # This router's calls sent and not yet answered with a first byte: request id ->
+        # (replica, uncached prompt tokens, when sent). vLLM counts a request in chunked
+        # prefill as *running*, so the engine's waiting count misses exactly the long cold
+        # prefill a later call queues behind; this is the prefill work the router knows of.
+        self.prefilling: dict[str, tuple[str, int, float]] = {}
         self._profiles: dict[str, ReplicaProfile] = {}
         self._profile_override = profile  # one profile object for every replica (tests, twins)
         self.subscriber: Any = None
@@ -376,14 +383,43 @@ class KVState:
         history: approximate mode, and the sglang-style tree), at selection time as
         sglang-router inserts into its tree — a burst sharing a prefix sees it at once."""
         keys = ctx.block_keys
+        replica = decision.endpoint.name
         if keys:
-            replica = decision.endpoint.name
             self.profile(replica)
             self.approx.record(replica, keys)
+        n_tok = int(ctx.prompt_tokens or len(keys or ()) * self.cfg.block_size)
+        if n_tok > 0:  # a retry decides again: the entry follows the call to its new replica
+            matched = int(decision.term(replica, "match_blocks") or 0) * self.cfg.block_size
+            self.prefilling[ctx.request_id] = (replica, max(n_tok - matched, 0), self.clock())
+            if len(self.prefilling) > PREFILLING_MAX:
+                self._expire_prefilling()
+
+    def prefill_done(self, ctx: Any) -> None:
+        """The call's first byte arrived: its prompt no longer waits for prefill."""
+        self.prefilling.pop(ctx.request_id, None)
+
+    def _expire_prefilling(self) -> None:
+        """Drop entries older than ``PREFILLING_MAX_AGE_S`` (a call the router lost track of
+        must not count as queued work for ever)."""
+        cut = self.clock() - PREFILLING_MAX_AGE_S
+        for rid in [k for k, v in self.prefilling.items() if v[2] < cut]:
+            del self.prefilling[rid]
+
+    def pending_prefill(self) -> dict[str, tuple[int, int]]:
+        """Per replica: (calls, uncached prompt tokens) this router sent there that have not
+        had their first byte yet."""
+        cut = self.clock() - PREFILLING_MAX_AGE_S
+        out: dict[str, tuple[int, int]] = {}
+        for replica, tokens, at in self.prefilling.values():
+            if at >= cut:
+                n, t = out.get(replica, (0, 0))
+                out[replica] = (n + 1, t + tokens)
+        return out
 
     # ---- the observer: what happened ----------------------------------------------------------
 
     def observe(self, ctx: Any, outcome: CallOutcome) -> None:
+        self.prefilling.pop(ctx.request_id, None)  # ended without a first byte, or after one
         replica = outcome.replica
         now = self.clock()
         ident = ctx.identity

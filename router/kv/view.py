@@ -29,13 +29,14 @@ MIN_GAP_S = 0.1  # a measured mean gap of 0 s counts as this (back-to-back calls
 class KVView:
     """What KV-aware scorers may read (no mutation): matches, profiles, footprints."""
 
-    __slots__ = ("_st", "block_size", "expected_output_tokens", "index", "now")
+    __slots__ = ("_prefill", "_st", "block_size", "expected_output_tokens", "index", "now")
 
     def __init__(self, st: KVState):
         self._st = st
         self.index: BlockIndexView = st.index.view()
         self.now: float = st.clock()
         self.block_size: int = st.cfg.block_size
+        self._prefill = st.pending_prefill()
         # a session that has shown no output yet is expected to write what the others write
         ewma = st.output_ewma
         self.expected_output_tokens: int = (
@@ -125,21 +126,27 @@ class KVView:
     def replica_load(self, e: EndpointView, exclude: str | None, prior_tokens: int) -> ReplicaLoad:
         """The cost model's load inputs for one replica, from the endpoint view and this view.
 
-        Calls queued or running there are sized by the replica's recent means (uncached tokens
-        to prefill, prompt tokens held) as observed by this router; before it has observed
-        any, by ``prior_tokens`` (this call's prompt: a pending call counts as a cold call
-        this big).
+        Queued prefill: the uncached tokens of this router's calls there that have not had a
+        first byte yet, plus engine-waiting calls beyond those (another router's) sized by the
+        replica's recent mean uncached tokens per call as observed by this router; before it
+        has observed any, by ``prior_tokens`` (this call's prompt: a pending call counts as a
+        cold call this big). Running calls are sized by the recent mean prompt tokens held.
         """
         st = self.replica_stat(e.name)
         prof = self.profile(e.name)
         running = e.running if e.running is not None else None
         waiting = e.waiting if e.waiting is not None else None
         # calls that have not finished their prefill: waiting in the engine, or sent by this
-        # router and not yet running there
-        pending = max(float(waiting or 0.0), float(e.inflight) - float(running or 0.0), 0.0)
+        # router and not yet running there ...
+        engine = max(float(waiting or 0.0), float(e.inflight) - float(running or 0.0), 0.0)
+        # ... and this router's own calls there without a first byte, each with the uncached
+        # tokens it was sent with: a call in chunked prefill counts as running in vLLM, so
+        # without these a 250k-token cold prefill looked like an idle replica
+        ours, ours_tokens = self._prefill.get(e.name, (0, 0))
+        pending = max(engine, float(ours))
         uncached = st.uncached_ewma if st is not None else float(prior_tokens)
         context = st.context_ewma if st is not None else float(prior_tokens)
-        queued = pending * uncached
+        queued = float(ours_tokens) + max(engine - ours, 0.0) * uncached
         batch = max(int(running) if running is not None else 0, int(e.inflight) - int(pending))
         dctx = batch * context
         used = self.gpu_blocks_used(e.name)

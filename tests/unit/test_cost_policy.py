@@ -378,3 +378,33 @@ def test_calibration_of_sped_up_replicas_is_in_profile_seconds():
     assert st.calibration("A").prefill_scale == pytest.approx(1.0, rel=0.05)
     with pytest.raises(ValueError, match="time_scale"):
         KVConfig(time_scale=0)
+
+
+def test_a_cold_prefill_in_flight_is_queued_work_until_its_first_byte():
+    """vLLM reports a request in chunked prefill as running, not waiting: the router's own
+    record of what it sent is what shows a replica busy with a 128k-token cold prefill. A
+    second cold call then goes to the idle replica, and once the first call's first byte has
+    come (prefill over) the replica is no longer charged for it."""
+    st = state()
+    first = ctx_for(session="big")
+    first.request_id = "big-1"
+    st.decided(first, Decision(ep("A"), []))  # sent to A; no blocks matched there
+    assert st.pending_prefill() == {"A": (1, N * BS)}
+    # the engine now counts it as running (chunked prefill), nothing waiting
+    eps = [ep("A", inflight=1, running=1.0, waiting=0.0), ep("B")]
+    view = st.view()
+    load_a = view.replica_load(eps[0], None, N * BS)
+    assert load_a.queued_prefill_tokens == N * BS and load_a.pending_calls == 1
+    other = ctx_for(session="other", keys=range(5_000_000, 5_000_000 + N))
+    other.request_id = "other-1"
+    winner, s = pick(st, eps, other)
+    assert winner == "B" and s["A"] < 0.6  # A's queue is a whole 128k-token prefill
+    st.prefill_done(first)  # the first byte came: the prefill is over
+    assert st.pending_prefill() == {}
+    assert st.view().replica_load(eps[0], None, N * BS).queued_prefill_tokens == 0.0
+    # a retry re-decides: the entry follows the call; the call's end always clears it
+    st.decided(other, Decision(ep("A"), []))
+    st.decided(other, Decision(ep("B"), []))
+    assert st.pending_prefill() == {"B": (1, N * BS)}
+    st.observe(other, outcome(replica="B", status="502"))
+    assert st.pending_prefill() == {}

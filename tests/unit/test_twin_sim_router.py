@@ -72,7 +72,9 @@ def test_kv_cost_spreads_sessions_sharing_a_cached_prefix_by_decode_interference
     piled, inter_off = first_calls(0.0)
     spread, inter_on = first_calls(1.0)
     # without oracle output lengths (every call asks for the agents' 32k cap) the decode term
-    # already pushes some sessions off the prefix holder; still most pile up there
-    assert len(piled) <= 2 and max(piled.values()) >= 0.6 * 32
+    # already pushes some sessions off the prefix holder, and the cold prefills in flight
+    # there count as queued work (17 / 15 on two replicas, 20 / 12 before they did); still
+    # only two replicas get any
+    assert len(piled) <= 2 and max(piled.values()) >= 0.5 * 32
     assert len(spread) == 4 and max(spread.values()) <= 0.5 * 32
     assert inter_on > 1.1 * inter_off
