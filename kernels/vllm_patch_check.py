@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 CHECKS: dict[str, dict[str, Any]] = {}
@@ -352,16 +353,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cpu":
         check_cpu_refusal()
-    steps = [("install", lambda: check_install(args.impl, args.device))]
+    steps: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
+        ("install", check_install, (args.impl, args.device))
+    ]
     for dt in args.dtypes.split(","):
         steps += [
-            (f"dcp_{dt}", lambda dt=dt: check_dcp(args.impl, args.device, dt)),
-            (f"merge_{dt}", lambda dt=dt: check_merge_attn_states(args.impl, args.device, dt)),
-            (f"rmsnorm_{dt}", lambda dt=dt: check_fused_add_rms_norm(args.impl, args.device, dt)),
+            (f"dcp_{dt}", check_dcp, (args.impl, args.device, dt)),
+            (f"merge_{dt}", check_merge_attn_states, (args.impl, args.device, dt)),
+            (f"rmsnorm_{dt}", check_fused_add_rms_norm, (args.impl, args.device, dt)),
         ]
-    for name, step in steps:
+    for name, step, step_args in steps:
         try:
-            step()
+            step(*step_args)
         except Exception as e:  # a crash is a failed check, reported with the others
             record(f"{name}_crashed", False, error=f"{type(e).__name__}: {e}")
     result = {"device": args.device, "impl": args.impl, "checks": CHECKS}
