@@ -397,11 +397,6 @@ def assert_worker_args_are_the_plugins(chart: helm.Chart, values: dict[str, Any]
         c = container(find(objs, m["kind"], f"kv-kvroute-{name}"), "vllm")
         args, extra = c["args"], m["extraArgs"]
         words = kvroute_engine_flags(engine_flags_argv(m))
-        dcp = int(m["decodeContextParallelSize"])
-        if dcp > 1 and (m["plugin"]["preset"] == "prefix" or not m["plugin"]["enabled"]):
-            # the prefix preset does not write DCP; the chart keeps the setting
-            words += ["--decode-context-parallel-size", str(dcp), "--dcp-comm-backend"]
-            words += [m["dcpCommBackend"]]
         n_own = len(args) - len(words) - len(extra)
         own = args[:n_own]
         assert args[n_own:] == words + list(extra), name
@@ -432,6 +427,9 @@ ENGINE_VARIATIONS = {
     }}},
     "prefix-preset-dcp": {"workers": {"defaults": {
         "tensorParallelSize": 4, "decodeContextParallelSize": 4, "plugin": {"preset": "prefix"},
+    }}},
+    "plugin-off-dcp": {"workers": {"defaults": {
+        "tensorParallelSize": 2, "decodeContextParallelSize": 2, "plugin": {"enabled": False},
     }}},
     "plugin-and-events-off": {"workers": {"defaults": {
         "plugin": {"enabled": False}, "kvEvents": {"enabled": False},
