@@ -617,7 +617,33 @@ CONTRADICTIONS = [
         {"workers": {"defaults": {"extraEnv": [{"name": "VLLM_PLUGINS", "value": "kvroute"}]}}},
         "add kvroute_engine",
     ),
+    (
+        {"workers": {"defaults": {"cpu": True, "plugin": {"kernels": ["all"]}}}},
+        "kvroute's kernels run on CUDA hosts only",
+    ),
+    (
+        {"workers": {"defaults": {"plugin": {"enabled": False, "kernels": ["dcp_lse_merge"]}}}},
+        "the kernels are installed by the engine plugin",
+    ),
 ]
+
+
+def test_plugin_kernels_become_the_workers_kvroute_kernels(chart):
+    def workers(values: dict[str, Any]) -> list[dict[str, Any]]:
+        objs = objects(render(chart, values))
+        found = [
+            container(o, "vllm")
+            for o in objs
+            if o["kind"] in ("StatefulSet", "Deployment")
+            and o["metadata"]["labels"].get("app.kubernetes.io/component") == "worker"
+        ]
+        assert found
+        return found
+
+    kernels = ["dcp_lse_merge", "fused_add_rmsnorm"]
+    for c in workers({"workers": {"defaults": {"plugin": {"kernels": kernels}}}}):
+        assert env_of(c)["KVROUTE_KERNELS"]["value"] == "dcp_lse_merge,fused_add_rmsnorm"
+    assert all("KVROUTE_KERNELS" not in env_of(c) for c in workers({}))
 
 
 def test_an_allowlist_naming_the_plugin_renders(chart):
