@@ -4,8 +4,9 @@ Owns: the plugin's ``register()`` (:mod:`engine_patches.plugin`), the vLLM versi
 (:mod:`engine_patches.versions`), the flag presets and ``kvroute engine flags``
 (:mod:`engine_patches.presets`, :mod:`engine_patches.cli`), the bounded prefill cadence
 (:mod:`engine_patches.cadence` policy, :mod:`engine_patches.scheduler` the vLLM scheduler
-class), and a host-DRAM offloading tier that works on the CPU platform
-(:mod:`engine_patches.offload`).
+class), a host-DRAM offloading tier that works on the CPU platform
+(:mod:`engine_patches.offload`), and kvroute's Triton kernels in place of vLLM functions on
+CUDA hosts when ``KVROUTE_KERNELS`` asks (:mod:`engine_patches.kernel_patches`).
 
 Every module here imports without vLLM installed (the router's venv has none): vLLM is only
 imported inside functions that run in vLLM processes. Must not import ``router`` or

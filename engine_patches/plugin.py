@@ -11,6 +11,10 @@ worker: ``vllm/plugins/__init__.py``), possibly more than once. So :func:`regist
 * logs under ``vllm.kvroute``, so vLLM's own log configuration (level, process prefix)
   applies.
 
+With ``KVROUTE_KERNELS`` set, :func:`register` also installs kvroute's Triton kernels in
+place of vLLM functions (:mod:`engine_patches.kernel_patches`): CUDA platforms only — on
+any other platform the setting is refused with one log line and nothing is patched.
+
 Everything else the plugin offers is opted into by flags (``kvroute engine flags``):
 ``--scheduler-cls engine_patches.scheduler.CadenceScheduler`` for the bounded prefill cadence,
 ``kv_connector_extra_config.spec_name`` for the host/disk tiers.
@@ -22,7 +26,7 @@ import logging
 import multiprocessing
 import os
 
-from engine_patches import __version__, versions
+from engine_patches import __version__, kernel_patches, versions
 
 logger = logging.getLogger("vllm.kvroute")
 
@@ -54,6 +58,12 @@ def register() -> bool:
         logger.exception("kvroute engine plugin: registering the offloading specs failed")
         _outcome = False
         return False
+    try:
+        kernel_patches.install_from_env()
+    except Exception:  # the kernels are an optimisation: never take vLLM down for them
+        logger.exception(
+            "kvroute engine plugin: installing the kernels (%s) failed", kernel_patches.ENV
+        )
     logger.info(
         "kvroute engine plugin %s registered on vLLM %s (pid %d, process %s)",
         __version__,

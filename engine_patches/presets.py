@@ -13,10 +13,12 @@ Presets:
     (``cached_tokens``), KV events with a replay endpoint (when ``kv_events`` is given), the
     bounded prefill cadence scheduler, the long-prefill threshold, and — when
     ``host_tier_bytes`` > 0 — the host-DRAM tier (plus a disk tier under ``disk_tier_dir``)
-    through vLLM's ``OffloadingConnector`` with the plugin's spec. On GPU hosts
-    (``platform="gpu"``) also decode context parallelism when ``dcp`` > 1.
+    through vLLM's ``OffloadingConnector`` with the plugin's spec.
 ``prefix``
     only the prefix-caching / events / details part: the baseline the benchmarks compare with.
+
+Both presets end with decode context parallelism when ``dcp`` > 1 (GPU hosts only,
+``platform="gpu"``; a CPU platform refuses it): it is a parallelism setting, not plugin code.
 """
 
 from __future__ import annotations
@@ -127,8 +129,20 @@ def flags(opts: EngineOptions) -> list[str]:
             "topic": opts.kv_events_topic,
         }
         out += ["--kv-events-config", json.dumps(ev, separators=(",", ":"))]
-    if opts.preset == "prefix":
-        return out
+    if opts.preset == "agentic":
+        out += _agentic_flags(opts)
+    if opts.dcp > 1:  # a parallelism setting, not plugin code: both presets write it
+        if opts.platform != "gpu":
+            raise ValueError("decode context parallelism needs GPU hosts (--platform gpu)")
+        out += ["--decode-context-parallel-size", str(opts.dcp)]
+        if opts.dcp_comm_backend:
+            out += ["--dcp-comm-backend", opts.dcp_comm_backend]
+    return out
+
+
+def _agentic_flags(opts: EngineOptions) -> list[str]:
+    """The plugin's part of the ``agentic`` preset: cadence, long-prefill threshold, tiers."""
+    out: list[str] = []
     if opts.cadence is not None:
         cls = ASYNC_SCHEDULER_CLS if opts.platform == "gpu" else SCHEDULER_CLS
         out += ["--scheduler-cls", cls]
@@ -141,10 +155,4 @@ def flags(opts: EngineOptions) -> list[str]:
     ktc = kv_transfer_config(opts)
     if ktc is not None:
         out += ["--kv-transfer-config", json.dumps(ktc, separators=(",", ":"))]
-    if opts.dcp > 1:
-        if opts.platform != "gpu":
-            raise ValueError("decode context parallelism needs GPU hosts (--platform gpu)")
-        out += ["--decode-context-parallel-size", str(opts.dcp)]
-        if opts.dcp_comm_backend:
-            out += ["--dcp-comm-backend", opts.dcp_comm_backend]
     return out

@@ -35,13 +35,20 @@ __all__ = [
 _IMPLS = ("auto", "triton", "torch")
 
 # Opt-in engine settings the plugin may expose on GPU hosts (never on CPU): name -> what it
-# replaces. ``available()["settings"]`` lists the ones this host can honour.
+# replaces. ``available()["settings"]`` lists the ones this host can honour. The plugin
+# installs dcp_lse_merge, merge_attn_states and fused_add_rmsnorm (KVROUTE_KERNELS,
+# engine_patches/kernel_patches.py); rope_kv_write and split_kv_decode have no single vLLM
+# function to replace and are refused there.
 SETTINGS: dict[str, str] = {
     "dcp_lse_merge": (
         "DCP combine: lse_correct for the ag_rs backend (before the reduce-scatter), "
         "lse_merge_packed for the a2a backend (after the all-to-all)"
     ),
     "fused_add_rmsnorm": "residual add + RMSNorm (+ static fp8 quantisation) in one launch",
+    "merge_attn_states": (
+        "prefix/suffix attention-state merge (chunked prefill over cached context): "
+        "lse_merge over the two states"
+    ),
     "rope_kv_write": "RoPE on q/k + paged KV-cache write in one launch",
     "split_kv_decode": "split-KV GQA decode attention over the paged cache + its LSE combine",
 }
@@ -183,19 +190,34 @@ def rmsnorm_residual(
     eps: float = 1e-6,
     *,
     quant_scale: float | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, new_residual)`` for x, residual [T, K] and weight [K], both in x's dtype.
 
     ``new_residual = x + residual``; ``normed = RMSNorm(new_residual) · weight``. With
-    ``quant_scale`` the normed output is fp8 e4m3 (static per-tensor scale).
+    ``quant_scale`` the normed output is fp8 e4m3 (static per-tensor scale). ``out`` /
+    ``residual_out`` ([T, K], unit lane stride) receive the results in place and are
+    returned; ``out=x, residual_out=residual`` is vLLM's in-place ``fused_add_rms_norm``
+    (the Triton kernel reads each row before writing it, so the aliasing is safe).
     """
     tensors = (x, residual, weight)
-    mod = _triton("triton_norm") if _use_triton(impl, *tensors) else _reference()
-    result: tuple[torch.Tensor, torch.Tensor] = mod.rmsnorm_residual(
+    if _use_triton(impl, *tensors):
+        result: tuple[torch.Tensor, torch.Tensor] = _triton("triton_norm").rmsnorm_residual(
+            x, residual, weight, eps, quant_scale=quant_scale, out=out, residual_out=residual_out
+        )
+        return result
+    normed, new_res = _reference().rmsnorm_residual(
         x, residual, weight, eps, quant_scale=quant_scale
     )
-    return result
+    if out is not None:
+        out.copy_(normed)
+        normed = out
+    if residual_out is not None:
+        residual_out.copy_(new_res)
+        new_res = residual_out
+    return normed, new_res
 
 
 def rope_kv_write(

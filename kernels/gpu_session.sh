@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call for issue 15's GPU checks, from the repo root of a CUDA host with torch,
 # triton and pytest installed: the kernels tier with the *compiled* kernels on the GPU (the
-# fp8 tests must pass there), then every benchmark (kernels/bench_all.py). ~5 min at most.
+# fp8 tests must pass there), then — where vLLM (0.32.0/0.33.0) imports — the engine
+# plugin's kernel patches (KVROUTE_KERNELS) installed by register() on the CUDA platform and
+# each patched vLLM function against vLLM's original on GPU tensors (kernels/vllm_patch_check.py;
+# no engine, no model), then every benchmark (kernels/bench_all.py). Under 5 min in all.
 #   bash kernels/gpu_session.sh [OUT_DIR]     (default: $OUT, else out/kernels-gpu)
 set -uo pipefail
 out="${1:-${OUT:-out/kernels-gpu}}"
@@ -10,9 +13,19 @@ mkdir -p "$out"
 "$py" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$out/gpu.txt" 2>&1
 export KVROUTE_KERNELS_TEST_DEVICE=cuda TRITON_DEFAULT_FP_FUSION=1
-timeout 120 "$py" -m pytest tests/kernels -q -p no:cacheprovider > "$out/pytest.txt" 2>&1
+budget="${KVROUTE_GPU_SESSION_S:-290}"  # the whole script stays under 5 min: bench gets the rest
+timeout 110 "$py" -m pytest tests/kernels -q -p no:cacheprovider > "$out/pytest.txt" 2>&1
 echo "pytest rc=$?" >> "$out/pytest.txt"
-timeout 240 "$py" -m kernels.bench_all --out "$out" > "$out/bench.txt" 2>&1
+if timeout 60 "$py" -c "import vllm" > /dev/null 2>&1; then
+  timeout 60 "$py" -m kernels.vllm_patch_check --device cuda --impl triton \
+    --json "$out/vllm_patches.json" > "$out/vllm_patches.txt" 2>&1
+  echo "vllm_patch_check rc=$?" >> "$out/vllm_patches.txt"
+else
+  echo "vllm_patch_check skipped: vLLM does not import with $py" > "$out/vllm_patches.txt"
+fi
+left=$((budget - SECONDS)); [ "$left" -lt 30 ] && left=30
+timeout "$left" "$py" -m kernels.bench_all --out "$out" > "$out/bench.txt" 2>&1
 echo "bench_all rc=$?" >> "$out/bench.txt"
 tail -n 6 "$out/pytest.txt"
+tail -n 1 "$out/vllm_patches.txt"
 tail -n 4 "$out/bench.txt"

@@ -56,6 +56,7 @@ def test_available_offers_settings_only_with_cuda() -> None:
     assert set(kernels.SETTINGS) == {
         "dcp_lse_merge",
         "fused_add_rmsnorm",
+        "merge_attn_states",
         "rope_kv_write",
         "split_kv_decode",
     }

@@ -49,6 +49,27 @@ def test_public_api_forces_triton_and_default_eps() -> None:
     close(got[1], want[1])
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("block", [None, 64])
+def test_in_place_like_vllms_fused_add_rms_norm(impl: str, block: int | None) -> None:
+    """out=x, residual_out=residual: vLLM's in-place op (x <- normed, residual <- x + r)."""
+    if impl == "torch" and block is not None:
+        pytest.skip("block is a Triton tile")
+    x, residual, weight = _inputs(3, 200, torch.bfloat16)
+    want, want_res = kernels.rmsnorm_residual(x, residual, weight, 1e-6, impl="torch")
+    if block is None:
+        got = kernels.rmsnorm_residual(
+            x, residual, weight, 1e-6, out=x, residual_out=residual, impl=impl
+        )
+    else:  # two passes: the second re-reads the residual it wrote, then overwrites x
+        got = triton_norm.rmsnorm_residual(
+            x, residual, weight, 1e-6, block=block, out=x, residual_out=residual
+        )
+    assert got[0] is x and got[1] is residual
+    close(residual, want_res)
+    close(x, want)
+
+
 def test_reference_is_add_then_torch_rms_norm() -> None:
     x, residual, weight = _inputs(6, 200, torch.float32)
     normed, new_res = reference.rmsnorm_residual(x, residual, weight, 1e-5)

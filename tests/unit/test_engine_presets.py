@@ -49,6 +49,21 @@ def test_gpu_preset_uses_the_async_scheduler_and_dcp():
         presets.flags(presets.EngineOptions(dcp=2))
 
 
+def test_prefix_preset_writes_dcp_too(capsys):
+    """Issue 12: DCP is a parallelism setting, not plugin code; both presets end with it."""
+    opts = presets.EngineOptions(preset="prefix", platform="gpu", dcp=4, dcp_comm_backend="a2a")
+    words = presets.flags(opts)
+    assert words[-4:] == ["--decode-context-parallel-size", "4", "--dcp-comm-backend", "a2a"]
+    assert "--scheduler-cls" not in words
+    with pytest.raises(ValueError, match="GPU"):
+        presets.flags(presets.EngineOptions(preset="prefix", dcp=2))
+    argv = ["engine", "flags", "--json", "--preset", "prefix", "--platform", "gpu", "--dcp", "2"]
+    assert main(argv) == 0  # `kvroute engine flags` says the same
+    assert json.loads(capsys.readouterr().out)[-2:] == ["--decode-context-parallel-size", "2"]
+    assert main(["engine", "flags", "--preset", "prefix", "--dcp", "2"]) == 2  # CPU: refused
+    assert "GPU hosts" in capsys.readouterr().out
+
+
 def test_prefix_preset_is_only_the_caching_part():
     words = presets.flags(presets.EngineOptions(preset="prefix", host_tier_bytes=1 << 30))
     assert "--scheduler-cls" not in words and "--kv-transfer-config" not in words

@@ -397,11 +397,6 @@ def assert_worker_args_are_the_plugins(chart: helm.Chart, values: dict[str, Any]
         c = container(find(objs, m["kind"], f"kv-kvroute-{name}"), "vllm")
         args, extra = c["args"], m["extraArgs"]
         words = kvroute_engine_flags(engine_flags_argv(m))
-        dcp = int(m["decodeContextParallelSize"])
-        if dcp > 1 and (m["plugin"]["preset"] == "prefix" or not m["plugin"]["enabled"]):
-            # the prefix preset does not write DCP; the chart keeps the setting
-            words += ["--decode-context-parallel-size", str(dcp), "--dcp-comm-backend"]
-            words += [m["dcpCommBackend"]]
         n_own = len(args) - len(words) - len(extra)
         own = args[:n_own]
         assert args[n_own:] == words + list(extra), name
@@ -432,6 +427,9 @@ ENGINE_VARIATIONS = {
     }}},
     "prefix-preset-dcp": {"workers": {"defaults": {
         "tensorParallelSize": 4, "decodeContextParallelSize": 4, "plugin": {"preset": "prefix"},
+    }}},
+    "plugin-off-dcp": {"workers": {"defaults": {
+        "tensorParallelSize": 2, "decodeContextParallelSize": 2, "plugin": {"enabled": False},
     }}},
     "plugin-and-events-off": {"workers": {"defaults": {
         "plugin": {"enabled": False}, "kvEvents": {"enabled": False},
@@ -619,7 +617,33 @@ CONTRADICTIONS = [
         {"workers": {"defaults": {"extraEnv": [{"name": "VLLM_PLUGINS", "value": "kvroute"}]}}},
         "add kvroute_engine",
     ),
+    (
+        {"workers": {"defaults": {"cpu": True, "plugin": {"kernels": ["all"]}}}},
+        "kvroute's kernels run on CUDA hosts only",
+    ),
+    (
+        {"workers": {"defaults": {"plugin": {"enabled": False, "kernels": ["dcp_lse_merge"]}}}},
+        "the kernels are installed by the engine plugin",
+    ),
 ]
+
+
+def test_plugin_kernels_become_the_workers_kvroute_kernels(chart):
+    def workers(values: dict[str, Any]) -> list[dict[str, Any]]:
+        objs = objects(render(chart, values))
+        found = [
+            container(o, "vllm")
+            for o in objs
+            if o["kind"] in ("StatefulSet", "Deployment")
+            and o["metadata"]["labels"].get("app.kubernetes.io/component") == "worker"
+        ]
+        assert found
+        return found
+
+    kernels = ["dcp_lse_merge", "fused_add_rmsnorm"]
+    for c in workers({"workers": {"defaults": {"plugin": {"kernels": kernels}}}}):
+        assert env_of(c)["KVROUTE_KERNELS"]["value"] == "dcp_lse_merge,fused_add_rmsnorm"
+    assert all("KVROUTE_KERNELS" not in env_of(c) for c in workers({}))
 
 
 def test_an_allowlist_naming_the_plugin_renders(chart):

@@ -144,8 +144,8 @@ tcp://*:PORT --kv-events-replay tcp://*:REPLAY --host-tier-bytes N ...` prints; 
 word for word and in its order, JSON keys in its order. tests/unit/test_helm_chart.py renders
 every example (and variations) and compares these words with the plugin's own output, so the
 chart cannot drift from the plugin. plugin.enabled false renders the `prefix` preset (no
-plugin code: prefix caching, prompt-token details, KV events). DCP is appended for the
-`prefix` preset too (the preset itself only writes it with `agentic`).
+plugin code: prefix caching, prompt-token details, KV events). Both presets end with DCP
+(decodeContextParallelSize > 1), as the plugin's presets do.
 A JSON list; use with fromJsonArray. (dict "model" $m)
 */}}
 {{- define "kvroute.engineFlags" -}}

@@ -68,7 +68,13 @@ message names the keys to change. Included from validate.yaml (renders nothing o
 {{- if ne (mod $tp $dcp) 0 -}}
 {{- fail (printf "workers.models[%s]: decodeContextParallelSize (%d) must divide tensorParallelSize (%d)" $n $dcp $tp) -}}
 {{- end -}}
+{{- if and $m.plugin.kernels (not $m.plugin.enabled) -}}
+{{- fail (printf "workers.models[%s].plugin.kernels: the kernels are installed by the engine plugin; set plugin.enabled=true or drop plugin.kernels" $n) -}}
+{{- end -}}
 {{- if $m.cpu -}}
+{{- if $m.plugin.kernels -}}
+{{- fail (printf "workers.models[%s].plugin.kernels: kvroute's kernels run on CUDA hosts only (vLLM's CPU platform refuses them); drop plugin.kernels in cpu mode" $n) -}}
+{{- end -}}
 {{- if lt (int $v.kvCache.blockSize) 32 -}}
 {{- fail (printf "workers.models[%s].cpu: vLLM-CPU rejects block size %d; set kvCache.blockSize to 32 or more" $n (int $v.kvCache.blockSize)) -}}
 {{- end -}}
