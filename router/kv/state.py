@@ -70,6 +70,26 @@ class KVCall:
     """What the analyzer learnt of one call (``ctx.analysis``), for the observer."""
 
     counted: bool = False  # footprint in-flight counts were raised: lower them once
+    # the prompt's size guessed from the body's characters, for a call placed before its
+    # analysis is done (0: not guessed); the analysis, when it lands, replaces it
+    est_tokens: int = 0
+
+
+def _text_chars(body: Any, limit: int = 100_000) -> int:
+    """Characters of text in a request body (its strings, walked; at most ``limit`` nodes)."""
+    size = 0
+    todo: list[Any] = [body]
+    seen = 0
+    while todo and seen < limit:
+        x = todo.pop()
+        seen += 1
+        if isinstance(x, str):
+            size += len(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+    return size
 
 
 class _AnalysisLane:
@@ -82,6 +102,7 @@ class _AnalysisLane:
         self.pending = 0
         self.cold_chars = 0
         self.s_per_char = 1e-6  # ~1 µs per character to start with, then measured
+        self.chars_per_token = 4.0  # the body's characters per prompt token, then measured
         self.stats = {"waited": 0, "not_waited": 0, "late": 0, "dropped": 0}
 
 
@@ -329,17 +350,11 @@ class KVState:
             stats["dropped"] += 1
             return None
         cold = not tokens.knows(ident.key)
-        size = 0  # the body's text, in characters: a cold job's cost estimate
-        if cold:
-            todo: list[Any] = [body]
-            while todo and len(todo) < 100_000:
-                x = todo.pop()
-                if isinstance(x, str):
-                    size += len(x)
-                elif isinstance(x, dict):
-                    todo.extend(x.values())
-                elif isinstance(x, list):
-                    todo.extend(x)
+        chars = _text_chars(body)  # the body's text: a cold job's cost, the prompt's size
+        size = chars if cold else 0
+        # the prompt's size as far as it is known now, should the call be placed before its
+        # analysis lands: at least the session's context so far
+        call.est_tokens = max(int(chars / lane.chars_per_token), fp.tokens)
         # seconds of other calls' cold work queued ahead of this one (estimated)
         ahead_s = lane.cold_chars * lane.s_per_char
         lane.pending += 1
@@ -350,6 +365,10 @@ class KVState:
         def done(f: asyncio.Future[Any]) -> None:
             lane.pending -= 1
             lane.cold_chars -= size
+            if chars > 10_000 and not f.cancelled() and f.exception() is None and f.result():
+                n = f.result().n_tokens  # learn the characters per token
+                if n > 0:
+                    lane.chars_per_token = 0.8 * lane.chars_per_token + 0.2 * (chars / n)
             if size > 10_000 and not f.cancelled():  # learn the cost per character
                 per = (time.perf_counter() - t_submit - ahead_s) / size
                 if per > 0:
@@ -387,7 +406,8 @@ class KVState:
         if keys:
             self.profile(replica)
             self.approx.record(replica, keys)
-        n_tok = int(ctx.prompt_tokens or len(keys or ()) * self.cfg.block_size)
+        est = ctx.analysis.est_tokens if isinstance(ctx.analysis, KVCall) else 0
+        n_tok = int(ctx.prompt_tokens or len(keys or ()) * self.cfg.block_size or est)
         if n_tok > 0:  # a retry decides again: the entry follows the call to its new replica
             matched = int(decision.term(replica, "match_blocks") or 0) * self.cfg.block_size
             self.prefilling[ctx.request_id] = (replica, max(n_tok - matched, 0), self.clock())

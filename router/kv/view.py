@@ -11,7 +11,7 @@ change only when the event loop runs ingestion or an observer. Must not import a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from costmodel.calibration import Calibration
 from costmodel.placement import CallShape, ReplicaLoad, Reservation, WarmSession, p_return_after
@@ -82,6 +82,20 @@ class KVView:
 
     def session(self, key: str) -> SessionFootprint | None:
         return self._st.sessions.get(key)
+
+    def estimate(self, ctx: Any) -> tuple[int, dict[str, TierDepth]]:
+        """For a call placed before its analysis landed (no block keys): its prompt size
+        guessed from the body's characters (at least the session's context so far), and the
+        session's context on the replica that holds it as the match there — what is known
+        without tokens. Without either: ``(0, {})``."""
+        est = getattr(ctx.analysis, "est_tokens", 0) or 0
+        fp = self._st.sessions.get(ctx.identity.key)
+        if not est:
+            return 0, {}
+        if fp is None or fp.replica is None or not fp.tokens:
+            return est, {}
+        blocks = min(fp.tokens, est) // self.block_size
+        return est, {fp.replica: TierDepth(blocks, gpu=blocks)} if blocks else {}
 
     def warm_and_reserved(
         self, replica: str, exclude: str | None

@@ -23,6 +23,13 @@ profile's pool minus the blocks the index (or the approximate cache) holds. Unkn
 stay ``None`` and their terms drop out of the sum (listed under ``missing``). Without the
 ``kv`` state provider (no KV layer installed) the scorer degrades to session affinity.
 
+A call whose prompt analysis is late (the analysis lane busy with another call's cold
+tokenization, see :meth:`router.kv.state.KVState.analyze`) is costed on what is known without
+tokens (:meth:`router.kv.view.KVView.estimate`): its size from the body's characters, its
+session's context as a hit on the replica that holds it. Without that, such a call cost only
+its decode and went to the replica with the fewest decoders — the one busy with long cold
+prefills.
+
 Subagents (``identity.parent``) are placed by the same cost: the shared system/tool prefix
 shows up in the match, and the parent's footprint on its replica is pinned while it waits.
 
@@ -106,6 +113,8 @@ class KVCost:
         n_tok = int(ctx.prompt_tokens or len(keys) * view.block_size)
         names = [e.name for e in endpoints]
         matches = view.match(keys, names) if keys else {}
+        if not keys:  # placed before its analysis landed: what is known without tokens
+            n_tok, matches = view.estimate(ctx)
         out_tok = self.expected_output_tokens or expected_output(
             ctx, view, view.expected_output_tokens
         )

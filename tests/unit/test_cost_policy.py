@@ -408,3 +408,35 @@ def test_a_cold_prefill_in_flight_is_queued_work_until_its_first_byte():
     assert st.pending_prefill() == {"B": (1, N * BS)}
     st.observe(other, outcome(replica="B", status="502"))
     assert st.pending_prefill() == {}
+
+
+def test_a_call_placed_before_its_analysis_is_costed_on_what_is_known():
+    """The analysis lane was busy (another call's cold tokenization): no block keys yet. The
+    call is sized from its body's characters and its session's context counts as a hit on
+    the replica holding it, so it neither leaves its cache for the replica with the fewest
+    decoders nor joins a replica busy with a long cold prefill as if it were free."""
+    from router.kv.state import KVCall
+
+    st = state()
+    warm = ctx_for(session="warm", keys=[])
+    warm.prompt_tokens = None
+    warm.analysis = KVCall(est_tokens=N * BS)
+    st.sessions["t/warm"] = SessionFootprint("t/warm", replica="A", tokens=(N - 50) * BS)
+    # B has no decoders at all, A has 8: on decode cost alone the session would move to B
+    eps = [ep("A", inflight=8, running=8.0), ep("B")]
+    winner, s = pick(st, eps, warm, sticky="A")
+    assert winner == "A", s.terms
+    assert s.terms["A"]["match_blocks"] == N - 50 and s.terms["B"]["match_blocks"] == 0
+    # a cold late call: A is busy with a 128k-token prefill this router sent there
+    big = ctx_for(session="big")
+    big.request_id = "big-1"
+    st.decided(big, Decision(ep("A"), []))
+    cold = ctx_for(session="new", keys=[])
+    cold.prompt_tokens = None
+    cold.request_id = "new-1"
+    cold.analysis = KVCall(est_tokens=N * BS)
+    eps = [ep("A", inflight=1, running=1.0), ep("B", inflight=1, running=1.0)]
+    winner, _ = pick(st, eps, cold)
+    assert winner == "B"
+    st.decided(cold, Decision(ep("B"), []))  # its estimated prompt is queued work on B now
+    assert st.pending_prefill()["B"] == (1, N * BS)
