@@ -44,7 +44,7 @@ from loadtest.replay.client import CONVENTIONS, CallResult, session_headers, str
 from loadtest.replay.records import CallRecord, QueueSample, SessionRecord, write_jsonl
 from loadtest.traces.lanes import PlayCounter
 from loadtest.traces.model import Call, Session, Trace
-from loadtest.twin import TWIN_OUTPUT_FIELD
+from loadtest.twin import TWIN_OUTPUT_FIELD, expect_key
 
 AGENT_MAX_TOKENS = 32_000  # the output cap Claude Code and OpenCode send with every call
 OUTPUT_LENGTHS = ("twin", "max_tokens")
@@ -79,6 +79,10 @@ class ReplayConfig:
     # The model's context window as the client is configured with it (agents know their
     # model's window); None: as the target lists it in /v1/models (peers may not list it).
     context_limit: int | None = None
+    # Twins to tell each call's recorded output length out of band as well (POST
+    # /twin/expect, keyed by the request's last message): peer routers that re-serialize a
+    # request drop vllm_xargs. A router never sees this channel. One URL per twin process.
+    expect_urls: list[str] = field(default_factory=list)
     # Another seed, another workload on the same trace: it shuffles which sessions the lanes
     # take in which order, and starts each lane's first session at a seeded time in
     # [0, stagger_s) modelled seconds (the simulator's rule, loadtest.sim.trace). None: trace
@@ -234,6 +238,12 @@ class _Run:
             if cap is not None:
                 body["max_tokens"] = cap
             body["vllm_xargs"] = {TWIN_OUTPUT_FIELD: max(1, c.output_tokens)}
+            key = expect_key(body) if self.cfg.expect_urls else None
+            expected = {"key": key, "output_tokens": max(1, c.output_tokens)}
+            for u in self.cfg.expect_urls if key else ():
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with http.post(u + "/twin/expect", json=expected) as r:
+                        await r.read()
         body.update(self.cfg.extra_body)
         headers = session_headers(self.cfg.convention, sid, c.agent, c.parent_agent)
         self.in_flight += 1

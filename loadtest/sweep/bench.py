@@ -135,6 +135,7 @@ def run_point(
                 metrics_urls=cluster.metrics_urls,
                 progress=cfg.progress,
                 context_limit=_profile(cfg.profile).max_model_len,
+                expect_urls=cluster.urls[:1],  # one cluster process: one table for its twins
                 seed=seed,
                 stagger_s=cfg.stagger_s,
                 warmup_s=cfg.warmup_s,

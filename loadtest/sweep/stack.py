@@ -213,7 +213,10 @@ class Router:
         if py is None:
             raise StackError(f"{self.name}: peer not installed (run `make bench-peers`)")
         module = "sglang_router.launch_router" if kind == "sglang" else "vllm_router.launch_router"
+        # both peers bind a Prometheus exporter on 29000 by default: a second instance (or the
+        # other peer still stopping) panics with "Address already in use"; give each its own
         argv = [str(py), "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-port", str(free_port()),
                 "--policy", policy, "--worker-urls", *self.replicas]  # fmt: skip
         if needs_events(self.name):
             if not self.event_endpoints:

@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from loadtest.twin import TWIN_OUTPUT_FIELD
+from loadtest.twin import TWIN_OUTPUT_FIELD, expect_key
 from loadtest.twin.engine import Request
 from loadtest.twin.replica import ApiError, Stream, TwinConfig, TwinReplica
 from loadtest.twin.tokenize import TemplateError
@@ -139,12 +140,37 @@ def _prompt_ids(
     raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
 
 
+# Output lengths a replay registered out of band (``POST /twin/expect``), by
+# :func:`loadtest.twin.expect_key`: one table per process, shared by a cluster's twins.
+EXPECTED: OrderedDict[str, int] = OrderedDict()
+EXPECTED_MAX = 50_000
+
+
 def _twin_output_tokens(body: dict[str, Any]) -> int | None:
-    """The output length a replay asks this twin to produce (``vllm_xargs``, a field vLLM
-    passes to its sampler and no router reads), standing in for where a real model would stop."""
+    """The output length a replay asks this twin to produce, standing in for where a real
+    model would stop: ``vllm_xargs`` (a field vLLM passes to its sampler and no router reads),
+    else what the replay registered for this request out of band (for peer routers that drop
+    ``vllm_xargs``)."""
     xargs = body.get("vllm_xargs")
     n = xargs.get(TWIN_OUTPUT_FIELD) if isinstance(xargs, dict) else None
+    if n is None and EXPECTED:
+        key = expect_key(body)
+        n = EXPECTED.get(key) if key is not None else None
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+async def expect(request: web.Request) -> web.Response:
+    """``POST /twin/expect {"key": ..., "output_tokens": n}``: the replay's side channel."""
+    try:
+        doc = orjson.loads(await request.read())
+        key, n = str(doc["key"]), int(doc["output_tokens"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return web.json_response({"error": "need key and output_tokens"}, status=400)
+    EXPECTED[key] = n
+    EXPECTED.move_to_end(key)
+    while len(EXPECTED) > EXPECTED_MAX:
+        EXPECTED.popitem(last=False)
+    return web.json_response({"ok": True})
 
 
 def _limits(twin: TwinReplica, body: dict[str, Any], n_prompt: int) -> int:
@@ -450,6 +476,7 @@ def build_app(twin: TwinReplica) -> web.Application:
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_post("/twin/expect", expect)
     from loadtest.twin import apis
 
     apis.add_routes(app)  # /v1/messages (+ count_tokens), /v1/responses

@@ -377,6 +377,26 @@ async def test_stream_bodies_start_after_prefill_as_vllm_sends_them(http):
             assert at is not None and at > 0.7 * prefill, (path, at, prefill)
 
 
+async def test_output_length_registered_out_of_band_stops_the_call(cluster, http):
+    """A peer router that re-serializes requests drops vllm_xargs: the replay also registers
+    the recorded length under the request's last message (POST /twin/expect), and the twin
+    stops there; a request nobody registered runs to its max_tokens."""
+    from loadtest.twin import expect_key
+
+    url = cluster.urls[0]
+    msgs = [{"role": "user", "content": text(30, 21)}]
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 50, "ignore_eos": True}
+    r = await http.post(url + "/twin/expect", json={"key": expect_key(body), "output_tokens": 7})
+    assert r.status_code == 200
+    got = (await http.post(url + "/v1/chat/completions", json=body)).json()
+    assert got["usage"]["completion_tokens"] == 7
+    other = {**body, "messages": [{"role": "user", "content": text(30, 22)}]}
+    got = (await http.post(url + "/v1/chat/completions", json=other)).json()
+    assert got["usage"]["completion_tokens"] == 50
+    bad = await http.post(url + "/twin/expect", json={"key": "k"})
+    assert bad.status_code == 400
+
+
 async def test_client_disconnect_aborts_the_request(cluster, http):
     twin = cluster.replicas[0]
     body = {"model": "tiny", "prompt": text(50, 8), "max_tokens": 3000, "stream": True}
