@@ -79,9 +79,11 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # longest upstream silence, incl. the first byte (prefill)
-    # a streamed call whose replica sent no response head by then is moved to another
-    # replica (0: off; non-streamed calls wait read_timeout_s: their head follows generation)
+    # a call whose replica sent no response head by then is moved to another replica (0: off)
     first_byte_timeout_s: float = 30.0
+    # the same for non-streamed calls, whose head follows the whole generation: set it above
+    # the longest non-streamed generation (None: first_byte_timeout_s; 0: off)
+    unstreamed_first_byte_timeout_s: float | None = None
     stream_idle_timeout_s: float = 60.0  # silence after a stream's first chunk (0: off)
     header_timeout_s: float = 10.0  # a client's request head must be complete by then
     idle_timeout_s: float = 75.0  # a client connection with no request in progress
@@ -115,6 +117,12 @@ class RouterConfig:
                 v = [strip_url_credentials(u) for u in v]
             parts.append(f"{f.name}={v!r}")
         return f"RouterConfig({', '.join(parts)})"
+
+    def first_byte_deadline_s(self, streamed: bool) -> float:
+        """Seconds a call may wait for its response head before it moves (0: no deadline)."""
+        if streamed or self.unstreamed_first_byte_timeout_s is None:
+            return self.first_byte_timeout_s
+        return self.unstreamed_first_byte_timeout_s
 
     @property
     def auth_enabled(self) -> bool:

@@ -129,6 +129,8 @@ async def forward(
         raw = hinted  # retention hint set, or a client-set kvroute hint stripped
     tried: set[str] = set()
     last_problem = "no healthy replica"
+    silent = 0  # replicas that sent nothing within first_byte_timeout_s
+    streamed = ctx.body.get("stream") is True
     for attempt in range(cfg.retries + 1):
         ctx.excluded = frozenset(tried)
         try:
@@ -152,6 +154,10 @@ async def forward(
                                       decision, last_attempt=attempt == cfg.retries)  # fmt: skip
         except _RetryElsewhere as e:
             last_problem = e.reason
+            if e.first_byte:
+                silent += 1
+                if not streamed and silent > 1:  # a non-streamed call is moved once only
+                    break
             metrics.retries.labels(e.kind).inc()
             log.warning("request %s: %s on %s; trying another replica", ctx.request_id,
                         e.reason, name)  # fmt: skip
@@ -160,6 +166,13 @@ async def forward(
             replica.finished += 1
             if is_probe and replica.breaker.probe_inflight:
                 replica.breaker.on_abandon()  # the probe ended undecided (client went away)
+    if silent and not streamed:
+        # nothing arrived in time, here and on the one other replica tried (or no other one)
+        metrics.requests.labels(route_label, "-", "504").inc()
+        return error_response(
+            route, 504, "no replica answered within the first-byte timeout", "timeout",
+            headers={"X-Request-Id": ctx.request_id},
+        )  # fmt: skip
     metrics.requests.labels(route_label, "-", "503").inc()
     return error_response(
         route, 503, f"no replica could take the request ({last_problem})", "service_unavailable",
@@ -180,9 +193,9 @@ def rendezvous(key: str, names: list[str]) -> str | None:
 
 
 class _RetryElsewhere(Exception):
-    def __init__(self, kind: str, reason: str):
+    def __init__(self, kind: str, reason: str, first_byte: bool = False):
         super().__init__(reason)
-        self.kind, self.reason = kind, reason
+        self.kind, self.reason, self.first_byte = kind, reason, first_byte
 
 
 async def _stream_from(
@@ -203,17 +216,21 @@ async def _stream_from(
     if replica.auth:  # credentials from the replica's URL win over the upstream key
         headers = headers.copy()
         headers["Authorization"] = replica.auth
-    first_byte = app[CONFIG].first_byte_timeout_s if ctx.body.get("stream") is True else 0.0
+    first_byte = app[CONFIG].first_byte_deadline_s(ctx.body.get("stream") is True)
+    deadline = asyncio.timeout(first_byte if first_byte > 0 else None)
     try:
-        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts, and for
-        # a stream by first_byte_timeout_s: a replica that sent nothing (frozen, stuck) is
-        # left, and the call that has received nothing goes to another one
-        async with asyncio.timeout(first_byte if first_byte > 0 else None):
+        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts, and by
+        # first_byte_timeout_s: a replica that sent no response head by then (frozen, stuck)
+        # is left, and the call that has received nothing goes to another one
+        async with deadline:
             resp = await app[CLIENT].request(
                 request.method, replica.url + path, data=raw, headers=headers
             )
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
+        if deadline.expired():
+            raise _RetryElsewhere("no_response", f"no response head in {first_byte:g} s",
+                                  first_byte=True) from None  # fmt: skip
         raise _RetryElsewhere("no_response", f"{type(e).__name__}") from None
     try:
         if resp.status in RETRYABLE_STATUS and not last_attempt:
