@@ -146,7 +146,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         try:
             raw, ctx = await _context(request, path)
         except _Reject as r:
-            app[METRICS].requests.labels(route, "-", str(r.response.status)).inc()
+            app[METRICS].requests_by(route, "-", str(r.response.status)).inc()
             return r.response
         store = app[STORE]
         record = await store.begin_call(ctx.identity, time.time())

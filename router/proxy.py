@@ -44,19 +44,25 @@ BUFFERED_MAX = 4 << 20  # sized non-SSE responses up to this are read whole, the
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
-def _drop(headers: Mapping[str, str]) -> frozenset[str]:
-    """Hop-by-hop names, including any the ``Connection`` header lists."""
-    extra = {h.strip().lower() for h in headers.get("connection", "").split(",") if h.strip()}
-    return HOP_BY_HOP | extra
+# the per-call drop sets, built once (a ``Connection`` header naming more adds to them)
+_UPSTREAM_DROP = HOP_BY_HOP | CLIENT_ONLY | {"x-request-id"}
+_UPSTREAM_DROP_AUTH = _UPSTREAM_DROP | {"authorization", "x-api-key"}
+_RESPONSE_DROP = (HOP_BY_HOP - {"content-length"}) | {"x-request-id"}
+
+
+def _drop(headers: Mapping[str, str], base: frozenset[str] = HOP_BY_HOP) -> frozenset[str]:
+    """``base`` (hop-by-hop names), plus any the ``Connection`` header lists."""
+    conn = headers.get("connection")
+    if not conn:
+        return base
+    return base | {h.strip().lower() for h in conn.split(",") if h.strip()}
 
 
 def upstream_headers(
     headers: CIMultiDictProxy[str], rid: str, upstream_key: str | None, strip_auth: bool
 ) -> CIMultiDict[str]:
-    drop = _drop(headers) | CLIENT_ONLY
-    if strip_auth or upstream_key:
-        drop = drop | {"authorization", "x-api-key"}
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+    drop = _drop(headers, _UPSTREAM_DROP_AUTH if strip_auth or upstream_key else _UPSTREAM_DROP)
+    out = CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
     out["X-Request-Id"] = rid
     if upstream_key:
         out["Authorization"] = f"Bearer {upstream_key}"
@@ -64,8 +70,8 @@ def upstream_headers(
 
 
 def response_headers(headers: CIMultiDictProxy[str], rid: str) -> CIMultiDict[str]:
-    drop = _drop(headers) - {"content-length"}
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+    drop = _drop(headers, _RESPONSE_DROP)
+    out = CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
     out["X-Request-Id"] = rid
     return out
 
@@ -158,7 +164,7 @@ async def forward(
                 silent += 1
                 if not streamed and silent > 1:  # a non-streamed call is moved once only
                     break
-            metrics.retries.labels(e.kind).inc()
+            metrics.retries_by(e.kind).inc()
             log.warning("request %s: %s on %s; trying another replica", ctx.request_id,
                         e.reason, name)  # fmt: skip
         finally:
@@ -168,12 +174,12 @@ async def forward(
                 replica.breaker.on_abandon()  # the probe ended undecided (client went away)
     if silent and not streamed:
         # nothing arrived in time, here and on the one other replica tried (or no other one)
-        metrics.requests.labels(route_label, "-", "504").inc()
+        metrics.requests_by(route_label, "-", "504").inc()
         return error_response(
             route, 504, "no replica answered within the first-byte timeout", "timeout",
             headers={"X-Request-Id": ctx.request_id},
         )  # fmt: skip
-    metrics.requests.labels(route_label, "-", "503").inc()
+    metrics.requests_by(route_label, "-", "503").inc()
     return error_response(
         route, 503, f"no replica could take the request ({last_problem})", "service_unavailable",
         headers={"Retry-After": str(max(1, int(cfg.health_interval_s))),
@@ -284,7 +290,7 @@ async def _stream_from(
             now = time.perf_counter()
             if first_at is None:
                 first_at = now
-                metrics.ttft.labels(name).observe(first_at - t0)
+                metrics.ttft_by(name).observe(first_at - t0)
             elif len(itl) < ITL_SAMPLES:
                 itl.append(now - last_at)
             last_at = now
@@ -297,8 +303,8 @@ async def _stream_from(
             await out.write_eof()
         end = time.perf_counter()
         if sse and first_at is not None and events > 1:
-            metrics.tpot.labels(name).observe((end - first_at) / (events - 1))
-        metrics.requests.labels(route_label, name, status).inc()
+            metrics.tpot_by(name).observe((end - first_at) / (events - 1))
+        metrics.requests_by(route_label, name, status).inc()
         app[CALLS].finish(ctx, CallOutcome(
             name, status, ttft_s=None if first_at is None else first_at - t0,
             duration_s=end - t0, usage=usage_from_tail(tail), events=events, bytes=nbytes,
@@ -307,11 +313,11 @@ async def _stream_from(
         return out
     except asyncio.CancelledError:
         # The client went away: closing the upstream connection makes vLLM abort the request.
-        metrics.requests.labels(route_label, name, "client_closed").inc()
+        metrics.requests_by(route_label, name, "client_closed").inc()
         resp.close()
         raise
     except ConnectionResetError:  # the write found the client gone before the cancellation
-        metrics.requests.labels(route_label, name, "client_closed").inc()
+        metrics.requests_by(route_label, name, "client_closed").inc()
         resp.close()
         return out
     finally:
@@ -337,7 +343,7 @@ async def _buffered(
         if r is not None:
             r.breaker.on_failure()
         log.warning("request %s: replica %s failed mid-body: %r", ctx.request_id, name, e)
-        metrics.requests.labels(route_label, name, "upstream_error").inc()
+        metrics.requests_by(route_label, name, "upstream_error").inc()
         return error_response(
             ctx.route,
             502,
@@ -346,11 +352,11 @@ async def _buffered(
             headers={"X-Request-Id": ctx.request_id},
         )
     first = time.perf_counter()
-    metrics.ttft.labels(name).observe(first - t0)
+    metrics.ttft_by(name).observe(first - t0)
     headers = response_headers(resp.headers, ctx.request_id)
     headers.popall("Content-Length", None)
     out = web.Response(status=resp.status, reason=resp.reason, body=body, headers=headers)
-    metrics.requests.labels(route_label, name, str(resp.status)).inc()
+    metrics.requests_by(route_label, name, str(resp.status)).inc()
     app[CALLS].finish(ctx, CallOutcome(
         name, str(resp.status), ttft_s=first - t0, duration_s=first - t0,
         usage=usage_from_tail(body[-4096:]), bytes=len(body), decision=decision,
