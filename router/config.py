@@ -96,6 +96,7 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     drain_timeout_s: float = 30.0
+    workers: int = 1  # processes serving one port (SO_REUSEPORT); see docs/router.md
     upstream_api_key: str | None = None
     admin_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # client key -> tenant
@@ -134,6 +135,8 @@ class RouterConfig:
         for u in [*self.replicas, *self.replica_dns]:
             if not u.startswith(("http://", "https://")):
                 raise ConfigError(f"replica URL must start with http:// or https://: {u!r}")
+        if self.workers < 1:
+            raise ConfigError("workers >= 1")
         if self.max_body_bytes <= 0 or self.retries < 0 or self.breaker_failures < 1:
             raise ConfigError("max_body_bytes > 0, retries >= 0 and breaker_failures >= 1")
 
