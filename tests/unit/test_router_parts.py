@@ -325,3 +325,19 @@ def test_only_the_half_open_probe_is_marked_as_the_probe():
     assert not b.allows(now=1.0)
     assert b.allows(now=6.0) and b.on_send(now=6.0) is True  # the one probe
     assert not b.allows(now=6.1)  # a second call must wait for the probe's verdict
+
+
+def test_session_record_copy_keeps_every_field_and_owns_its_lists():
+    import dataclasses
+
+    from router.state import SessionRecord
+
+    values = {
+        "key": "t\x1fs", "tenant": "t", "parent": "p", "agent": "a", "replica": "r",
+        "created": 1.0, "last_seen": 2.0, "last_call_end": 3.0, "gaps": [0.5],
+        "calls": 4, "inflight": 1, "final": True, "children": {"c"},
+    }  # fmt: skip
+    assert set(values) == {f.name for f in dataclasses.fields(SessionRecord)}  # a new field
+    rec = SessionRecord(**values)  # must be added to SessionRecord.copy too
+    dup = rec.copy()
+    assert dup == rec and dup.gaps is not rec.gaps and dup.children is not rec.children
