@@ -18,6 +18,7 @@ Both routers run ``round_robin`` over the one backend; kvroute also runs its def
 
     python -m loadtest.benchmarks --only proxy [--quick]
     KVROUTE_BENCH_PROXY_MODES=json,json_resp python -m loadtest.bench.bench_proxy
+    KVROUTE_BENCH_PROXY_WORKERS=2 ...     # adds kvroute round_robin with --workers 2
     python -m loadtest.bench.bench_proxy --backend PORT     # the backend alone
 """
 
@@ -171,8 +172,19 @@ def _stop(p: subprocess.Popen[bytes]) -> None:
 
 
 def _cpu_s(pid: int) -> float:
+    """User+sys CPU seconds of ``pid`` and its live children (``serve --workers``' workers)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    for kid in kids:
+        try:
+            total += _cpu_s(int(kid))
+        except (OSError, IndexError, ValueError):
+            pass  # exited meanwhile
+    return total
 
 
 # --- load ----------------------------------------------------------------------------
@@ -274,7 +286,12 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         _wait_http(burl + "/health", proc=backend)
 
         paths: dict[str, tuple[str, int | None]] = {"direct": (burl, None)}
-        for policy in ("round_robin", "session_affinity"):
+        # KVROUTE_BENCH_PROXY_WORKERS=2: also kvroute round_robin with ``--workers 2``
+        workers = int(os.environ.get("KVROUTE_BENCH_PROXY_WORKERS", "1"))
+        kv_paths = [("round_robin", 1), ("session_affinity", 1)]
+        if workers > 1:
+            kv_paths.append(("round_robin", workers))
+        for policy, nproc in kv_paths:
             port = _free_port()
             p = _spawn(
                 [
@@ -291,13 +308,15 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                     "warning",
                     "--max-body-bytes",
                     str(64 << 20),
+                    "--workers",
+                    str(nproc),
                 ],
-                work / f"kvroute-{policy}.log",
+                work / f"kvroute-{policy}-w{nproc}.log",
             )
             procs.append(p)
             url = f"http://127.0.0.1:{port}"
             _wait_http(url + "/ready", proc=p)
-            paths[f"kvroute:{policy}"] = (url, p.pid)
+            paths[f"kvroute:{policy}" + (f":w{nproc}" if nproc > 1 else "")] = (url, p.pid)
         sg = sglang_python()
         if sg is None:
             rows.append({"name": "sglang-router", "error": "not installed: run `make bench-peers`"})
