@@ -174,6 +174,9 @@ def serve_workers(cfg: Any) -> int:
         print(f"kvroute serve: cannot bind {cfg.host}:{cfg.port}: {e}", flush=True)
         return 2
     port = hold.getsockname()[1]
+    if not cfg.redis_url:
+        log.warning("%d workers without redis_url: each keeps its own session table, so a "
+                    "session's affinity holds only within one worker", cfg.workers)  # fmt: skip
     wcfg = dc.replace(cfg, port=port)
     parent = os.getpid()
     children: dict[int, int] = {}  # pid -> worker index
