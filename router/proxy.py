@@ -229,9 +229,10 @@ async def _stream_from(
         # first_byte_timeout_s: a replica that sent no response head by then (frozen, stuck)
         # is left, and the call that has received nothing goes to another one
         async with deadline:
-            resp = await app[CLIENT].request(
-                request.method, replica.url + path, data=raw, headers=headers
-            )
+            resp = await app[CLIENT].request(  # a redirect is the client's to follow
+                request.method, replica.url + path, data=raw, headers=headers,
+                allow_redirects=False,
+            )  # fmt: skip
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
         if deadline.expired():

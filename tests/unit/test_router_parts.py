@@ -341,3 +341,15 @@ def test_session_record_copy_keeps_every_field_and_owns_its_lists():
     rec = SessionRecord(**values)  # must be added to SessionRecord.copy too
     dup = rec.copy()
     assert dup == rec and dup.gaps is not rec.gaps and dup.children is not rec.children
+
+
+@pytest.mark.parametrize("limit", [0, 1, 4, 5, 6, 4096])
+def test_prompt_prefix_text_is_the_joined_text_cut_at_the_limit(limit):
+    body = {
+        "system": "s" * 5000,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}, "ef"]}],
+    }
+    whole = "\x1e".join(["s" * 5000, "user", "abcd", "ef"])
+    assert prompt_prefix_text(body, limit) == whole[:limit]
+    short = {"messages": [{"role": "u", "content": "abcd"}, {"content": "ef"}]}
+    assert prompt_prefix_text(short, limit) == "u\x1eabcd\x1eef"[:limit]
