@@ -3,9 +3,10 @@ in-process router in front of two fake replicas; prints the streams' outcome and
 RSS and open fds before, at the peak and after (router, replicas and client share the process).
 
     .venv/bin/python scripts/probe_streams.py 2000 60
-    .venv/bin/python scripts/probe_streams.py 2000 5 --rounds 6   # leak or allocator?
+    .venv/bin/python scripts/probe_streams.py 2000 10 --rounds 5 [--new-sessions]  # leak?
 
-``--rounds R`` keeps one router and its replicas up for R rounds of N streams and prints,
+``--rounds R`` keeps one router and its replicas up for R rounds of N streams (the same N
+session ids every round; ``--new-sessions``: new ones each round) and prints,
 after each round (garbage collected, upstream pool idle), the RSS, the number of memory
 blocks CPython's allocator has handed out (``sys.getallocatedblocks()``: grows with a
 leak of Python objects, not with arenas kept for reuse) and the RSS after glibc's
@@ -26,6 +27,7 @@ import aiohttp
 sys.path.insert(0, ".")
 from router.app import build_app, start_site
 from router.config import RouterConfig
+from router.keys import STORE
 from tests.integration.test_router_proxy import FakeReplica
 
 
@@ -97,7 +99,7 @@ def malloc_trim() -> bool:
         return False
 
 
-async def rounds(n: int, seconds: float, count: int) -> None:
+async def rounds(n: int, seconds: float, count: int, fresh: bool) -> None:
     chunks = [b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'] * 20 + [b"data: [DONE]\n\n"]
     reps = [await FakeReplica(f"r{i}", chunks=chunks, chunk_delay_s=seconds / 20).start()
             for i in range(2)]  # fmt: skip
@@ -118,7 +120,7 @@ async def rounds(n: int, seconds: float, count: int) -> None:
 
             async def one(i: int, k: int = k) -> bool:
                 async with s.post(url + "/v1/chat/completions", json=body,
-                                  headers={"x-session-id": f"r{k}s{i}"}) as r:  # fmt: skip
+                                  headers={"x-session-id": f"r{k * fresh}s{i}"}) as r:  # fmt: skip
                     return r.status == 200 and await r.read() == want
 
             t0 = time.monotonic()
@@ -133,6 +135,7 @@ async def rounds(n: int, seconds: float, count: int) -> None:
             "rss_mb": round(rss_mb(), 1),
             "blocks": sys.getallocatedblocks(),
             "fds": fds(),
+            "sessions": app[STORE].active_count(),
         }
         trimmed = malloc_trim()
         row["rss_after_trim_mb"] = round(rss_mb(), 1) if trimmed else None
@@ -147,6 +150,7 @@ if __name__ == "__main__":
     n = int(args[0]) if args else 2000
     sec = float(args[1]) if len(args) > 1 else 60.0
     if "--rounds" in sys.argv:
-        asyncio.run(rounds(n, sec, int(sys.argv[sys.argv.index("--rounds") + 1])))
+        count = int(sys.argv[sys.argv.index("--rounds") + 1])
+        asyncio.run(rounds(n, sec, count, fresh="--new-sessions" in sys.argv))
     else:
         print(asyncio.run(probe(n, sec)))
