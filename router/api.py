@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import time
 from typing import Any
 
@@ -146,7 +147,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         try:
             raw, ctx = await _context(request, path)
         except _Reject as r:
-            app[METRICS].requests.labels(route, "-", str(r.response.status)).inc()
+            app[METRICS].requests_by(route, "-", str(r.response.status)).inc()
             return r.response
         store = app[STORE]
         record = await store.begin_call(ctx.identity, time.time())
@@ -195,7 +196,9 @@ async def handle_openapi(request: web.Request) -> web.Response:
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    # which worker process answered (``kvroute serve --workers N`` shares one port)
+    worker = request.app[RUNTIME].worker
+    return web.json_response({"status": "ok", "worker": worker, "pid": os.getpid()})
 
 
 async def handle_ready(request: web.Request) -> web.Response:
@@ -269,6 +272,7 @@ async def admin_config(request: web.Request) -> web.Response:
     return web.json_response({
         "config": repr(app[CONFIG]),  # secrets masked
         "policy": app[PIPELINE].name,
+        "worker": app[RUNTIME].worker,
         "kv_layer": app[KV] is not None,
         "prompt_analyzer": calls.analyzer is not None,
         "state_providers": sorted(calls.state_providers),

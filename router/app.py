@@ -164,11 +164,12 @@ def build_app(
 
 
 async def start_site(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0
+    app: web.Application, host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool = False
 ) -> tuple[web.AppRunner, str]:
     """Start ``app`` on ``host:port`` (0 = a free port); returns the runner and base URL.
     Connections get the front door (:mod:`router.frontdoor`): JSON parser errors without
-    echo, ``header_timeout_s`` for a request head, ``idle_timeout_s`` without a request."""
+    echo, ``header_timeout_s`` for a request head, ``idle_timeout_s`` without a request.
+    ``reuse_port`` binds with ``SO_REUSEPORT`` (the workers of ``kvroute serve --workers``)."""
     cfg = app[CONFIG]
     runner = FrontDoorRunner(
         app,
@@ -181,7 +182,7 @@ async def start_site(
         shutdown_timeout=cfg.drain_timeout_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
     await site.start()
     actual = runner.addresses[0][1] if runner.addresses else port
     return runner, f"http://{host}:{actual}"

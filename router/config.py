@@ -83,9 +83,14 @@ class RouterConfig:
     health_failures: int = 3
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # longest upstream silence, incl. the first byte (prefill)
-    # a streamed call whose replica sent no response head by then is moved to another
-    # replica (0: off; non-streamed calls wait read_timeout_s: their head follows generation)
+    # a call whose replica sent no response head by then is moved to another replica (0: off)
     first_byte_timeout_s: float = 30.0
+    # the same for non-streamed calls, whose head follows the whole generation (vLLM answers
+    # a non-streamed call when it is done): off by default, since any fixed deadline cuts —
+    # and re-runs elsewhere — every generation longer than it (a 100k-token prompt with a
+    # few hundred output tokens takes tens of seconds); set it above the longest one you
+    # serve (None: first_byte_timeout_s; 0: off)
+    unstreamed_first_byte_timeout_s: float | None = 0.0
     stream_idle_timeout_s: float = 60.0  # silence after a stream's first chunk (0: off)
     header_timeout_s: float = 10.0  # a client's request head must be complete by then
     idle_timeout_s: float = 75.0  # a client connection with no request in progress
@@ -98,6 +103,7 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     drain_timeout_s: float = 30.0
+    workers: int = 1  # processes serving one port (SO_REUSEPORT); see docs/router.md
     upstream_api_key: str | None = None
     admin_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # client key -> tenant
@@ -120,6 +126,12 @@ class RouterConfig:
             parts.append(f"{f.name}={v!r}")
         return f"RouterConfig({', '.join(parts)})"
 
+    def first_byte_deadline_s(self, streamed: bool) -> float:
+        """Seconds a call may wait for its response head before it moves (0: no deadline)."""
+        if streamed or self.unstreamed_first_byte_timeout_s is None:
+            return self.first_byte_timeout_s
+        return self.unstreamed_first_byte_timeout_s
+
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_keys)
@@ -130,6 +142,8 @@ class RouterConfig:
         for u in [*self.replicas, *self.replica_dns]:
             if not u.startswith(("http://", "https://")):
                 raise ConfigError(f"replica URL must start with http:// or https://: {u!r}")
+        if self.workers < 1:
+            raise ConfigError("workers >= 1")
         if self.max_body_bytes <= 0 or self.retries < 0 or self.breaker_failures < 1:
             raise ConfigError("max_body_bytes > 0, retries >= 0 and breaker_failures >= 1")
 

@@ -31,6 +31,7 @@ class Runtime:
 
     draining: bool = False
     inflight: int = 0
+    worker: int = 0  # this process's index under ``kvroute serve --workers N``
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def enter(self) -> None:

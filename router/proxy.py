@@ -55,19 +55,25 @@ BUFFERED_MAX = 4 << 20  # sized non-SSE responses up to this are read whole, the
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
-def _drop(headers: Mapping[str, str]) -> frozenset[str]:
-    """Hop-by-hop names, including any the ``Connection`` header lists."""
-    extra = {h.strip().lower() for h in headers.get("connection", "").split(",") if h.strip()}
-    return HOP_BY_HOP | extra
+# the per-call drop sets, built once (a ``Connection`` header naming more adds to them)
+_UPSTREAM_DROP = HOP_BY_HOP | CLIENT_ONLY | {"x-request-id"}
+_UPSTREAM_DROP_AUTH = _UPSTREAM_DROP | {"authorization", "x-api-key"}
+_RESPONSE_DROP = (HOP_BY_HOP - {"content-length"}) | {"x-request-id"}
+
+
+def _drop(headers: Mapping[str, str], base: frozenset[str] = HOP_BY_HOP) -> frozenset[str]:
+    """``base`` (hop-by-hop names), plus any the ``Connection`` header lists."""
+    conn = headers.get("connection")
+    if not conn:
+        return base
+    return base | {h.strip().lower() for h in conn.split(",") if h.strip()}
 
 
 def upstream_headers(
     headers: CIMultiDictProxy[str], rid: str, upstream_key: str | None, strip_auth: bool
 ) -> CIMultiDict[str]:
-    drop = _drop(headers) | CLIENT_ONLY
-    if strip_auth or upstream_key:
-        drop = drop | {"authorization", "x-api-key"}
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+    drop = _drop(headers, _UPSTREAM_DROP_AUTH if strip_auth or upstream_key else _UPSTREAM_DROP)
+    out = CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
     out["X-Request-Id"] = rid
     if upstream_key:
         out["Authorization"] = f"Bearer {upstream_key}"
@@ -75,8 +81,8 @@ def upstream_headers(
 
 
 def response_headers(headers: CIMultiDictProxy[str], rid: str) -> CIMultiDict[str]:
-    drop = _drop(headers) - {"content-length"}
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+    drop = _drop(headers, _RESPONSE_DROP)
+    out = CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
     out["X-Request-Id"] = rid
     return out
 
@@ -140,6 +146,8 @@ async def forward(
         raw = hinted  # retention hint set, or a client-set kvroute hint stripped
     tried: set[str] = set()
     last_problem = "no healthy replica"
+    silent = 0  # replicas that sent nothing within first_byte_timeout_s
+    streamed = ctx.body.get("stream") is True
     for attempt in range(cfg.retries + 1):
         ctx.excluded = frozenset(tried)
         try:
@@ -163,7 +171,11 @@ async def forward(
                                       decision, last_attempt=attempt == cfg.retries)  # fmt: skip
         except _RetryElsewhere as e:
             last_problem = e.reason
-            metrics.retries.labels(e.kind).inc()
+            if e.first_byte:
+                silent += 1
+                if not streamed and silent > 1:  # a non-streamed call is moved once only
+                    break
+            metrics.retries_by(e.kind).inc()
             log.warning("request %s: %s on %s; trying another replica", ctx.request_id,
                         e.reason, name)  # fmt: skip
         finally:
@@ -171,7 +183,14 @@ async def forward(
             replica.finished += 1
             if is_probe and replica.breaker.probe_inflight:
                 replica.breaker.on_abandon()  # the probe ended undecided (client went away)
-    metrics.requests.labels(route_label, "-", "503").inc()
+    if silent and not streamed:
+        # nothing arrived in time, here and on the one other replica tried (or no other one)
+        metrics.requests_by(route_label, "-", "504").inc()
+        return error_response(
+            route, 504, "no replica answered within the first-byte timeout", "timeout",
+            headers={"X-Request-Id": ctx.request_id},
+        )  # fmt: skip
+    metrics.requests_by(route_label, "-", "503").inc()
     return error_response(
         route, 503, f"no replica could take the request ({last_problem})", "service_unavailable",
         headers={"Retry-After": str(max(1, int(cfg.health_interval_s))),
@@ -191,9 +210,9 @@ def rendezvous(key: str, names: list[str]) -> str | None:
 
 
 class _RetryElsewhere(Exception):
-    def __init__(self, kind: str, reason: str):
+    def __init__(self, kind: str, reason: str, first_byte: bool = False):
         super().__init__(reason)
-        self.kind, self.reason = kind, reason
+        self.kind, self.reason, self.first_byte = kind, reason, first_byte
 
 
 async def _stream_from(
@@ -214,17 +233,22 @@ async def _stream_from(
     if replica.auth:  # credentials from the replica's URL win over the upstream key
         headers = headers.copy()
         headers["Authorization"] = replica.auth
-    first_byte = app[CONFIG].first_byte_timeout_s if ctx.body.get("stream") is True else 0.0
+    first_byte = app[CONFIG].first_byte_deadline_s(ctx.body.get("stream") is True)
+    deadline = asyncio.timeout(first_byte if first_byte > 0 else None)
     try:
-        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts, and for
-        # a stream by first_byte_timeout_s: a replica that sent nothing (frozen, stuck) is
-        # left, and the call that has received nothing goes to another one
-        async with asyncio.timeout(first_byte if first_byte > 0 else None):
-            resp = await app[CLIENT].request(
-                request.method, replica.url + path, data=raw, headers=headers
-            )
+        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts, and by
+        # first_byte_timeout_s: a replica that sent no response head by then (frozen, stuck)
+        # is left, and the call that has received nothing goes to another one
+        async with deadline:
+            resp = await app[CLIENT].request(  # a redirect is the client's to follow
+                request.method, replica.url + path, data=raw, headers=headers,
+                allow_redirects=False,
+            )  # fmt: skip
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
+        if deadline.expired():
+            raise _RetryElsewhere("no_response", f"no response head in {first_byte:g} s",
+                                  first_byte=True) from None  # fmt: skip
         raise _RetryElsewhere("no_response", f"{type(e).__name__}") from None
     try:
         if resp.status in RETRYABLE_STATUS and not last_attempt:
@@ -278,7 +302,7 @@ async def _stream_from(
             now = time.perf_counter()
             if first_at is None and not (ctx.route == "/v1/responses" and _response_head(chunk)):
                 first_at = now
-                metrics.ttft.labels(name).observe(first_at - t0)
+                metrics.ttft_by(name).observe(first_at - t0)
                 app[CALLS].first_byte(ctx)  # prefill is over: not queued work any more
             elif len(itl) < ITL_SAMPLES:
                 itl.append(now - last_at)
@@ -292,8 +316,8 @@ async def _stream_from(
             await out.write_eof()
         end = time.perf_counter()
         if sse and first_at is not None and events > 1:
-            metrics.tpot.labels(name).observe((end - first_at) / (events - 1))
-        metrics.requests.labels(route_label, name, status).inc()
+            metrics.tpot_by(name).observe((end - first_at) / (events - 1))
+        metrics.requests_by(route_label, name, status).inc()
         app[CALLS].finish(ctx, CallOutcome(
             name, status, ttft_s=None if first_at is None else first_at - t0,
             duration_s=end - t0, usage=usage_from_tail(tail), events=events, bytes=nbytes,
@@ -302,11 +326,11 @@ async def _stream_from(
         return out
     except asyncio.CancelledError:
         # The client went away: closing the upstream connection makes vLLM abort the request.
-        metrics.requests.labels(route_label, name, "client_closed").inc()
+        metrics.requests_by(route_label, name, "client_closed").inc()
         resp.close()
         raise
     except ConnectionResetError:  # the write found the client gone before the cancellation
-        metrics.requests.labels(route_label, name, "client_closed").inc()
+        metrics.requests_by(route_label, name, "client_closed").inc()
         resp.close()
         return out
     finally:
@@ -332,7 +356,7 @@ async def _buffered(
         if r is not None:
             r.breaker.on_failure()
         log.warning("request %s: replica %s failed mid-body: %r", ctx.request_id, name, e)
-        metrics.requests.labels(route_label, name, "upstream_error").inc()
+        metrics.requests_by(route_label, name, "upstream_error").inc()
         return error_response(
             ctx.route,
             502,
@@ -341,11 +365,11 @@ async def _buffered(
             headers={"X-Request-Id": ctx.request_id},
         )
     first = time.perf_counter()
-    metrics.ttft.labels(name).observe(first - t0)
+    metrics.ttft_by(name).observe(first - t0)
     headers = response_headers(resp.headers, ctx.request_id)
     headers.popall("Content-Length", None)
     out = web.Response(status=resp.status, reason=resp.reason, body=body, headers=headers)
-    metrics.requests.labels(route_label, name, str(resp.status)).inc()
+    metrics.requests_by(route_label, name, str(resp.status)).inc()
     app[CALLS].finish(ctx, CallOutcome(
         name, str(resp.status), ttft_s=first - t0, duration_s=first - t0,
         usage=usage_from_tail(body[-4096:]), bytes=len(body), decision=decision,

@@ -4,7 +4,8 @@ Every flag is also settable by env (``KVROUTE_<NAME>``) and YAML (``--config FIL
 names as the flags with ``_``); precedence: flags > env > YAML > defaults. On SIGTERM/SIGINT
 the router stops taking new calls (503 + ``Retry-After``, ``/ready`` turns 503), lets in-flight
 streams finish for up to ``--drain-timeout-s``, then exits. Uses uvloop when installed.
-Heavy imports happen inside :func:`run`.
+``--workers N`` runs N processes on one port (``SO_REUSEPORT``); what each keeps to itself
+is in docs/router.md ("Workers"). Heavy imports happen inside :func:`run`.
 """
 
 from __future__ import annotations
@@ -60,9 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
-    import signal
     import sys
 
     from router.config import ConfigError, RouterConfig, load_config
@@ -73,26 +72,39 @@ def run(args: argparse.Namespace) -> int:
         from router.scheduling.registry import build_pipeline
 
         build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)  # fail before binding
-        kv = kv_layer(cfg)
+        kv = kv_layer(cfg) if cfg.workers == 1 else None  # workers build their own
     except (ConfigError, ValueError, OSError) as e:
         print(f"kvroute serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if cfg.workers > 1:
+        return serve_workers(cfg)
+    return serve_one(cfg, kv)
+
+
+def serve_one(cfg: Any, kv: Any, *, worker: int = 0, reuse_port: bool = False) -> int:
+    """One router process on ``cfg.host:cfg.port`` until SIGTERM/SIGINT, then drain."""
+    import asyncio
+    import logging
+    import signal
+
     log = logging.getLogger("kvroute")
 
     async def main() -> int:
-        from router.app import PIPELINE, build_app, drain, start_site
+        from router.app import PIPELINE, RUNTIME, build_app, drain, start_site
 
         app = build_app(cfg, kv=kv)
-        runner, url = await start_site(app, cfg.host, cfg.port)
+        app[RUNTIME].worker = worker
+        runner, url = await start_site(app, cfg.host, cfg.port, reuse_port=reuse_port)
         log.info(
-            "kvroute serving on %s (policy %s, state %s, %d replicas)",
+            "kvroute serving on %s (policy %s, state %s, %d replicas%s)",
             url,
             app[PIPELINE].name,
             "redis" if cfg.redis_url else "memory",
             len(cfg.replicas),
+            f", worker {worker} of {cfg.workers}" if cfg.workers > 1 else "",
         )
         print(f"kvroute listening on {url}", flush=True)
         stop = asyncio.Event()
@@ -112,6 +124,135 @@ def run(args: argparse.Namespace) -> int:
         return int(uvloop.run(main()))
     except ImportError:
         return int(asyncio.run(main()))
+
+
+def _term_with_parent(parent: int) -> None:
+    """A worker gets SIGTERM (drains and exits) when the parent dies, even by SIGKILL: a
+    worker outliving it would hold the port with nobody to restart or stop it (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    import ctypes
+    import os
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+RESTART_DELAY_S = 0.5  # before a worker that died is started again
+MAX_RESTARTS = 10  # within RESTART_WINDOW_S: more means something is wrong; give up
+RESTART_WINDOW_S = 60.0
+
+
+def serve_workers(cfg: Any) -> int:
+    """``--workers N``: N forked processes, each its own event loop, app, upstream pool and
+    health monitors, listening on one port with ``SO_REUSEPORT`` (the kernel spreads new
+    connections over them). This parent serves nothing: it holds the port (a bound socket
+    that never listens, so ``--port 0`` picks one port for all and a restarted worker gets
+    it back), starts a worker again when one dies, and on SIGTERM/SIGINT passes the signal
+    on and waits for every worker to drain. A worker exiting with status 2 (a configuration
+    error, e.g. the KV layer failing to build) stops them all."""
+    import dataclasses as dc
+    import logging
+    import os
+    import signal
+    import socket
+    import time
+
+    log = logging.getLogger("kvroute")
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    hold = socket.socket(family, socket.SOCK_STREAM)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        hold.bind((cfg.host, cfg.port))
+    except OSError as e:
+        print(f"kvroute serve: cannot bind {cfg.host}:{cfg.port}: {e}", flush=True)
+        return 2
+    port = hold.getsockname()[1]
+    if not cfg.redis_url:
+        log.warning("%d workers without redis_url: each keeps its own session table, so a "
+                    "session's affinity holds only within one worker", cfg.workers)  # fmt: skip
+    wcfg = dc.replace(cfg, port=port)
+    parent = os.getpid()
+    children: dict[int, int] = {}  # pid -> worker index
+    stopping = False
+    result = 0
+
+    def spawn(i: int) -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                _term_with_parent(parent)
+                hold.close()
+                try:
+                    kv = kv_layer(wcfg)
+                except (ValueError, OSError) as e:
+                    log.error("worker %d: %s", i, e)
+                    code = 2
+                else:
+                    code = serve_one(wcfg, kv, worker=i, reuse_port=True)
+            except BaseException:
+                log.exception("worker %d failed", i)
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        children[pid] = i
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in list(children):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for i in range(cfg.workers):
+        spawn(i)
+    log.info("%d workers on port %d (pids %s)", cfg.workers, port,
+             " ".join(map(str, children)))  # fmt: skip
+    restarts: list[float] = []
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        i = children.pop(pid, -1)
+        code = os.waitstatus_to_exitcode(status)
+        if stopping or i < 0:
+            continue
+        if code == 2:
+            log.error("worker %d exited with a configuration error; stopping", i)
+            result = 2
+            on_signal(signal.SIGTERM, None)
+            continue
+        now = time.monotonic()
+        restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(restarts) > MAX_RESTARTS:
+            log.error("%d worker restarts in %.0f s; stopping", len(restarts), RESTART_WINDOW_S)
+            result = 1
+            on_signal(signal.SIGTERM, None)
+            continue
+        log.warning("worker %d (pid %d) exited with %d; starting it again", i, pid, code)
+        time.sleep(RESTART_DELAY_S)
+        if not stopping:
+            spawn(i)
+    hold.close()
+    log.info("every worker stopped")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,8 +105,9 @@ def prompt_prefix_text(body: Mapping[str, Any], limit: int) -> str:
     while stack and n < limit:
         x = stack.pop()
         if isinstance(x, str):
-            parts.append(x)
-            n += len(x)
+            sep = 1 if parts else 0  # n: length of the joined text so far
+            parts.append(x[: max(0, limit - n - sep)])  # a long part: only what can show
+            n += sep + len(x)
         elif isinstance(x, list):
             stack.extend(reversed(x))
         elif isinstance(x, dict):

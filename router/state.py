@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import orjson
@@ -51,7 +51,13 @@ class SessionRecord:
     children: set[str] = field(default_factory=set)
 
     def copy(self) -> SessionRecord:
-        return replace(self, gaps=list(self.gaps), children=set(self.children))
+        # field by field: dataclasses.replace re-runs __init__ through its generic path
+        # (~3x the cost, once per call on the hot path); test_router_parts pins the fields
+        return SessionRecord(
+            self.key, self.tenant, self.parent, self.agent, self.replica, self.created,
+            self.last_seen, self.last_call_end, list(self.gaps), self.calls, self.inflight,
+            self.final, set(self.children),
+        )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}

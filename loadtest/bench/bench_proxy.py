@@ -1,7 +1,9 @@
 """Proxy overhead: client -> {direct | kvroute serve | sglang-router} -> one fast backend.
 
-Each row: request body size (2 KB, 200 KB, chat completion with ``stream: true``), client
-concurrency (1, 32), path; throughput (req/s), median and p90 latency, the proxy process's
+Each row: mode (``sse``: a chat completion with ``stream: true``; ``json``: ``stream: false``
+with a 230-byte answer; ``json_resp``: ``stream: false``, a 2 KB request and an answer of the
+row's size), body size (2 KB, 200 KB: the request's, or for ``json_resp`` the response's),
+client concurrency (1, 32), path; throughput (req/s), median and p90 latency, the proxy process's
 CPU per request (user+sys from ``/proc/<pid>/stat``) and ratios against direct and against
 sglang-router measured in the same run. The backend is a small aiohttp server in its own
 process that reads the whole body and streams 8 SSE events back; the load generator is this
@@ -15,6 +17,8 @@ Both routers run ``round_robin`` over the one backend; kvroute also runs its def
 ``cache_aware`` (an approximate radix tree over the request text).
 
     python -m loadtest.benchmarks --only proxy [--quick]
+    KVROUTE_BENCH_PROXY_MODES=json,json_resp python -m loadtest.bench.bench_proxy
+    KVROUTE_BENCH_PROXY_WORKERS=2 ...     # adds kvroute round_robin with --workers 2
     python -m loadtest.bench.bench_proxy --backend PORT     # the backend alone
 """
 
@@ -53,13 +57,29 @@ def sglang_python() -> Path | None:
 # --- backend (runs in its own process) ---------------------------------------------------
 
 
+def completion(size: int) -> bytes:
+    """A JSON chat completion of about ``size`` bytes (at least :data:`COMPLETION`'s)."""
+    pad = max(0, size - len(COMPLETION))
+    return COMPLETION.replace(b"tok tok", b"tok " + b"x" * pad + b" tok", 1)
+
+
 def backend_main(port: int) -> None:
+    import orjson
     from aiohttp import web
+
+    sized: dict[int, bytes] = {}
 
     async def chat(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         if b'"stream":false' in raw[:200]:
-            return web.Response(body=COMPLETION, content_type="application/json")
+            # max_tokens above 8 asks for an answer of that many bytes (json_resp mode); a
+            # field every router forwards as it is
+            want = int(orjson.loads(raw).get("max_tokens", 8))
+            if want <= N_EVENTS:
+                return web.Response(body=COMPLETION, content_type="application/json")
+            if want not in sized:
+                sized[want] = completion(want)
+            return web.Response(body=sized[want], content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for _ in range(N_EVENTS):
@@ -152,8 +172,19 @@ def _stop(p: subprocess.Popen[bytes]) -> None:
 
 
 def _cpu_s(pid: int) -> float:
+    """User+sys CPU seconds of ``pid`` and its live children (``serve --workers``' workers)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    for kid in kids:
+        try:
+            total += _cpu_s(int(kid))
+        except (OSError, IndexError, ValueError):
+            pass  # exited meanwhile
+    return total
 
 
 # --- load ----------------------------------------------------------------------------
@@ -212,14 +243,14 @@ async def _load(
     return out
 
 
-def _body(size: int, stream: bool = True) -> bytes:
+def _body(size: int, stream: bool = True, max_tokens: int = N_EVENTS) -> bytes:
     import orjson
 
     system: dict[str, str] = {"role": "system", "content": ""}
     base: dict[str, Any] = {
         "stream": stream,
         "model": "tiny",
-        "max_tokens": 8,
+        "max_tokens": max_tokens,
         "messages": [system, {"role": "user", "content": "hello"}],
     }
     pad = size - len(orjson.dumps(base))
@@ -255,7 +286,12 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         _wait_http(burl + "/health", proc=backend)
 
         paths: dict[str, tuple[str, int | None]] = {"direct": (burl, None)}
-        for policy in ("round_robin", "session_affinity"):
+        # KVROUTE_BENCH_PROXY_WORKERS=2: also kvroute round_robin with ``--workers 2``
+        workers = int(os.environ.get("KVROUTE_BENCH_PROXY_WORKERS", "1"))
+        kv_paths = [("round_robin", 1), ("session_affinity", 1)]
+        if workers > 1:
+            kv_paths.append(("round_robin", workers))
+        for policy, nproc in kv_paths:
             port = _free_port()
             p = _spawn(
                 [
@@ -272,13 +308,15 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                     "warning",
                     "--max-body-bytes",
                     str(64 << 20),
+                    "--workers",
+                    str(nproc),
                 ],
-                work / f"kvroute-{policy}.log",
+                work / f"kvroute-{policy}-w{nproc}.log",
             )
             procs.append(p)
             url = f"http://127.0.0.1:{port}"
             _wait_http(url + "/ready", proc=p)
-            paths[f"kvroute:{policy}"] = (url, p.pid)
+            paths[f"kvroute:{policy}" + (f":w{nproc}" if nproc > 1 else "")] = (url, p.pid)
         sg = sglang_python()
         if sg is None:
             rows.append({"name": "sglang-router", "error": "not installed: run `make bench-peers`"})
@@ -302,10 +340,14 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 tail = log.read_text(errors="replace")[-800:]
                 rows.append({"name": f"sglang-router:{policy}", "error": f"{e}: {tail}"})
 
+        modes = os.environ.get("KVROUTE_BENCH_PROXY_MODES", "sse,json,json_resp").split(",")
         for mode, size, conc in [
-            (m, s, c) for m in ("sse", "json") for s in (2_000, 200_000) for c in (1, 32)
+            (m, s, c) for m in modes for s in (2_000, 200_000) for c in (1, 32)
         ]:
-            body = _body(size, stream=mode == "sse")
+            if mode == "json_resp":  # a 2 KB request asking for a ``size``-byte answer
+                body = _body(2_000, stream=False, max_tokens=size)
+            else:
+                body = _body(size, stream=mode == "sse")
             n = (150 if conc == 1 else 600) if quick else (400 if conc == 1 else 2000)
             # Paths take turns for ROUNDS rounds (n/ROUNDS calls each) and report the median
             # round, so load from other processes on this shared machine hits all of them alike.

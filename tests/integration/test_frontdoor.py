@@ -263,6 +263,36 @@ async def test_a_replica_that_never_answers_loses_no_call(fakes, router, http):
         assert 'kvroute_retries_total{reason="no_response"}' in await r.text()
 
 
+async def test_a_frozen_replica_moves_a_non_streamed_call_once_then_504(fakes, router, http):
+    stuck, good = await fakes(2)
+    stuck.delay_s = 30  # accepts and reads the call, then sends nothing
+    plain = {**CHAT, "stream": False}
+    url, _ = await router([stuck.url, good.url], policy="round_robin", first_byte_timeout_s=0.4,
+                          unstreamed_first_byte_timeout_s=0.4)  # fmt: skip
+    for _ in range(2):  # round robin: one of them goes to the frozen replica first
+        async with http.post(url + "/v1/chat/completions", json=plain) as r:
+            assert r.status == 200 and (await r.json())["replica"] == good.name
+    assert len(stuck.seen) >= 1 and len(good.seen) == 2
+    async with http.get(url + "/metrics") as r:  # one retry per call the frozen one took
+        line = f'kvroute_retries_total{{reason="no_response"}} {float(len(stuck.seen))}'
+        assert line in await r.text()
+
+    # every replica frozen: moved once (two replicas tried, not three), then a JSON 504 of
+    # the route's family
+    frozen = await fakes(3, delay_s=30)
+    url, _ = await router([f.url for f in frozen], policy="round_robin",
+                          unstreamed_first_byte_timeout_s=0.3)  # fmt: skip
+    for route, anthropic in (("/v1/chat/completions", False), ("/v1/messages", True)):
+        before = sum(len(f.seen) for f in frozen)
+        t0 = time.monotonic()
+        async with http.post(url + route, json={**plain, "max_tokens": 4}) as r:
+            assert r.status == 504 and r.headers["Content-Type"].startswith("application/json")
+            doc = is_json_error(await r.read(), anthropic=anthropic)
+        assert 0.5 < time.monotonic() - t0 < 3
+        assert doc["error"]["type"] == ("timeout_error" if anthropic else "timeout")
+        assert sum(len(f.seen) for f in frozen) - before == 2
+
+
 async def test_expect_headers_are_answered_in_json(fakes, router):
     (f,) = await fakes(1)
     url, _ = await router([f.url])

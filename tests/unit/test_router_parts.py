@@ -325,3 +325,43 @@ def test_only_the_half_open_probe_is_marked_as_the_probe():
     assert not b.allows(now=1.0)
     assert b.allows(now=6.0) and b.on_send(now=6.0) is True  # the one probe
     assert not b.allows(now=6.1)  # a second call must wait for the probe's verdict
+
+
+def test_session_record_copy_keeps_every_field_and_owns_its_lists():
+    import dataclasses
+
+    from router.state import SessionRecord
+
+    values = {
+        "key": "t\x1fs", "tenant": "t", "parent": "p", "agent": "a", "replica": "r",
+        "created": 1.0, "last_seen": 2.0, "last_call_end": 3.0, "gaps": [0.5],
+        "calls": 4, "inflight": 1, "final": True, "children": {"c"},
+    }  # fmt: skip
+    assert set(values) == {f.name for f in dataclasses.fields(SessionRecord)}  # a new field
+    rec = SessionRecord(**values)  # must be added to SessionRecord.copy too
+    dup = rec.copy()
+    assert dup == rec and dup.gaps is not rec.gaps and dup.children is not rec.children
+
+
+@pytest.mark.parametrize("limit", [0, 1, 4, 5, 6, 4096])
+def test_prompt_prefix_text_is_the_joined_text_cut_at_the_limit(limit):
+    body = {
+        "system": "s" * 5000,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}, "ef"]}],
+    }
+    whole = "\x1e".join(["s" * 5000, "user", "abcd", "ef"])
+    assert prompt_prefix_text(body, limit) == whole[:limit]
+    short = {"messages": [{"role": "u", "content": "abcd"}, {"content": "ef"}]}
+    assert prompt_prefix_text(short, limit) == "u\x1eabcd\x1eef"[:limit]
+
+
+def test_non_streamed_calls_have_no_first_byte_deadline_unless_set():
+    """vLLM sends a non-streamed answer's head after the whole generation: a default deadline
+    would cut and re-run every long generation elsewhere."""
+    from router.config import RouterConfig
+
+    cfg = RouterConfig()
+    assert cfg.first_byte_deadline_s(streamed=True) == 30.0
+    assert cfg.first_byte_deadline_s(streamed=False) == 0.0
+    assert RouterConfig(unstreamed_first_byte_timeout_s=None).first_byte_deadline_s(False) == 30.0
+    assert RouterConfig(unstreamed_first_byte_timeout_s=120).first_byte_deadline_s(False) == 120
