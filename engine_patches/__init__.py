@@ -4,8 +4,11 @@ Owns: the plugin's ``register()`` (:mod:`engine_patches.plugin`), the vLLM versi
 (:mod:`engine_patches.versions`), the flag presets and ``kvroute engine flags``
 (:mod:`engine_patches.presets`, :mod:`engine_patches.cli`), the bounded prefill cadence
 (:mod:`engine_patches.cadence` policy, :mod:`engine_patches.scheduler` the vLLM scheduler
-class), and a host-DRAM offloading tier that works on the CPU platform
-(:mod:`engine_patches.offload`).
+class), a host-DRAM offloading tier that works on the CPU platform
+(:mod:`engine_patches.offload`), and agent-aware retention on it
+(:mod:`engine_patches.retention_rule` the pure rule, :mod:`engine_patches.retention` the vLLM
+policy). The pure rules (``cadence``, ``retention_rule``) are also what the replica twin runs
+(``loadtest.twin.engine``), so the twin decides as the plugin does.
 
 Every module here imports without vLLM installed (the router's venv has none): vLLM is only
 imported inside functions that run in vLLM processes. Must not import ``router`` or
