@@ -5,8 +5,12 @@ Owns: the plugin's ``register()`` (:mod:`engine_patches.plugin`), the vLLM versi
 (:mod:`engine_patches.presets`, :mod:`engine_patches.cli`), the bounded prefill cadence
 (:mod:`engine_patches.cadence` policy, :mod:`engine_patches.scheduler` the vLLM scheduler
 class), a host-DRAM offloading tier that works on the CPU platform
-(:mod:`engine_patches.offload`), and kvroute's Triton kernels in place of vLLM functions on
-CUDA hosts when ``KVROUTE_KERNELS`` asks (:mod:`engine_patches.kernel_patches`).
+(:mod:`engine_patches.offload`), agent-aware retention on it
+(:mod:`engine_patches.retention_rule` the pure rule, :mod:`engine_patches.retention` the vLLM
+policy), and kvroute's Triton kernels in place of vLLM functions on CUDA hosts when
+``KVROUTE_KERNELS`` asks (:mod:`engine_patches.kernel_patches`). The pure rules (``cadence``,
+``retention_rule``) are also what the replica twin runs (``loadtest.twin.engine``), so the twin
+decides as the plugin does.
 
 Every module here imports without vLLM installed (the router's venv has none): vLLM is only
 imported inside functions that run in vLLM processes. Must not import ``router`` or

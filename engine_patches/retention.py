@@ -1,7 +1,6 @@
 """Agent-aware retention for the host tier: keep a paused agent's KV ahead of cold blocks.
 
-Owns: the hint format (:func:`parse_hint`), the session table (:class:`RetentionTable`, pure)
-and ``AgentRetentionPolicy``, a vLLM ``CachePolicy`` for the CPU offloading manager
+Owns: ``AgentRetentionPolicy``, a vLLM ``CachePolicy`` for the CPU offloading manager
 (``eviction_policy: "AgentRetentionPolicy"``, ``cache_policy_module_path:
 "engine_patches.retention"``; ``kvroute engine flags --retention`` writes both). The policy
 class is built lazily, so this module imports without vLLM.
@@ -32,126 +31,21 @@ Rule (no pin: retention yields whenever it would block an eviction vLLM needs):
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
-STATES = ("running", "tool-pause", "waiting-on-children", "done")
-HOLDING = ("tool-pause", "waiting-on-children")
+# The pure rule lives in retention_rule (the replica twin's host tier uses it too); these names
+# stay importable from here.
+from engine_patches.retention_rule import (
+    HOLDING,
+    STATES,
+    Hint,
+    RetentionConfig,
+    RetentionTable,
+    parse_hint,
+)
 
-
-@dataclass(frozen=True)
-class Hint:
-    session: str
-    state: str = "running"
-    return_s: float | None = None
-
-
-def parse_hint(kv_transfer_params: Mapping[str, Any] | None) -> Hint | None:
-    """The ``kvroute`` hint of a request, or None (absent or malformed: ignored, never fatal)."""
-    if not kv_transfer_params:
-        return None
-    raw = kv_transfer_params.get("kvroute")
-    if not isinstance(raw, Mapping) or not raw.get("session"):
-        return None
-    state = str(raw.get("state") or "running")
-    if state not in STATES:
-        return None
-    ret = raw.get("return_s")
-    try:
-        ret_s = float(ret) if ret is not None else None
-    except (TypeError, ValueError):
-        ret_s = None
-    return Hint(str(raw["session"]), state, ret_s)
-
-
-@dataclass(frozen=True)
-class RetentionConfig:
-    ttl_s: float = 600.0
-    max_share: float = 0.5  # of the tier's chunks
-    return_slack: float = 1.5  # hold for return_s * slack (a late return still hits)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> RetentionConfig:
-        d = dict(d or {})
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown retention settings: {sorted(unknown)}")
-        return cls(**d)
-
-
-@dataclass
-class _Session:
-    state: str = "running"
-    until: float = 0.0  # hold expiry (monotonic s); 0: no hold
-    since: float = 0.0  # when the hold started
-    keys: set[Hashable] = field(default_factory=set)
-
-
-class RetentionTable:
-    """Which chunks belong to which session and which sessions hold theirs now (pure)."""
-
-    def __init__(self, config: RetentionConfig, capacity: int):
-        self.config = config
-        self.capacity = capacity
-        self._sessions: dict[str, _Session] = {}
-        self._owner: dict[Hashable, str] = {}
-
-    def claim(self, keys: Iterable[Hashable], hint: Hint | None) -> None:
-        if hint is None:
-            return
-        s = self._sessions.setdefault(hint.session, _Session())
-        for k in keys:
-            old = self._owner.get(k)
-            if old is not None and old != hint.session:
-                self._sessions[old].keys.discard(k)
-            self._owner[k] = hint.session
-            s.keys.add(k)
-
-    def finish(self, hint: Hint | None, now: float) -> set[Hashable]:
-        """Apply a finished request's hint; returns the keys it releases (``done``)."""
-        if hint is None:
-            return set()
-        s = self._sessions.setdefault(hint.session, _Session())
-        s.state = hint.state
-        if hint.state in HOLDING:
-            c = self.config
-            hold = c.ttl_s if hint.return_s is None else hint.return_s * c.return_slack
-            s.since, s.until = now, now + min(hold, c.ttl_s)
-            return set()
-        s.until = 0.0
-        if hint.state == "done":
-            released = set(s.keys)
-            for k in released:
-                self._owner.pop(k, None)
-            del self._sessions[hint.session]
-            return released
-        return set()
-
-    def forget(self, keys: Iterable[Hashable]) -> None:
-        for k in keys:
-            owner = self._owner.pop(k, None)
-            if owner is not None and owner in self._sessions:
-                self._sessions[owner].keys.discard(k)
-
-    def protected(self, now: float) -> set[Hashable]:
-        """Keys held now: sessions holding, newest hold first, within ``max_share``."""
-        cap = int(self.config.max_share * self.capacity)
-        holding = [
-            s for s in self._sessions.values() if s.state in HOLDING and s.until > now and s.keys
-        ]
-        holding.sort(key=lambda s: s.since, reverse=True)
-        out: set[Hashable] = set()
-        for s in holding:
-            if len(out) + len(s.keys) > cap:
-                continue
-            out |= s.keys
-        return out
-
-    def held_sessions(self, now: float) -> dict[str, int]:
-        """session -> chunks held now (for logs and metrics)."""
-        prot = self.protected(now)
-        return {name: len(s.keys & prot) for name, s in self._sessions.items() if s.keys & prot}
+__all__ = ["HOLDING", "STATES", "Hint", "RetentionConfig", "RetentionTable", "parse_hint"]
 
 
 def _build(name: str) -> type:

@@ -39,11 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from costmodel.profiles import load_profile
+from costmodel.profiles import load_profile, with_overrides
+from engine_patches.cadence import CadenceConfig
+from engine_patches.retention_rule import RetentionConfig
 from loadtest.metrics import UnlimitedCache, throughput_at_line
 from loadtest.sim.router_policy import RouterPolicy
 from loadtest.sim.trace import simulate_trace, trace_workload
 from loadtest.traces import load_trace
+from loadtest.twin.engine import EnginePlugin
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
 POLICIES = ("kv_cost", "llmd", "sglang_tree", "session_affinity")
@@ -69,7 +72,19 @@ FIELDS = (
     ("session_p50_s", "session_p50_s"),
     ("session_p90_s", "session_p90_s"),
     ("hit_ratio", "cache_hit_ratio"),
+    ("host_hit_share", "host_hit_share"),  # prompt blocks hit in the host tier / all hit
+    ("storage_hit_share", "storage_hit_share"),
 )
+
+
+def with_tier_shares(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` plus the shares of hit blocks served by the host tier and by storage."""
+    hits = summary.get("tier_hit_blocks") or {}
+    total = sum(hits.values())
+    out = dict(summary)
+    out["host_hit_share"] = hits.get("cpu", 0) / total if total else float("nan")
+    out["storage_hit_share"] = hits.get("storage", 0) / total if total else float("nan")
+    return out
 
 
 def trace_bound(trace: Any, block_size: int) -> float:
@@ -93,33 +108,64 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(vs), "median": statistics.median(vs), "max": max(vs)}
 
 
+# Engine-plugin variants (issue 12, loadtest/bench/bench_kv_pressure.py): name -> (router
+# policy, the router's engine_hints, what of the plugin the simulated engines run).
+VARIANTS: dict[str, tuple[str, bool, EnginePlugin]] = {
+    "kv_cost+hints": ("kv_cost", True, EnginePlugin(retention=RetentionConfig())),
+    "kv_cost+hints+cadence": ("kv_cost", True,
+                              EnginePlugin(retention=RetentionConfig(), cadence=CadenceConfig())),
+}  # fmt: skip
+
+
+def policy_spec(name: str) -> tuple[str, bool, EnginePlugin]:
+    """A bench policy name -> (router policy, engine hints, engine plugin); plain names are the
+    router's policies on plain engines."""
+    return VARIANTS.get(name, (name, False, EnginePlugin()))
+
+
 def run(quick: bool = False) -> list[dict]:
     """The rows; ``KVROUTE_BENCH_POLICIES=a,b`` runs only those policies (to re-run one after
     a change: the simulator is deterministic per seed, so the other rows stand)."""
+    return run_workloads(WORKLOADS, POLICIES, quick)
+
+
+def run_workloads(
+    workloads: dict[str, _W], default_policies: tuple[str, ...], quick: bool,
+    ours: tuple[str, ...] = ("kv_cost",), overrides: dict[str, dict[str, Any]] | None = None,
+) -> list[dict]:  # fmt: skip
+    """Every workload x policy x concurrency point over the seeds, then the line row per
+    workload; ``KVROUTE_BENCH_POLICIES`` / ``KVROUTE_BENCH_WORKLOADS`` (comma lists) narrow
+    the run. ``overrides``: engine settings per workload over its profile (``with_overrides``)."""
     duration = 480.0 if quick else 900.0
     seeds = SEEDS[:1] if quick else SEEDS
     only = os.environ.get("KVROUTE_BENCH_POLICIES")
-    policies = tuple(p for p in only.split(",") if p) if only else POLICIES
+    policies = tuple(p for p in only.split(",") if p) if only else default_policies
+    only_w = os.environ.get("KVROUTE_BENCH_WORKLOADS")
+    if only_w:
+        workloads = {k: v for k, v in workloads.items() if k in only_w.split(",")}
     rows: list[dict] = []
-    for wname, (fname, pname, n_rep, gap, levels, quick_levels) in WORKLOADS.items():
+    for wname, (fname, pname, n_rep, gap, levels, quick_levels) in workloads.items():
         path = TRACES / fname
         if not path.is_file():
             rows.append({"name": f"{wname}: skipped", "reason": f"no trace at {path}"})
             continue
-        prof = load_profile(pname)
+        prof = with_overrides(load_profile(pname), (overrides or {}).get(wname, {}))
         trace = load_trace(path, max_gap_s=gap)
         bound = round(trace_bound(trace, prof.block_size), 3)
         medians: dict[str, list[dict[str, float]]] = {}
         for pol in policies:
             medians[pol] = []
+            router_pol, hints, plugin = policy_spec(pol)
             for n in quick_levels if quick else levels:
                 t0 = time.perf_counter()
                 runs = [
-                    simulate_trace(prof, n_rep, trace, RouterPolicy(pol, prof, seed=s),
+                    simulate_trace(prof, n_rep, trace,
+                                   RouterPolicy(router_pol, prof, seed=s, engine_hints=hints),
                                    concurrency=n, duration_s=duration, seed=s,
-                                   stagger_s=STAGGER_S).summary(warmup_s=WARMUP_S)
+                                   stagger_s=STAGGER_S, plugin=plugin).summary(warmup_s=WARMUP_S)
                     for s in seeds
                 ]  # fmt: skip
+                runs = [with_tier_shares(r) for r in runs]
                 stats = {k: spread([float(r.get(src, float("nan"))) for r in runs])
                          for k, src in FIELDS}  # fmt: skip
                 medians[pol].append({k: v["median"] for k, v in stats.items()})
@@ -129,16 +175,21 @@ def run(quick: bool = False) -> list[dict]:
                     "calls": [r.get("requests", 0) for r in runs], "hit_bound": bound,
                 }  # fmt: skip
                 for k, v in stats.items():
-                    row[k] = {m: round(x, 3 if k == "hit_ratio" else 1) for m, x in v.items()}
+                    nd = 3 if k.startswith(("hit", "host", "storage")) else 1
+                    row[k] = {m: round(x, nd) for m, x in v.items()}
                 row["wall_s"] = round(time.perf_counter() - t0, 1)
                 rows.append(row)
-        rows.append(line_row(wname, medians, bound))
+        rows.append(line_row(wname, medians, bound, ours))
     return rows
 
 
-def line_row(wname: str, medians: dict[str, list[dict[str, float]]], bound: float) -> dict:
+def line_row(
+    wname: str, medians: dict[str, list[dict[str, float]]], bound: float,
+    ours: tuple[str, ...] = ("kv_cost",),
+) -> dict:  # fmt: skip
     """Each policy at the line: the best measured median point, with the SLO too, and the
-    interpolated figure beside it; ratios of kv_cost to the best of the others."""
+    interpolated figure beside it; ratios of each of ``ours`` to the best of the others (the
+    peers: every policy not in ``ours``)."""
 
     def best(points: list[dict[str, float]], slo: bool) -> float | None:
         ok = [
@@ -165,13 +216,16 @@ def line_row(wname: str, medians: dict[str, list[dict[str, float]]], bound: floa
             "interpolated": r(interp),
         }
     for label, table in (("measured", measured), ("with_slo", with_slo)):
-        kv = table.get("kv_cost")
         others: dict[str, float] = {
-            p: v for p, v in table.items() if p != "kv_cost" and v is not None
+            p: v for p, v in table.items() if p not in ours and v is not None
         }
-        if kv is not None and others:
-            top = max(others, key=lambda p: others[p])
-            out[f"kv_cost_vs_best_{label}"] = f"{kv / others[top]:.2f}x vs {top}"
-        else:
-            out[f"kv_cost_vs_best_{label}"] = "not comparable (a policy never reached the line)"
+        for mine in ours:
+            if mine not in table:
+                continue
+            kv = table[mine]
+            if kv is not None and others:
+                top = max(others, key=lambda p: others[p])
+                out[f"{mine}_vs_best_{label}"] = f"{kv / others[top]:.2f}x vs {top}"
+            else:
+                out[f"{mine}_vs_best_{label}"] = "not comparable (a policy never reached the line)"
     return out

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.twin.cli_common import add_overrides_arg, profile_from_args
+from loadtest.twin.cli_common import (
+    add_overrides_arg,
+    add_plugin_args,
+    plugin_from_args,
+    profile_from_args,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hours", type=float, default=1.0, help="simulated duration")
     p.add_argument("--seed", type=int, default=0)
     add_overrides_arg(p)
+    add_plugin_args(p)
+    p.add_argument(
+        "--engine-hints",
+        action="store_true",
+        help="router:<policy> sends retention hints (the router's engine_hints)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summaries")
 
 
@@ -47,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         prof = profile_from_args(args)
-    except ProfileError as e:
+        plugin = plugin_from_args(args)
+    except (ProfileError, ValueError) as e:
         print(f"kvroute sim: {e}")
         return 2
     dur = 3600.0 * args.hours
@@ -58,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         route: RouteFn
         try:
             if policy.startswith("router:"):
-                route = RouterPolicy(policy.removeprefix("router:"), prof, seed=args.seed)
+                route = RouterPolicy(policy.removeprefix("router:"), prof, seed=args.seed,
+                                     engine_hints=args.engine_hints)  # fmt: skip
             elif policy in ROUTERS:
                 route = ROUTERS[policy]()
             else:
@@ -70,7 +83,12 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"kvroute sim: {e}")
             return 2
-        res = Simulator(prof, args.replicas, route).run(sessions, until=dur)
+        try:
+            sim = Simulator(prof, args.replicas, route, plugin=plugin)
+        except ValueError as e:  # e.g. retention without a host tier
+            print(f"kvroute sim: {e}")
+            return 2
+        res = sim.run(sessions, until=dur)
         s = res.summary()
         out[policy] = s
         print(

@@ -14,6 +14,12 @@ after each call it reports a :class:`router.outcome.CallOutcome` (replica, TTFT,
 usage, the decision) to the call sequence's observers, as the proxy does. Must not import
 aiohttp, zmq, torch or vllm.
 
+Engine hints: with ``engine_hints`` (the router's ``engine_hints`` option) each routed call's
+body gets the ``kvroute`` retention hint exactly as the proxy sets it
+(:func:`router.hints.hinted_body` over the session's record), and
+:meth:`RouterPolicy.kv_transfer_params` hands the body's ``kv_transfer_params`` to the simulator,
+whose engines read the hint as vLLM with the engine plugin does (``Simulator(plugin=...)``).
+
 What the router sees is what it would see from an agent: the body carries the fixed
 ``max_tokens`` cap Claude Code and OpenCode send (``AGENT_MAX_TOKENS``), never the call's
 recorded output length (only the simulated engine knows that), and no last-call flag.
@@ -31,9 +37,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
+
 from costmodel.profiles import ReplicaProfile
 from loadtest.sim.simulator import CallRecord, CallView, ReplicaView
 from router.call import CallSequence
+from router.hints import hinted_body
 from router.kv.config import KVConfig
 from router.kv.state import KVState
 from router.outcome import CallOutcome, Usage
@@ -55,7 +64,12 @@ class RouterPolicy:
 
     wants_events = True
 
-    def __init__(self, policy: str, profile: ReplicaProfile, *, seed: int = 0, tenant: str = "sim"):
+    def __init__(
+        self, policy: str, profile: ReplicaProfile, *, seed: int = 0, tenant: str = "sim",
+        engine_hints: bool = False,
+    ):  # fmt: skip
+        self.engine_hints = engine_hints
+        self._params: dict[tuple[str, int], Any] = {}
         self.pipeline = build_pipeline(policy, seed=seed)
         self.profile = profile
         self.now = 0.0
@@ -120,7 +134,16 @@ class RouterPolicy:
         i = self.names.index(decision.endpoint.name)
         self.inflight[i] = self.inflight.get(i, 0) + 1
         self._ctx[(call.session_id, call.call_index)] = (ctx, decision)
+        if self.engine_hints:
+            body = hinted_body(ctx.route, ctx.body, ident, rec, True)
+            if body is not None:
+                params = orjson.loads(body).get("kv_transfer_params")
+                self._params[(call.session_id, call.call_index)] = params
         return i
+
+    def kv_transfer_params(self, call: CallView) -> Any:
+        """The ``kv_transfer_params`` of the body sent upstream for ``call`` (None: none)."""
+        return self._params.pop((call.session_id, call.call_index), None)
 
     # -- what the replicas and the proxy report back --
 

@@ -45,9 +45,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from costmodel.profiles import ReplicaProfile
+from engine_patches.retention_rule import parse_hint
 from loadtest.metrics import CallNumbers, UnlimitedCache, agentx_numbers
 from loadtest.traces.synthetic import agentx_chains
-from loadtest.twin.engine import RUNNING, Engine, Request, Step
+from loadtest.twin.engine import RUNNING, Engine, EnginePlugin, Request, Step
 
 MASK64 = (1 << 64) - 1
 
@@ -474,6 +475,9 @@ class SimObserver(Protocol):
         """A call finished (its usage, TTFT and duration are in the record)."""
 
     # optional: ``on_first_token(request_id, now)`` — a call's first token (``"sid/index"``)
+    # optional: ``kv_transfer_params(call) -> Mapping | None`` — the body field the router
+    # would send with the call it just routed (its engine hints); the engines read the
+    # ``kvroute`` hint from it as the HTTP twin and vLLM do.
 
 
 class Simulator:
@@ -482,7 +486,9 @@ class Simulator:
     ``route`` may be a plain function or an object with ``__call__`` and the
     :class:`SimObserver` hooks: with ``wants_events`` the engines publish KV events (block
     stored / removed, as on the wire) and the simulator hands them over at the end of each
-    step; ``on_finish`` sees every finished call.
+    step; ``on_finish`` sees every finished call; with ``kv_transfer_params`` each request
+    carries the ``kvroute`` hint the router attached (the engine plugin's retention reads it
+    when ``plugin`` turns retention on).
     """
 
     def __init__(
@@ -493,6 +499,7 @@ class Simulator:
         *,
         burst: bool = True,
         max_burst_steps: int = 256,
+        plugin: EnginePlugin | None = None,
     ):
         if n_replicas < 1:
             raise ValueError("need at least one replica")
@@ -500,7 +507,10 @@ class Simulator:
         self.observer: Any = route if hasattr(route, "on_finish") else None
         events = bool(getattr(route, "wants_events", False))
         self._on_events = route.on_events if events else None  # type: ignore[attr-defined]
-        self.replicas = [_Replica(Engine(profile, emit_events=events)) for _ in range(n_replicas)]
+        self.plugin = plugin or EnginePlugin()
+        self._params = getattr(route, "kv_transfer_params", None)
+        self.replicas = [_Replica(Engine(profile, emit_events=events, plugin=self.plugin))
+                         for _ in range(n_replicas)]  # fmt: skip
         self.views = [ReplicaView(i, r.engine) for i, r in enumerate(self.replicas)]
         self.route = route
         self.burst = burst
@@ -594,6 +604,7 @@ class Simulator:
         eng.generation_tokens_total += n_steps * len(eng.running)
         eng.busy_time += ends[n_steps - 1] - start
         eng.step_count += n_steps
+        eng.decode_only_steps(n_steps)
         self.steps += n_steps
         return ends[n_steps - 1]
 
@@ -610,6 +621,10 @@ class Simulator:
         rep.burst = (start, ends[: m + 1], b)
         rep.version += 1  # the burst's old end event is now stale
         self._push(ends[m], _STEP, (i, rep.version))
+
+    def _hint(self, call: CallView) -> Any:
+        """The ``kvroute`` hint the router attached to the call it just routed, if any."""
+        return parse_hint(self._params(call)) if self._params is not None else None
 
     def _enqueue(self, i: int, req: Request, now: float) -> None:
         rep = self.replicas[i]
@@ -727,7 +742,7 @@ class Simulator:
                 i = self.route(view, self.views)
                 req = Request(f"{s.id}/{st['k']}", ctx, call.output_tokens,
                               block_keys=keys[: ctx // bs], arrival=now, session_id=s.id,
-                              tag=i)  # fmt: skip
+                              tag=i, hint=self._hint(view))  # fmt: skip
                 if overhead > 0:  # the API server's share of TTFT, before the engine
                     self._push(now + overhead, _ENQUEUE, (i, req))
                 else:
@@ -754,7 +769,8 @@ class Simulator:
                                 parent_session=parent)  # fmt: skip
                 i = self.route(view, self.views)
                 req = Request(f"{sid}/{idx}", n_tok, tc.output_tokens, block_keys=keys,
-                              arrival=now, session_id=sid, tag=i)  # fmt: skip
+                              arrival=now, session_id=sid, tag=i,
+                              hint=self._hint(view))  # fmt: skip
                 dag_reqs[req.id] = (run, k, bound)
                 if overhead > 0:
                     self._push(now + overhead, _ENQUEUE, (i, req))

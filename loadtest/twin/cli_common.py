@@ -1,7 +1,9 @@
 """Arguments shared by ``kvroute twin``, ``kvroute cluster`` and ``kvroute sim``.
 
 Owns the ``--set KEY=VALUE`` profile overrides and turning ``--profile`` + ``--set`` into a
-:class:`costmodel.profiles.ReplicaProfile` (raises ``ProfileError`` on bad input).
+:class:`costmodel.profiles.ReplicaProfile` (raises ``ProfileError`` on bad input), and the
+engine plugin's settings (``--retention``, ``--cadence-interval``, ...) into an
+:class:`loadtest.twin.engine.EnginePlugin`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from costmodel.profiles import ReplicaProfile, load_profile, parse_overrides, with_overrides
+from loadtest.twin.engine import EnginePlugin
 
 
 def add_overrides_arg(p: argparse.ArgumentParser) -> None:
@@ -24,3 +27,44 @@ def add_overrides_arg(p: argparse.ArgumentParser) -> None:
 
 def profile_from_args(args: argparse.Namespace) -> ReplicaProfile:
     return with_overrides(load_profile(args.profile), parse_overrides(args.set))
+
+
+def add_plugin_args(p: argparse.ArgumentParser) -> None:
+    """The engine plugin's settings, by the names ``kvroute engine flags`` takes (off unless
+    given: the twin's figures without them stay the plain-vLLM ones)."""
+    g = p.add_argument_group("engine plugin (docs/engine.md; off by default)")
+    g.add_argument(
+        "--retention",
+        action="store_true",
+        help="the host tier honours kvroute hints (AgentRetentionPolicy's rule)",
+    )
+    g.add_argument(
+        "--retention-ttl-s", type=float, default=600.0, help="no hold outlives this (model seconds)"
+    )
+    g.add_argument(
+        "--retention-share",
+        type=float,
+        default=0.5,
+        help="held chunks never exceed this share of the host tier",
+    )
+    g.add_argument(
+        "--cadence",
+        action="store_true",
+        help="the bounded prefill cadence (implied by any --cadence-* setting)",
+    )
+    g.add_argument("--cadence-interval", type=int, default=None, help="N (default 4)")
+    g.add_argument("--max-defer-steps", type=int, default=None, help="D (default 16)")
+    g.add_argument("--max-defer-ms", type=float, default=None, help="T, model ms (default 500)")
+    g.add_argument("--backlog-scale", type=float, default=None, help="(default 16)")
+
+
+def plugin_from_args(args: argparse.Namespace) -> EnginePlugin:
+    """Raises ValueError on settings the plugin would refuse."""
+    retention = None
+    if args.retention:
+        retention = {"ttl_s": args.retention_ttl_s, "max_share": args.retention_share}
+    names = {"interval": args.cadence_interval, "max_defer_steps": args.max_defer_steps,
+             "max_defer_ms": args.max_defer_ms, "backlog_scale": args.backlog_scale}  # fmt: skip
+    given = {k: v for k, v in names.items() if v is not None}
+    cadence = given if (args.cadence or given) else None
+    return EnginePlugin.from_settings(retention, cadence)

@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from costmodel.profiles import ReplicaProfile, load_profile
+from loadtest.twin.engine import EnginePlugin
 from loadtest.twin.publisher import publisher_binds
 from loadtest.twin.replica import TwinConfig, TwinReplica
 from loadtest.twin.server import runner_port, serve
@@ -78,6 +79,7 @@ async def start_cluster(
     subscribe_wait_s: float = 1.0,
     enable_auto_tool_choice: bool = False,
     zmq_ctx: Any = None,
+    plugin: EnginePlugin | None = None,
 ) -> AsyncIterator[Cluster]:
     """Start ``n`` twins (ports ``base_port + i``, or free ports when ``base_port`` is 0).
 
@@ -124,6 +126,7 @@ async def start_cluster(
                 int_hashes=int_hashes,
                 kv_events_replay=f"tcp://{host}:*" if kv_events_replay else None,
                 enable_auto_tool_choice=enable_auto_tool_choice,
+                plugin=plugin or EnginePlugin(),
             )
             twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx)
             # owned by the cluster before serve() can fail (a busy --base-port), so the

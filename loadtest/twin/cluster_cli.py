@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.twin.cli_common import add_overrides_arg, profile_from_args
+from loadtest.twin.cli_common import (
+    add_overrides_arg,
+    add_plugin_args,
+    plugin_from_args,
+    profile_from_args,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--name-prefix", default="twin")
     add_overrides_arg(p)
+    add_plugin_args(p)
     p.add_argument(
         "--kv-events-replay",
         action="store_true",
@@ -60,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             name_prefix=args.name_prefix,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             kv_events_replay=args.kv_events_replay,
+            plugin=plugin_from_args(args),
         ) as c:
             for name, url in zip(c.names, c.urls, strict=True):
                 print(f"{name} {url}", flush=True)

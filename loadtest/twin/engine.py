@@ -36,22 +36,45 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
 * Prefill cadence (optional, ``prefill_interval_steps`` N > 1): waiting requests are admitted
   only every N-th step, except when nothing is running (the capacity guard: an idle engine
   never waits for its cadence).
+
+The engine plugin (``engine_patches``, docs/engine.md), optional and off by default
+(:class:`EnginePlugin`):
+
+* Retention (``EnginePlugin.retention``): the host tier is :class:`RetainingTier`, vLLM's LRU
+  plus the session holds of ``AgentRetentionPolicy``, decided by the same pure rule
+  (:mod:`engine_patches.retention_rule`) from the request's ``kvroute`` hint
+  (``Request.hint``). A GPU block belongs to the last hinted session whose request finished
+  with it; when it is offloaded, its host copy belongs to that session. A request that hits
+  host blocks claims them; when it finishes it claims its prompt's host blocks and its hint
+  applies (hold, ``running``, ``done`` = to the cold end). Evictions run once per allocation,
+  as one ``evict(n)`` of the plugin's policy.
+* Bounded prefill cadence (``EnginePlugin.cadence``): each step asks
+  :class:`engine_patches.cadence.PrefillCadence` (the plugin scheduler's pure rule, with the
+  same pending list: running prefill chunks, and waiting requests flagged eligible by
+  ``eligible_flags`` over the token budget and free seats) whether prefill may run; a held
+  step defers all prefill compute as ``throttle_prefills`` does. It replaces
+  ``prefill_interval_steps`` when both are set.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from costmodel.profiles import ReplicaProfile
 from costmodel.steptime import StepCoefficients, attended_pairs, coefficients, load_time
+from engine_patches.cadence import CadenceConfig, PendingPrefill, PrefillCadence, eligible_flags
+from engine_patches.retention_rule import Hint, RetentionConfig, RetentionTable
 from router.vllm.hashing import MASK64, BlockHasher
 from router.vllm.kvevents import encode_all_cleared, encode_block_removed, encode_block_stored
+
+_DONE = "\0done"  # GPU block owner mark: its session said done (arrives on host cold)
 
 WAITING, LOADING, RUNNING, FINISHED, ABORTED = (
     "waiting",
@@ -77,6 +100,7 @@ class Request:
         "digests",
         "finish_time",
         "first_token_time",
+        "hint",
         "id",
         "load_blocks",
         "max_tokens",
@@ -105,6 +129,7 @@ class Request:
         arrival: float = 0.0,
         session_id: str | None = None,
         tag: Any = None,
+        hint: Hint | None = None,
     ):
         if prompt_len <= 0:
             raise ValueError("a request needs at least one prompt token")
@@ -119,6 +144,7 @@ class Request:
         self.arrival = arrival
         self.session_id = session_id
         self.tag = tag
+        self.hint = hint  # the request's kvroute retention hint (engine plugin), if any
         self.blocks: list[int] = []
         self.n_cached = 0  # leading blocks already through caching
         self.num_computed = 0
@@ -195,20 +221,156 @@ class TierLRU:
         self.keys.clear()
 
 
+class RetainingTier:
+    """The host tier under ``AgentRetentionPolicy``'s rule: LRU plus session holds.
+
+    Same interface as :class:`TierLRU` (``in``, ``len``, ``keys``, ``capacity``, ``touch``,
+    ``clear``) except that :meth:`put` only inserts: the engine calls :meth:`evict_over` after
+    each allocation to bring the tier back to its capacity, one ``evict(n)`` per batch as the
+    plugin's policy is asked. Who holds what is :class:`RetentionTable` (``table``), the
+    plugin's own bookkeeping. The LRU order is a rank per key in a lazy min-heap; a held key met
+    while evicting is parked under its session and goes back to the heap (same rank) when the
+    session stops holding, so skipping held keys costs once per hold, not once per eviction.
+    """
+
+    __slots__ = ("_cold", "_heap", "_next", "_parked", "capacity", "keys", "table")
+
+    def __init__(self, capacity: int, config: RetentionConfig):
+        self.capacity = capacity
+        self.table = RetentionTable(config, capacity)
+        self.keys: dict[int, int] = {}  # key -> LRU rank (lower: evicted earlier)
+        self._heap: list[tuple[int, int]] = []
+        self._parked: dict[str, list[tuple[int, int]]] = {}
+        self._next = 0
+        self._cold = 0
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _rank(self, key: int, rank: int) -> None:
+        self.keys[key] = rank
+        heapq.heappush(self._heap, (rank, key))
+        if len(self._heap) > 2 * len(self.keys) + 4096:
+            self._heap = [(r, k) for k, r in self.keys.items()]
+            heapq.heapify(self._heap)
+            self._parked.clear()  # their keys are back in the heap
+
+    def put(self, key: int, owner: str | None = None) -> None:
+        """Store (or refresh) ``key``, owned by session ``owner`` when given; may overflow
+        the capacity until :meth:`evict_over`."""
+        self._next += 1
+        self._rank(key, self._next)
+        if owner is not None:
+            self.table.assign((key,), owner)
+
+    def touch(self, key: int, hint: Hint | None = None) -> None:
+        """A request hit ``key``: most recently used, and the request's session claims it."""
+        self.put(key, hint.session if hint is not None else None)
+
+    def claim(self, keys: Iterable[int], session: str) -> None:
+        self.table.assign((k for k in keys if k in self.keys), session)
+
+    def make_cold(self, keys: Iterable[int]) -> None:
+        """``done``: these keys go to the cold end (evicted first), in the order given."""
+        for k in keys:
+            if k in self.keys:
+                self._cold -= 1
+                self._rank(k, self._cold)
+
+    def evict_over(self, now: float) -> list[int]:
+        """Evict down to the capacity; returns the evicted keys (oldest first)."""
+        n = len(self.keys) - self.capacity
+        if n <= 0:
+            return []
+        held = self.table.held(now)
+        heap, parked = self._heap, self._parked
+        for name in [x for x in parked if x not in held]:
+            for e in parked.pop(name):
+                heapq.heappush(heap, e)
+        if len(self.keys) - sum(held.values()) < n:
+            # retention yields: what is not held cannot give n, so this eviction is plain LRU
+            for lst in parked.values():
+                for e in lst:
+                    heapq.heappush(heap, e)
+            parked.clear()
+            held = {}
+        owner = self.table.owner
+        keys = self.keys
+        out: list[int] = []
+        while len(out) < n:
+            if not heap:  # a parked key changed hands: finish this eviction as plain LRU
+                for lst in parked.values():
+                    for e in lst:
+                        heapq.heappush(heap, e)
+                parked.clear()
+                held = {}
+            rank, key = heapq.heappop(heap)
+            if keys.get(key) != rank:
+                continue  # stale: refreshed or gone
+            who = owner(key) if held else None
+            if who is not None and who in held:
+                parked.setdefault(who, []).append((rank, key))
+                continue
+            del keys[key]
+            out.append(key)
+        self.table.forget(out)
+        return out
+
+    def held_blocks(self, now: float) -> int:
+        return sum(self.table.held(now).values())
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self._heap.clear()
+        self._parked.clear()
+        self.table = RetentionTable(self.table.config, self.capacity)
+
+
+@dataclass(frozen=True)
+class EnginePlugin:
+    """What of the engine plugin (``engine_patches``) the twin runs: off by default.
+
+    ``retention``: the host tier honours ``kvroute`` hints (needs a host tier,
+    ``cpu_kv_blocks`` > 0). ``cadence``: the bounded prefill cadence. Both take the plugin's
+    own settings (:class:`RetentionConfig`, :class:`CadenceConfig`) by the plugin's names."""
+
+    retention: RetentionConfig | None = None
+    cadence: CadenceConfig | None = None
+
+    @classmethod
+    def from_settings(
+        cls, retention: Mapping[str, Any] | None = None, cadence: Mapping[str, Any] | None = None
+    ) -> EnginePlugin:
+        """From the plugin's dicts: ``kv_connector_extra_config["retention"]`` (``ttl_s``,
+        ``max_share``, ...) and ``--additional-config``'s ``kvroute.cadence`` (``interval``,
+        ``max_defer_steps``, ``max_defer_ms``, ``backlog_scale``, ...); None: that part off."""
+        return cls(
+            RetentionConfig.from_dict(retention) if retention is not None else None,
+            CadenceConfig.from_dict(cadence) if cadence is not None else None,
+        )
+
+
 class BlockPool:
     """vLLM's GPU block pool: ref counts, an LRU free queue, and the prefix-cache map.
 
     Block 0 is the reserved null block (never allocated), as in vLLM. Events go to ``sink``
-    (already in wire form); evicted cached keys go to ``on_evict`` (the lower tiers).
+    (already in wire form); evicted cached keys go to ``on_evict`` (the lower tiers) with the
+    block's ``owner`` (the retention session it was last used by, engine plugin), and
+    ``after_evict`` runs once after an allocation that evicted.
     """
 
-    __slots__ = ("cached", "dups", "free", "key_of", "num_blocks", "on_evict", "ref", "sink")
+    __slots__ = ("after_evict", "cached", "dups", "free", "key_of", "num_blocks", "on_evict",
+                 "owner", "ref", "sink")  # fmt: skip
 
     def __init__(
         self,
         num_blocks: int,
         sink: list[dict[str, Any]] | None,
-        on_evict: Callable[[int], None] | None = None,
+        on_evict: Callable[[int, str | None], None] | None = None,
+        after_evict: Callable[[], None] | None = None,
     ):
         if num_blocks < 2:
             raise ValueError("a block pool needs at least 2 blocks (one is reserved)")
@@ -220,6 +382,8 @@ class BlockPool:
         self.dups: dict[int, set[int]] = {}
         self.sink = sink
         self.on_evict = on_evict
+        self.after_evict = after_evict
+        self.owner: list[str | None] = [None] * num_blocks
 
     @property
     def usable(self) -> int:
@@ -255,7 +419,8 @@ class BlockPool:
         if n > len(self.free):
             return None
         out = []
-        free, ref, key_of = self.free, self.ref, self.key_of
+        free, ref, key_of, owner = self.free, self.ref, self.key_of, self.owner
+        evicted = False
         for _ in range(n):
             b = free.popitem(last=False)[0]
             k = key_of[b]
@@ -265,9 +430,13 @@ class BlockPool:
                     if self.sink is not None:
                         self.sink.append(encode_block_removed([k]))
                     if self.on_evict is not None and k not in self.cached:
-                        self.on_evict(k)
+                        self.on_evict(k, owner[b])
+                        evicted = True
+            owner[b] = None
             ref[b] = 1
             out.append(b)
+        if evicted and self.after_evict is not None:
+            self.after_evict()
         return out
 
     def _uncache(self, b: int, k: int) -> bool:
@@ -326,6 +495,7 @@ class BlockPool:
         self.cached.clear()
         self.dups.clear()
         self.key_of = [None] * self.num_blocks
+        self.owner = [None] * self.num_blocks
         self.free = OrderedDict.fromkeys(range(1, self.num_blocks))
         return True
 
@@ -341,17 +511,35 @@ class Engine:
         emit_events: bool = True,
         output_token: Callable[[Request, int], int] | None = None,
         keep_digests: bool = False,
+        plugin: EnginePlugin | None = None,
     ):
         self.profile = profile
+        self.plugin = plugin = plugin or EnginePlugin()
         self.coeffs: StepCoefficients = coefficients(profile)
         self.block_size = profile.block_size
         self.hasher = hasher
         if hasher is not None and hasher.block_size != profile.block_size:
             raise ValueError("hasher block size differs from the profile's")
         self.events: list[dict[str, Any]] | None = [] if emit_events else None
-        self.cpu = TierLRU(profile.cpu_kv_blocks) if profile.cpu_kv_blocks else None
+        self.cpu: TierLRU | RetainingTier | None = None
+        if plugin.retention is not None:
+            if not profile.cpu_kv_blocks:
+                raise ValueError("retention needs a host tier (cpu_kv_blocks > 0)")
+            self.cpu = RetainingTier(profile.cpu_kv_blocks, plugin.retention)
+        elif profile.cpu_kv_blocks:
+            self.cpu = TierLRU(profile.cpu_kv_blocks)
         self.storage = TierLRU(profile.storage_kv_blocks) if profile.storage_kv_blocks else None
-        self.pool = BlockPool(profile.gpu_kv_blocks, self.events, self._offload)
+        self.retaining = isinstance(self.cpu, RetainingTier)
+        self.pool = BlockPool(
+            profile.gpu_kv_blocks, self.events, self._offload,
+            self._settle_cpu if self.retaining else None,
+        )  # fmt: skip
+        self.cadence = (
+            PrefillCadence(plugin.cadence, profile.max_num_batched_tokens)
+            if plugin.cadence is not None
+            else None
+        )
+        self.now = 0.0  # the time of the last schedule() / complete()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -375,15 +563,30 @@ class Engine:
         if self.events is not None:
             self.events.append(ev)
 
-    def _offload(self, key: int) -> None:
-        if self.cpu is not None:
+    def _offload(self, key: int, owner: str | None = None) -> None:
+        cpu = self.cpu
+        if isinstance(cpu, RetainingTier):
             self._emit(encode_block_stored([key], None, [], 0, medium="CPU"))
-            gone = self.cpu.put(key)
+            if owner == _DONE:
+                cpu.put(key)
+                cpu.make_cold((key,))
+            else:
+                cpu.put(key, owner)  # evicted after the allocation (_settle_cpu)
+        elif cpu is not None:
+            self._emit(encode_block_stored([key], None, [], 0, medium="CPU"))
+            gone = cpu.put(key)
             if gone is not None:
                 self._emit(encode_block_removed([gone], medium="CPU"))
                 self._to_storage(gone)
         else:
             self._to_storage(key)
+
+    def _settle_cpu(self) -> None:
+        """The retaining host tier back to its capacity: one eviction for the allocation."""
+        assert isinstance(self.cpu, RetainingTier)
+        for gone in self.cpu.evict_over(self.now):
+            self._emit(encode_block_removed([gone], medium="CPU"))
+            self._to_storage(gone)
 
     def _to_storage(self, key: int) -> None:
         if self.storage is None:
@@ -593,7 +796,11 @@ class Engine:
                 + load_time(self.profile, n_cpu, "cpu")
                 + load_time(self.profile, n_sto, "storage")
             )
-            if cpu is not None:
+            if isinstance(cpu, RetainingTier):
+                for k in lower:
+                    if k in cpu:
+                        cpu.touch(k, req.hint)  # the plugin policy's touch(): a claim
+            elif cpu is not None:
                 for k in lower:
                     if k in cpu:
                         cpu.touch(k)
@@ -656,16 +863,26 @@ class Engine:
         # vLLM applies long_prefill_token_threshold only when another request could starve
         thresh = p.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
         max_len = p.max_model_len
+        self.now = now
         cadence = p.prefill_interval_steps
-        # Prefill cadence (vLLM's throttle_prefills): on a step off the cadence, defer all
-        # prefill compute, unless the last admitting step could not drain the waiting queue
-        # (the capacity guard) or no running request could decode instead.
-        defer = (
-            cadence > 1
-            and self.step_count % cadence != 0
-            and not self.prefill_capacity_bound
-            and any(r.num_computed >= r.num_tokens - 1 for r in running)
-        )
+        bounded = self.cadence
+        pending_left: dict[str, int] | None = None
+        if bounded is not None:
+            # the engine plugin's bounded cadence decides (throttle_prefills = not admit)
+            pending = self.pending_prefills()
+            decoding = any(r.num_tokens - r.num_computed <= 1 for r in running)
+            defer = not bounded.decide(now, pending, decoding).admit
+            pending_left = {x.req_id: x.remaining_tokens for x in pending}
+        else:
+            # Prefill cadence (vLLM's throttle_prefills): on a step off the cadence, defer all
+            # prefill compute, unless the last admitting step could not drain the waiting
+            # queue (the capacity guard) or no running request could decode instead.
+            defer = (
+                cadence > 1
+                and self.step_count % cadence != 0
+                and not self.prefill_capacity_bound
+                and any(r.num_computed >= r.num_tokens - 1 for r in running)
+            )
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         i = 0
@@ -729,6 +946,10 @@ class Engine:
             self.waiting.extendleft(reversed(skipped))
             if not defer:
                 self.prefill_capacity_bound = len(self.waiting) > len(skipped)
+        if bounded is not None:
+            assert pending_left is not None
+            bounded.observe(sum(min(n, pending_left[r.id]) for r, n in scheduled
+                                if r.id in pending_left))  # fmt: skip
         if not scheduled:
             return None
         c = self.coeffs
@@ -776,13 +997,62 @@ class Engine:
                 req.finish_time = end
                 done.append(req)
         if done:
+            self.now = end
             ids = {id(r) for r in done}
             self.running = [r for r in self.running if id(r) not in ids]
             for req in done:
+                if req.hint is not None and self.retaining:
+                    self._retention_finish(req, end)
                 self.pool.release(req.blocks)
                 req.blocks = []
                 self.requests.pop(req.id, None)
         return StepResult(got, done, first)
+
+    def _retention_finish(self, req: Request, now: float) -> None:
+        """The plugin policy's ``on_request_finished``: the request's blocks belong to its
+        session (its GPU blocks when they are offloaded later, its host blocks now), then the
+        hint applies: a hold, the end of one, or ``done`` (its host blocks to the cold end)."""
+        cpu = self.cpu
+        assert isinstance(cpu, RetainingTier) and req.hint is not None
+        session = req.hint.session
+        owner = self.pool.owner
+        # vLLM's host tier already holds a copy of these blocks; the twin's takes them when the
+        # GPU evicts them, so a done session's GPU blocks are marked to arrive cold
+        mark = _DONE if req.hint.state == "done" else session
+        for b in req.blocks:
+            owner[b] = mark
+        cpu.claim(req.block_keys, session)
+        released = cpu.table.finish(req.hint, now)
+        if released:
+            cpu.make_cold(k for k in released if isinstance(k, int))
+
+    def pending_prefills(self) -> list[PendingPrefill]:
+        """What the plugin's scheduler hands its cadence: running prefill chunks (eligible),
+        then the waiting requests not loading, flagged eligible if one step's token budget and
+        free seats would admit them (:func:`engine_patches.cadence.eligible_flags`)."""
+        out = [PendingPrefill(r.id, r.num_tokens - r.num_computed, True)
+               for r in self.running if r.num_tokens - r.num_computed > 1]  # fmt: skip
+        waiting = [r for r in self.waiting if r.status != LOADING]
+        remaining = [max(0, r.num_tokens - r.num_computed) for r in waiting]
+        seats = self.profile.max_num_seqs - len(self.running)
+        flags = eligible_flags(remaining, self.profile.max_num_batched_tokens, seats)
+        out += [PendingPrefill(r.id, n, ok) for r, n, ok in zip(waiting, remaining, flags,
+                                                                strict=True)]  # fmt: skip
+        return out
+
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: running prefill chunks and waiting requests (the
+        cadence's backlog; real vLLM's ``SchedulerStats`` has no such field)."""
+        return sum(r.num_tokens - r.num_computed for r in self.running
+                   if r.num_tokens - r.num_computed > 1) + sum(
+            r.num_tokens - r.num_computed for r in self.waiting)  # fmt: skip
+
+    def decode_only_steps(self, n: int) -> None:
+        """``n`` steps that ran decodes only were taken outside :meth:`schedule` (the
+        simulator's bursts): the cadence counts them as steps without prefill."""
+        if self.cadence is not None:
+            for _ in range(n):
+                self.cadence.observe(0)
 
     # ---- views -------------------------------------------------------------------------
 

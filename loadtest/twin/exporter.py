@@ -1,7 +1,8 @@
 """The twin's ``/metrics``: vLLM's metric names and buckets, wall-clock like a real replica.
 
 Owns: :class:`TwinMetrics` — request, token, prefix-cache and KV-usage counters and gauges,
-the TTFT / ITL / end-to-end histograms (vLLM 0.32's buckets), rendered in Prometheus text
+the engine plugin's host-tier gauges and a pending-prefill gauge (twin only), the TTFT / ITL /
+end-to-end histograms (vLLM 0.32's buckets), rendered in Prometheus text
 format from the twin's engine state. Must not import aiohttp, torch or vllm.
 """
 
@@ -9,8 +10,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+# the engine plugin's host-tier gauge names (that module imports vLLM only inside functions)
+from engine_patches.offload import HOST_OCCUPANCY, HOST_RETAINED
+from loadtest.twin.engine import RetainingTier
+
 if TYPE_CHECKING:
     from loadtest.twin.replica import TwinReplica
+
+# Pending prefill work: the bounded cadence's backlog. Real vLLM (0.32/0.33) exports no such
+# series (its SchedulerStats has no field for it); the name follows vLLM's style.
+PENDING_PREFILL = "vllm:num_pending_prefill_tokens"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -108,6 +117,20 @@ class TwinMetrics:
             "Cumulative number of preemption from the engine.",
             eng.preemptions,
         )
+        gauge(
+            PENDING_PREFILL,
+            "Prompt tokens still to compute: running prefill chunks and waiting requests "
+            "(kvroute twin; vLLM has no such field).",
+            eng.pending_prefill_tokens(),
+        )
+        cpu = eng.cpu
+        if cpu is not None and cpu.capacity > 0:
+            # the engine plugin's host-tier signals (engine_patches/offload.py)
+            gauge(HOST_OCCUPANCY, "Share of host-tier KV chunks holding data.",
+                  len(cpu) / cpu.capacity)  # fmt: skip
+            if isinstance(cpu, RetainingTier):
+                gauge(HOST_RETAINED, "Share of host-tier KV chunks held for paused sessions.",
+                      cpu.held_blocks(eng.now) / cpu.capacity)  # fmt: skip
         info = (
             f',block_size="{p.block_size}",num_gpu_blocks="{p.gpu_kv_blocks}",'
             f'num_cpu_blocks="{p.cpu_kv_blocks}",enable_prefix_caching="True",'

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel.profiles import ReplicaProfile
-from loadtest.twin.engine import Engine, Request
+from loadtest.twin.engine import Engine, EnginePlugin, Request
 from loadtest.twin.exporter import TwinMetrics
 from loadtest.twin.publisher import KVEventPublisher
 from loadtest.twin.tokenize import ModelTokenizer
@@ -66,6 +66,9 @@ class TwinConfig:
     # with tools and tool_choice "auto" (the default when tools are given) or "required" is
     # refused, as real vLLM refuses it. The twin never parses tool calls either way.
     enable_auto_tool_choice: bool = False
+    # the engine plugin's retention (hints) and bounded cadence, as the twin models them;
+    # off by default (docs/twin.md). Its times (TTL, deferral bound) are model seconds.
+    plugin: EnginePlugin = field(default_factory=EnginePlugin)
 
     def __post_init__(self) -> None:
         if not self.speedup > 0:
@@ -99,6 +102,7 @@ class TwinReplica:
             hasher=self.hasher,
             output_token=self._output_token,
             keep_digests=not cfg.int_hashes,
+            plugin=cfg.plugin,
         )
         self.topic = cfg.kv_events_topic or f"kv@{cfg.name}"
         self.publisher = (

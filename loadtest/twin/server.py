@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from engine_patches.retention_rule import Hint, parse_hint
 from loadtest.twin import TWIN_OUTPUT_FIELD, expect_key
 from loadtest.twin.engine import Request
 from loadtest.twin.replica import ApiError, Stream, TwinConfig, TwinReplica
@@ -226,6 +227,16 @@ def _session_id(request: web.Request, body: dict[str, Any]) -> str | None:
     return str(sid) if sid is not None else None
 
 
+def _hint(twin: TwinReplica, body: dict[str, Any]) -> Hint | None:
+    """The engine plugin's retention hint, read from ``kv_transfer_params.kvroute`` as vLLM
+    hands that field to the plugin's policy (malformed: ignored). ``return_s`` is the client's
+    wall seconds: the engine runs in model time, so it is scaled by the speedup."""
+    hint = parse_hint(body.get("kv_transfer_params"))
+    if hint is not None and hint.return_s is not None and twin.speedup != 1.0:
+        hint = Hint(hint.session, hint.state, hint.return_s * twin.speedup)
+    return hint
+
+
 def _usage(req: Request, block_size: int, chat: bool, stream: bool) -> dict[str, Any]:
     """vLLM 0.32's usage: ``created_cache_tokens`` (prompt tokens this request newly wrote
     into full cached blocks) is reported by the chat endpoint only; non-streaming responses
@@ -266,7 +277,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     so = body.get("stream_options") or {}
     include_usage = bool(so.get("include_usage")) if isinstance(so, dict) else False
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-    req = Request(rid, len(ids), max_tokens, token_ids=ids, session_id=session)
+    req = Request(rid, len(ids), max_tokens, token_ids=ids, session_id=session,
+                  hint=_hint(twin, body))  # fmt: skip
     created = int(time.time())
     twin.in_flight += 1
     try:

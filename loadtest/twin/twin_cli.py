@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.twin.cli_common import add_overrides_arg, profile_from_args
+from loadtest.twin.cli_common import (
+    add_overrides_arg,
+    add_plugin_args,
+    plugin_from_args,
+    profile_from_args,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="publish 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
     )
+    add_plugin_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         prof = profile_from_args(args)
-    except ProfileError as e:
+        plugin = plugin_from_args(args)
+    except (ProfileError, ValueError) as e:
         print(f"kvroute twin: {e}")
         return 2
     cfg = TwinConfig(
@@ -78,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         int_hashes=not args.digest_hashes,
         kv_events_replay=args.kv_events_replay,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        plugin=plugin,
     )
 
     async def main() -> None:
