@@ -14,7 +14,8 @@ requests in that order) and the replicas
 stopped. Every call sends the same ``max_tokens`` (``MAX_TOKENS``, with ``ignore_eos``): one
 fixed cap, as agent clients send — the recorded output length reaches no one.
 
-Per point: the replay's AgentX summary plus the CPU record of the router, the client and each
+Throughput is per replica (``gpus`` = replicas: each stands for one accelerator). Per point:
+the replay's AgentX summary plus the CPU record of the router, the client and each
 engine (:mod:`loadtest.sweep.cpuwatch`; only the router and the client are judged: an engine
 on CPU is meant to be busy). On this 2-core machine the two engines take both cores, so the
 router and the client wait for CPU in every run alike; read the ratios, not the latencies.
@@ -94,7 +95,7 @@ def run_point(target: str, seed: int, duration_s: float, conc: int, work: Path) 
                 target=router.url, model="tiny", concurrency=conc, duration_s=duration_s,
                 grace_s=10.0, convention=PEERS[target][2] if target in PEERS else "claude",
                 progress=False, metrics_urls=[u + "/metrics" for u in urls],
-                max_tokens=MAX_TOKENS, context_limit=4096,
+                max_tokens=MAX_TOKENS, context_limit=4096, gpus=len(urls),
             )  # fmt: skip
             groups: dict[str, int | None] = {"router": router.pgid, "client": None}
             for r in bed:
