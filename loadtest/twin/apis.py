@@ -1,7 +1,7 @@
 """The twin's agent APIs beyond chat/completions: Anthropic Messages and OpenAI Responses.
 
 Owns: ``POST /v1/messages`` (non-streamed, and streamed with Anthropic's events
-``message_start``, ``content_block_start``, ``ping``, ``content_block_delta`` /
+``message_start``, ``content_block_start``, ``content_block_delta`` /
 ``text_delta``, ``content_block_stop``, ``message_delta``, ``message_stop``; ``event: error``
 when the engine dies), ``POST /v1/messages/count_tokens`` (``{"input_tokens": n}``) and
 ``POST /v1/responses`` (non-streamed, and streamed with the Responses events
@@ -208,7 +208,6 @@ async def _messages_stream(
             block = {"type": "text", "text": ""}
             await resp.write(_event("content_block_start", {
                 "type": "content_block_start", "index": 0, "content_block": block}))  # fmt: skip
-            await resp.write(_event("ping", {"type": "ping"}))
         n += 1
         delta = {"type": "text_delta", "text": twin.tokenizer.decode([tok])}
         ev = {"type": "content_block_delta", "index": 0, "delta": delta}

@@ -283,7 +283,7 @@ def request_prompt(tokenizer: Any, route: str, body: Mapping[str, Any]) -> Promp
     text parts through the same template (approximate: vLLM's Anthropic and Responses adapters
     may differ in the details).
     Raises :class:`ChatTemplateError` when the messages cannot be rendered."""
-    if "messages" in body and route != "/v1/messages":
+    if "messages" in body and route not in ("/v1/messages", "/v1/messages/count_tokens"):
         kwargs = body.get("chat_template_kwargs")
         text = tokenizer.render(
             body["messages"],
