@@ -82,7 +82,7 @@ async def test_replay_through_kvroute_keeps_sessions_on_one_replica(stack, tmp_p
         if c.agent == "main":
             per_session[c.session].add(c.replica or "")
     assert all(len(v) == 1 for v in per_session.values()), per_session
-    assert len(set().union(*per_session.values())) >= 2  # sessions spread over replicas
+    # (where they land is the ring's hash of random ports: all six on one replica happens)
     assert all(
         c.cached_tokens is not None and c.cached_tokens <= c.bound_cached_tokens for c in calls
     )
