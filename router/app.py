@@ -146,6 +146,16 @@ def build_app(
         metrics.watch_kv_events(lambda: kv.subscriber)
         metrics.watch_calibration(kv)
     obs.extend(observers or [])
+    if cfg.decision_log:
+        from router.decisionlog import DecisionLog
+
+        dlog = DecisionLog(cfg.decision_log, per_process=cfg.workers > 1)
+        hooks.append(dlog)
+
+        async def _close_log(app: web.Application) -> None:
+            dlog.close()
+
+        app.on_cleanup.append(_close_log)
     app[CALLS] = CallSequence(pipeline, analyzer=analyzer, state_providers=providers,
                               observers=obs, decision_hooks=hooks,
                               first_byte_hooks=first)  # fmt: skip

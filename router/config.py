@@ -110,6 +110,8 @@ class RouterConfig:
     prefix_chars: int = 4096  # fallback session identity: leading prompt characters
     engine_hints: bool = False  # send retention hints to replicas (router.hints, docs/engine.md)
     log_level: str = "info"
+    # append one JSON line per placement here (router.decisionlog; with workers, one file each)
+    decision_log: str | None = None
 
     def __repr__(self) -> str:
         parts = []

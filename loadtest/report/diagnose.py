@@ -16,7 +16,11 @@ candidate causes of a routing loss that a client can see:
 * **cold calls** — first calls of a session (nothing to hit): their TTFT p90;
 * **replica occupancy** — busy seconds (sum of call durations) per replica, max over min;
 * **the TTFT tail** — the slowest calls with their prompt, cached share and the imbalance at
-  their placement.
+  their placement;
+* **what drove kvroute's moves** — from the point's ``decisions.jsonl`` (the router's
+  decision log, :mod:`router.decisionlog`, which ``kvroute bench`` turns on for kvroute
+  targets): for each call placed off its session's replica, the cost term that favoured the
+  winner most (sticky replica's term minus the winner's), counted by term.
 
 Times are the records' run-clock seconds scaled to modelled seconds by the point's speedup.
 Must not import the router.
@@ -126,6 +130,29 @@ def _tail_row(c: CallRecord, extra: int, speedup: float) -> dict[str, Any]:
     }
 
 
+# kv_cost's terms, as the decision log names them (router.scheduling.kv_cost)
+COST_TERMS = ("queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s", "reserved_s",
+              "congestion_s", "interference_s")  # fmt: skip
+
+
+def decision_measures(lines: list[dict[str, Any]], scorer: str = "kv_cost") -> dict[str, Any]:
+    """Moves the router decided (the winner is not the session's replica), and per move the
+    term that favoured the winner most: ``{"decided_moves": n, "move_drivers": {term: n}}``."""
+    drivers: dict[str, int] = defaultdict(int)
+    moves = 0
+    for d in lines:
+        sticky, win = d.get("session_replica"), d.get("winner")
+        cands = d.get("candidates") or {}
+        if not sticky or sticky == win or sticky not in cands or win not in cands:
+            continue
+        moves += 1
+        a, b = cands[sticky].get(scorer) or {}, cands[win].get(scorer) or {}
+        gain = {t: (a.get(t) or 0.0) - (b.get(t) or 0.0) for t in COST_TERMS}
+        if gain:
+            drivers[max(gain, key=lambda t: gain[t])] += 1
+    return {"decided_moves": moves, "move_drivers": dict(drivers)}
+
+
 def sweep_measures(out: Path) -> list[dict[str, Any]]:
     """Per point of a ``kvroute bench`` output folder, its measurements."""
     res = json.loads((out / "results.json").read_text())
@@ -137,6 +164,9 @@ def sweep_measures(out: Path) -> list[dict[str, Any]]:
         if not f.exists():
             continue
         m = point_measures(read_jsonl(f, CallRecord), float(p["summary"].get("speedup", 1.0)))
+        log = f.with_name("decisions.jsonl")
+        if log.exists():
+            m.update(decision_measures([json.loads(x) for x in log.read_text().splitlines()]))
         rows.append({"target": p["target"], "concurrency": p["concurrency"],
                      "seed": p.get("seed"), "saturated": (p.get("cpu") or {}).get("saturated"),
                      **m})  # fmt: skip
@@ -171,6 +201,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             xs = [r[k] for r in rs if r.get(k) is not None]
             cells.append(spec.format(statistics.median(xs)) if xs else "–")
         out.append(f"| {t} | " + " | ".join(cells) + " |")
+        drivers: dict[str, int] = defaultdict(int)
+        for r in rs:
+            for k, n in (r.get("move_drivers") or {}).items():
+                drivers[k] += n
+        if drivers:  # summed over the seeds
+            ranked = ", ".join(f"{k} {n}" for k, n in sorted(drivers.items(), key=lambda x: -x[1]))
+            out.append(f"|  moves driven by (all seeds) | {ranked} |" + " |" * (len(COLUMNS) - 1))
     return "\n".join(out)
 
 

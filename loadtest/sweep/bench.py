@@ -110,6 +110,10 @@ def run_point(
     cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup, kv_events=events)
     try:
         cluster.start()
+        extra = {}
+        if target.startswith("kvroute:"):  # why each call went where it did (diagnose reads it)
+            d.mkdir(parents=True, exist_ok=True)
+            extra["KVROUTE_DECISION_LOG"] = str(d / "decisions.jsonl")
         router = Router(
             target,
             cluster.urls,
@@ -119,6 +123,7 @@ def run_point(
             model=cfg.model,
             profile=cfg.profile,
             speedup=cfg.speedup,
+            extra_env=extra,
         )
         with router:
             rcfg = ReplayConfig(

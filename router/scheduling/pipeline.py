@@ -40,6 +40,7 @@ class Decision:
     explain: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0  # time schedule() took (filters, scorers, picker)
     terms: dict[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)  # scorer ->
+    session_replica: str | None = None  # the replica the call's session was on (None: new)
 
     def term(self, endpoint: str, key: str) -> Any:
         """The first scorer's ``key`` term for ``endpoint`` (``None`` when no scorer gave it)."""
@@ -100,7 +101,8 @@ class Pipeline:
                     detail[e.name][scorer.name] = round(v, 6)
         ranked = sorted(((e, totals[e.name]) for e in eps), key=lambda t: -t[1])
         chosen = self.picker.pick(ctx, snap, ranked)
-        out = Decision(chosen, ranked, terms=terms)
+        sticky = snap.session.replica if snap.session is not None else None
+        out = Decision(chosen, ranked, terms=terms, session_replica=sticky)
         out.elapsed_s = time.perf_counter() - t0  # explain's bookkeeping below not counted
         if explain:
             out.explain = {

@@ -29,3 +29,24 @@ def test_imbalance_moves_and_cold_calls_are_measured_from_the_records():
     assert m["tail"][0]["ttft_s"] == 18.0 and m["tail"][0]["extra_inflight"] == 2
     # busy seconds: r0 10+9+8+1 = 28, r1 1.5, times the speedup
     assert abs(m["occupancy_max_over_min"] - 28 / 1.5) < 1e-9
+
+
+def test_moves_in_the_decision_log_are_attributed_to_the_term_that_drove_them():
+    from loadtest.report.diagnose import decision_measures
+
+    def line(sticky, winner, a, b):
+        return {"session_replica": sticky, "winner": winner,
+                "candidates": {"r0": {"kv_cost": a}, "r1": {"kv_cost": b}}}  # fmt: skip
+
+    lines = [
+        line(None, "r0", {}, {}),  # a new session: no move
+        line("r0", "r0", {"queue_s": 9.0}, {}),  # stayed
+        line("r0", "r1", {"queue_s": 6.0, "fetch_or_recompute_s": 0.1},
+             {"queue_s": 0.0, "fetch_or_recompute_s": 3.0}),  # fled a queue
+        line("r0", "r1", {"reserved_s": 29.0, "fetch_or_recompute_s": 0.1},
+             {"reserved_s": 0.1, "fetch_or_recompute_s": 12.8}),  # fled reserved agents
+        line("r1", "r0", {"interference_s": 0.5}, {"interference_s": 2.0}),  # r1 sticky
+    ]
+    m = decision_measures(lines)
+    assert m["decided_moves"] == 3
+    assert m["move_drivers"] == {"queue_s": 1, "reserved_s": 1, "interference_s": 1}

@@ -1,0 +1,56 @@
+"""The decision log (router/decisionlog.py): one line per placement, with the cost terms."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+import pytest
+
+from costmodel.profiles import load_profile
+from loadtest import tinymodel
+from loadtest.twin.cluster import start_cluster
+from router.app import build_app, start_site
+from router.config import RouterConfig
+from router.kv.config import KVConfig
+from router.kv.state import KVState
+from router.vllm.tokenizer import ModelTokenizer
+
+pytestmark = pytest.mark.timeout(60)
+PROF = load_profile("cpu-tiny")
+WORDS = tinymodel._WORDS
+
+
+async def test_every_placement_is_logged_with_its_session_and_cost_terms(tmp_path):
+    path = tmp_path / "decisions.jsonl"
+    st = KVState(KVConfig(block_size=PROF.block_size, profile="cpu-tiny"),
+                 tokenizer=ModelTokenizer.from_dir(tinymodel.ensure()), profile=PROF)  # fmt: skip
+    async with start_cluster(2, PROF) as c:
+        cfg = RouterConfig(replicas=c.urls, policy="kv_cost", health_interval_s=30,
+                           decision_log=str(path))  # fmt: skip
+        runner, url = await start_site(build_app(cfg, kv=st))
+        history = [{"role": "user", "content": " ".join(WORDS[i % len(WORDS)] for i in range(600))}]
+        try:
+            async with aiohttp.ClientSession(headers={"x-session-id": "s-log"}) as http:
+                for turn in range(2):
+                    body = {"model": "tiny", "messages": history, "max_tokens": 4}
+                    async with http.post(url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200
+                        text = (await r.json())["choices"][0]["message"]["content"]
+                    history += [{"role": "assistant", "content": text},
+                                {"role": "user", "content": f"turn {turn} again"}]  # fmt: skip
+        finally:
+            await runner.cleanup()
+            await st.close()
+    lines = [orjson.loads(x) for x in path.read_bytes().splitlines()]
+    assert len(lines) == 2
+    first, second = lines
+    assert first["session"].endswith("s-log") and first["session_replica"] is None
+    # the second call saw the session on the replica the first one went to
+    assert second["session_replica"] == first["winner"]
+    assert len(second["candidates"]) == 2 and second["winner"] in second["candidates"]
+    terms = second["candidates"][second["winner"]]["kv_cost"]
+    assert terms["match_blocks"] > 0 and terms["session_prior_s"] > 0
+    assert terms["effective_s"] < terms["total_s"]
+    other = next(n for n in second["candidates"] if n != second["session_replica"])
+    assert second["candidates"][other]["kv_cost"]["match_blocks"] == 0
+    assert second["analysed"] and second["prompt_tokens"] > 600
