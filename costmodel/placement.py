@@ -18,9 +18,11 @@ it (the total then sums the known terms and lists the missing ones — never a m
           + eviction_harm_s                           Σ over warm sessions this call would
                                                       evict: P(return) × cost to bring back
                                                       the evicted tail (reload or recompute)
-          + reserved_s                                paced agents between calls: P(return
-                                                      while this call runs) × their next
-                                                      prefill (in-flight counts read 0 then)
+          + reserved_s                                paced agents between calls, both ways:
+                                                      P(return while this call runs) × their
+                                                      next prefill, + the wait for this
+                                                      call's prefill of those that return
+                                                      before it is done
           + congestion_s                              the GPU time this call's prefill takes
                                                       × calls already waiting there: on a
                                                       busy replica every second of recompute
@@ -301,23 +303,41 @@ def eviction_harm(
 
 
 def reserved_cost(
-    profile: ReplicaProfile, call_duration_s: float, load: ReplicaLoad, *, scale: float = 1.0
+    profile: ReplicaProfile,
+    call_duration_s: float,
+    load: ReplicaLoad,
+    *,
+    scale: float = 1.0,
+    prefill_window_s: float = 0.0,
+    compute_s: float = 0.0,
 ) -> float:
-    """Paced agents that will return while this call runs queue their prefill behind or
-    beside it: Σ p·(1 − exp(−D / expected_return)) × prefill(next_tokens after context)."""
+    """Paced agents between calls on the replica, both ways, in expected seconds.
+
+    An agent returns after a time ``U ~ Exp(expected_return)`` (memoryless: agent gaps are
+    heavy-tailed), if at all (``p_return``):
+
+    * **they delay this call**: arriving while it runs (``call_duration_s``), its next prefill
+      shares the steps this call's decode runs in — ``p·(1 − e^(−D/E)) × prefill(next_tokens
+      after context)``;
+    * **this call delays them**: arriving before its prefill is done (``prefill_window_s``,
+      queue + fetch-or-recompute), it waits for what is left of this call's ``compute_s``
+      (vLLM schedules a running prefill first) — ``p·E[min(C, T − U)⁺] = p·(C − E·e^(−(T−C)/E)
+      ·(1 − e^(−C/E)))``. Near zero for a warm call (C small); large for a cold prefill placed
+      beside agents about to return, whose TTFTs it would hold up.
+    """
     total = 0.0
+    t_win = max(prefill_window_s, compute_s, 0.0)
+    c = max(compute_s, 0.0)
     for r in load.reserved:
-        p_in = (
-            1.0
-            if r.expected_return_s <= 0
-            else 1.0 - math.exp(-max(call_duration_s, 0.0) / r.expected_return_s)
-        )
-        total += (
-            max(0.0, min(1.0, r.p_return))
-            * p_in
-            * scale
-            * request_prefill_time(profile, r.next_tokens, r.context_tokens)
-        )
+        p = max(0.0, min(1.0, r.p_return))
+        if p == 0.0:
+            continue
+        e = r.expected_return_s
+        p_in = 1.0 if e <= 0 else 1.0 - math.exp(-max(call_duration_s, 0.0) / e)
+        total += p * p_in * scale * request_prefill_time(profile, r.next_tokens, r.context_tokens)
+        if c > 0:
+            held = c if e <= 0 else c - e * math.exp(-(t_win - c) / e) * -math.expm1(-c / e)
+            total += p * max(held, 0.0)
     return total
 
 
@@ -364,8 +384,9 @@ def placement_cost(
     decode = decode_cost(profile, call, load)
     harm, evicted = eviction_harm(profile, call, load, scale=load.prefill_scale)
     duration = (queue or 0.0) + fetch + (decode or 0.0)
-    reserved = reserved_cost(profile, duration, load, scale=load.prefill_scale)
     compute = tail_s + sum(rec_s[t] for t, how in chose.items() if how == "recompute")
+    reserved = reserved_cost(profile, duration, load, scale=load.prefill_scale,
+                             prefill_window_s=(queue or 0.0) + fetch, compute_s=compute)  # fmt: skip
     congestion = (
         None
         if load.pending_calls is None

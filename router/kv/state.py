@@ -458,6 +458,9 @@ class KVState:
             replica = None
         keys = ctx.block_keys or []
         n_tok = int(ctx.prompt_tokens or len(keys) * self.cfg.block_size)
+        if not n_tok:  # its analysis never landed: the engine's count, else the estimate
+            used = outcome.usage.prompt_tokens if outcome.usage is not None else None
+            n_tok = int(used or (call.est_tokens if call is not None else 0))
         out_tokens = outcome.output_tokens
         if keys and replica is not None:
             decision = outcome.decision

@@ -121,8 +121,12 @@ class KVView:
             pinned = s.inflight > 0 or s.children_inflight > 0
             warm.append(WarmSession(s.key, s.tokens, idle, p, pinned))
             if s.inflight == 0 and not s.final and p > 0:
-                expect = max(gap - idle, 0.0)
-                res.append(Reservation(s.key, expect, max(s.turn_tokens, 1), s.tokens, p))
+                # memoryless: the time to its return is exponential with the mean gap, however
+                # long it has been idle (agent gaps are heavy-tailed: AgentX median 3.84 s, p95
+                # 3 min). "gap - idle" read an agent past its mean gap as certain to return at
+                # once, which charged a call every overdue neighbour's next prefill in full and
+                # drove sessions off their cache (docs/benchmarks.md, "the move rule")
+                res.append(Reservation(s.key, gap, max(s.turn_tokens, 1), s.tokens, p))
         return warm, res
 
     # ---- the cost model's inputs -------------------------------------------------------------

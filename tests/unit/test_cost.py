@@ -364,3 +364,36 @@ def test_calibration_offset_is_bounded_and_samples_expire():
     assert (back.prefill_scale, back.ttft_offset_s, back.ttft_samples) == (1.0, 0.0, 0)
     with pytest.raises(ValueError):
         Calibrator(max_age_s=0)
+
+
+@pytest.mark.parametrize(("window", "compute", "gap"), [(12.0, 12.0, 10.0), (8.0, 2.0, 5.0),
+                                                         (0.5, 0.1, 10.0)])  # fmt: skip
+def test_reserved_term_counts_the_wait_this_prefill_causes_returning_agents(window, compute, gap):
+    """The second half of the reserved term: an agent back after U ~ Exp(gap) waits for what
+    is left of this call's prefill compute — E[min(C, T − U)+], checked by sampling."""
+    import random
+
+    res = [Reservation("a", gap, 1, CTX)]
+    theirs = reserved_cost(H200, 0.0, ReplicaLoad(reserved=res))  # D = 0: only this call's harm
+    got = reserved_cost(H200, 0.0, ReplicaLoad(reserved=res),
+                        prefill_window_s=window, compute_s=compute) - theirs  # fmt: skip
+    rng = random.Random(1)
+    n = 200_000
+    mc = sum(max(min(compute, window - rng.expovariate(1 / gap)), 0.0) for _ in range(n)) / n
+    assert got == pytest.approx(mc, rel=0.02, abs=1e-3)
+
+
+def test_a_cold_prefill_is_kept_off_a_replica_whose_agents_are_about_to_return():
+    """Same call, same replica state, but one replica hosts four agents between calls: a cold
+    100k-token prompt costs them seconds of TTFT there, a warm call (a short tail) almost
+    nothing."""
+    agents = [Reservation(f"a{i}", 5.0, 2000, CTX) for i in range(4)]
+    cold = CallShape(100_000, expected_output_tokens=300)
+    warm = CallShape(100_000, gpu_blocks=100_000 // H200.block_size - 4, expected_output_tokens=300)
+    base = ReplicaLoad(0.0, 0, 0.0, H200.gpu_kv_blocks, 0.0)
+    parked = ReplicaLoad(0.0, 0, 0.0, H200.gpu_kv_blocks, 0.0, reserved=agents)
+    cold_extra = placement_cost(H200, cold, parked).total_s - placement_cost(H200, cold, base).total_s
+    warm_extra = placement_cost(H200, warm, parked).total_s - placement_cost(H200, warm, base).total_s
+    prefill = placement_cost(H200, cold, base).fetch_or_recompute_s
+    assert cold_extra > 0.5 * prefill  # four agents likely back before a long prefill is done
+    assert warm_extra < 0.2 * cold_extra

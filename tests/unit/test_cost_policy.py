@@ -440,3 +440,35 @@ def test_a_call_placed_before_its_analysis_is_costed_on_what_is_known():
     assert winner == "B"
     st.decided(cold, Decision(ep("B"), []))  # its estimated prompt is queued work on B now
     assert st.pending_prefill()["B"] == (1, N * BS)
+
+
+@pytest.mark.parametrize("idle", [0.0, 9.0, 30.0])
+def test_a_paced_agent_returns_memorylessly_however_long_it_has_been_idle(idle):
+    """The reserved term's P(the agent returns during this call) uses the agent's mean gap as
+    the mean time to its return at any idle time: the old ``gap - idle`` read an agent just
+    past its mean gap as certain to return at once (p_in = 1), charging every overdue
+    neighbour's next prefill in full and moving sessions off their cache."""
+    st = state(now=1000.0)
+    st.sessions["t/n"] = SessionFootprint(
+        "t/n", "A", tokens=100_000, last_end=1000.0 - idle, gaps=[10.0], turn_tokens=5_000
+    )
+    (res,) = st.view().warm_and_reserved("A", None)[1]
+    assert res.expected_return_s == 10.0
+    from costmodel.placement import ReplicaLoad, reserved_cost, request_prefill_time
+
+    got = reserved_cost(PROF, 4.0, ReplicaLoad(reserved=[res]))
+    full = request_prefill_time(PROF, 5_000, 100_000)
+    assert got == pytest.approx(res.p_return * (1 - math.exp(-0.4)) * full)
+    assert got < 0.35 * full  # a 4 s call does not meet a 10 s-gap agent's whole next prefill
+
+
+def test_a_call_whose_analysis_never_landed_leaves_its_engine_prompt_count():
+    """A call placed and finished before its tokenization landed still leaves its session's
+    context (the engine's prompt_tokens), so the next call is costed as a hit there."""
+    st = state()
+    c = ctx_for(session="late")
+    st.analyze(c)
+    c.block_keys, c.prompt_tokens = None, None  # the analysis never landed
+    tail = b'data: {"choices":[],"usage":{"prompt_tokens":50000,"completion_tokens":100}}\n\n'
+    st.observe(c, outcome(ttft_s=1.0, duration_s=2.0, usage=usage_from_tail(tail)))
+    assert st.sessions["t/late"].tokens == 50_100

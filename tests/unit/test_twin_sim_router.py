@@ -71,10 +71,12 @@ def test_kv_cost_spreads_sessions_sharing_a_cached_prefix_by_decode_interference
 
     piled, inter_off = first_calls(0.0)
     spread, inter_on = first_calls(1.0)
-    # without oracle output lengths (every call asks for the agents' 32k cap) the decode term
-    # already pushes some sessions off the prefix holder, and the cold prefills in flight
-    # there count as queued work (17 / 15 on two replicas, 20 / 12 before they did); still
-    # only two replicas get any
-    assert len(piled) <= 2 and max(piled.values()) >= 0.5 * 32
-    assert len(spread) == 4 and max(spread.values()) <= 0.5 * 32
-    assert inter_on > 1.1 * inter_off
+    # without the interference term the other terms already push some sessions off the
+    # prefix holder — the decode term (every call asks for the agents' 32k cap), the cold
+    # prefills in flight there counted as queued work, and the reserved term's wait a cold
+    # prefill causes agents about to return there (13 / 11 / 8 on three replicas; 17 / 15 on
+    # two before that half of the term, 20 / 12 before the queued prefills) — but unevenly;
+    # with it every replica gets its share and the decoders stall less
+    assert max(piled.values()) >= 0.4 * 32
+    assert len(spread) == 4 and max(spread.values()) <= 0.3 * 32
+    assert inter_on > 1.03 * inter_off
