@@ -28,7 +28,10 @@ cannot decode a 70B at 50 tok/s/user, see docs/twin.md):
 - ``weka-dev-scarce``: the same sessions with tool pauses up to 180 s on 2 replicas with a
   host tier (``h200-70b-fp8-tp4-offload``, 8 GPUs, 5.6M tokens of HBM KV): the lanes' working
   set exceeds the pooled HBM at the higher concurrencies;
-- ``mooncake``: the Mooncake conversation trace, 8 replicas.
+- ``mooncake``: the Mooncake conversation trace, 8 replicas;
+- ``agentx-long``: long-context agent sessions (``AGENTX_LONG``: AgentX's input, output and gap
+  distributions, contexts up to 1M tokens) on 4 replicas of ``h200-70b-fp8-tp4-1m-offload``
+  (16 GPUs, 11M tokens of HBM KV, a host tier): a few 700k-token sessions fill a replica.
 """
 
 from __future__ import annotations
@@ -56,7 +59,14 @@ TTFT_SLO_S = 10.0  # the second line: TTFT p90 at or under this
 WARMUP_S = 120.0
 STAGGER_S = 60.0
 
-# name -> (trace file, profile, replicas, gap cap (s), concurrency (full), (quick))
+# Long-context agent sessions (issue 11): synthetic AgentX-shaped chains tuned to AgentX v1.0's
+# published distributions — input p50 142k / p95 683k tokens (here 134k–142k / ~740k over
+# seeds 0–1, contexts up to 1M), output p50 444 (446), inter-call gap p50 3.84 s / p95 3.08 min
+# (3.3 s / ~165 s: log-normal, sigma = ln(185 / 3.84) / 1.645) — with the generator's subagents.
+AGENTX_LONG = ("synthetic:sessions=64,first_user_tokens=40000,growth_median=5200,"
+               "max_context_tokens=1000000,gap_median_s=3.84,gap_sigma=2.36,output_median=444")
+# name -> (trace file or synthetic spec, profile, replicas, gap cap (s), concurrency (full),
+# (quick))
 _W = tuple[str, str, int, float | None, tuple[int, ...], tuple[int, ...]]
 WORKLOADS: dict[str, _W] = {
     "weka-dev": ("weka-dev.tar.gz", "h200-70b-fp8-tp4", 8, 60.0, (32, 64, 96), (32,)),
@@ -64,6 +74,7 @@ WORKLOADS: dict[str, _W] = {
                         (32,)),
     "mooncake": ("mooncake_synthetic_trace.jsonl.gz", "h200-70b-fp8-tp4", 8, None, (4, 8, 16),
                  (8,)),
+    "agentx-long": (AGENTX_LONG, "h200-70b-fp8-tp4-1m-offload", 4, None, (8, 12, 16), (12,)),
 }  # fmt: skip
 FIELDS = (
     ("tok_per_gpu_s", "throughput_tok_per_gpu_s"),
@@ -145,8 +156,8 @@ def run_workloads(
         workloads = {k: v for k, v in workloads.items() if k in only_w.split(",")}
     rows: list[dict] = []
     for wname, (fname, pname, n_rep, gap, levels, quick_levels) in workloads.items():
-        path = TRACES / fname
-        if not path.is_file():
+        path: Path | str = fname if fname.startswith("synthetic:") else TRACES / fname
+        if isinstance(path, Path) and not path.is_file():
             rows.append({"name": f"{wname}: skipped", "reason": f"no trace at {path}"})
             continue
         prof = with_overrides(load_profile(pname), (overrides or {}).get(wname, {}))

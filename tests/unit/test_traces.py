@@ -343,3 +343,26 @@ def test_aiperf_turn_timing_follows_aiperf_delay_after_the_previous_end(tmp_path
     # idle-gap capping leaves absolute turn times alone
     assert [c.not_before_s for c in cap_gaps(s, 1.0).calls] == [None, None, 60.0, 3.0, None]
     assert cap_gaps(s, 1.0).calls[1].deps == (Dep("s/0", 1.0),)
+
+
+def test_the_long_context_workload_has_agentx_distributions():
+    """The yardstick's ``agentx-long`` sessions follow AgentX v1.0's published figures (input
+    p50 142k / p95 683k tokens, output p50 444, gap p50 3.84 s / p95 3.08 min) and fit the
+    1M-token profile they run on."""
+    from costmodel.profiles import load_profile
+    from loadtest.bench.bench_kv_policy import AGENTX_LONG, WORKLOADS
+
+    spec, profile, *_ = WORKLOADS["agentx-long"]
+    assert spec == AGENTX_LONG
+    t = load_trace(spec)
+    ins = sorted(c.input_tokens for s in t.sessions for c in s.calls)
+    outs = sorted(c.output_tokens for s in t.sessions for c in s.calls)
+    gaps = sorted(d.delay_s for s in t.sessions for c in s.calls for d in c.deps if d.delay_s > 0)
+
+    def q(xs, p):
+        return xs[int(p * (len(xs) - 1))]
+
+    assert 120_000 <= q(ins, 0.5) <= 165_000 and 600_000 <= q(ins, 0.95) <= 850_000
+    assert 380 <= q(outs, 0.5) <= 520
+    assert 2.5 <= q(gaps, 0.5) <= 5.0 and 120 <= q(gaps, 0.95) <= 240
+    assert ins[-1] + max(outs) <= load_profile(profile).max_model_len
