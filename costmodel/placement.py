@@ -100,8 +100,9 @@ class WarmSession:
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """A paced agent between calls: expected to return in ``expected_return_s`` (mean
-    remaining gap), then prefill ``next_tokens`` new tokens after ``context_tokens``."""
+    """A paced agent between calls: expected to return in ``expected_return_s`` (the mean of
+    an exponential time to its return), then prefill ``next_tokens`` new tokens after
+    ``context_tokens``."""
 
     key: str
     expected_return_s: float

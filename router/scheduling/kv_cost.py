@@ -8,7 +8,9 @@ Algorithm, per candidate replica r (all in seconds, :func:`costmodel.placement.p
 2. cost(r) = queue + Σ min(load, recompute) over the prompt's segments + decode in r's batch
    + eviction harm (sessions whose warm KV this call would evict × their P(return) × the
    cost to bring it back; parents with children in flight are pinned, never evicted)
-   + reserved load of paced agents (sessions between calls whose KV lives on r)
+   + reserved load of paced agents (sessions between calls whose KV lives on r), both ways:
+   their next prefills slowing this call, and this call's prefill holding up those that
+   return before it is done (what keeps a cold prefill off a replica whose agents are due)
    + congestion (this call's prefill compute × calls already waiting on r)
    + interference (the requests decoding on r share their steps with this call's prefill
    chunks, which run longer, then decode slower while its KV is read with theirs);
