@@ -117,6 +117,8 @@ async def _scenario(st: KVState, http, url: str, hot: str, cold: str, replicas) 
     async with http.get(url + "/admin/sessions", headers={"X-Admin-Key": "adm"}) as r:
         placed = {s["key"]: s["replica"] for s in (await r.json())["sessions"]}
     where = [placed[f"-/burst-{i}"] for i in range(4)]
-    assert where[0] == hot
-    assert results[0][0] >= 1800  # served from DRAM on `hot` (the twin counts tier hits)
+    # the first placed goes to `hot` and is served from DRAM there (the twin counts tier hits);
+    # which of the four is placed first depends on the event loop, not on its index
+    on_hot = [i for i in range(4) if where[i] == hot]
+    assert on_hot and max(results[i][0] for i in on_hot) >= 1800, (where, results)
     assert cold in where, where  # saturation moved later calls to the other replica
