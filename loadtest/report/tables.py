@@ -70,11 +70,13 @@ def print_aggregate(rows: list[Mapping[str, Any]], title: str = "over seeds") ->
     t.add_column("used/runs", justify="right")
     for _, head, _ in AGGREGATE_COLUMNS:
         t.add_column(head, justify="right")
+    t.add_column("TTFT p90 pooled", justify="right")  # over the seeds' calls together
     for r in rows:
         t.add_row(
             f"{r['target']} c={r['concurrency']}",
             f"{r['used']}/{r['points']}",
             *(median_range(r.get(k), spec) for k, _, spec in AGGREGATE_COLUMNS),
+            fmt(r.get("ttft_p90_pooled_s"), "{:.2f}"),
         )
     console = Console()
     console.width = max(console.width, 160)

@@ -232,7 +232,7 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
             for seed in cfg.seeds:
                 results["points"].append(run_point(cfg, target, conc, out, trace, builder, seed))
                 results["elapsed_s"] = round(time.monotonic() - t0, 1)
-                results["aggregate"] = aggregate(results["points"])
+                results["aggregate"] = aggregate(results["points"], out, cfg.warmup_s)
                 (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     results["report"] = str(build_report(out))
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
@@ -253,10 +253,40 @@ AGGREGATE_KEYS = (
 )
 
 
-def aggregate(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def pooled_ttft(out: Path, points: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
+    """TTFT p90 / p99 (modelled seconds) over the calls of every point in ``points`` pooled
+    — the calls after each run's warm-up, read back from its ``calls.jsonl``. A p90 of one
+    ~100-call run is its 10th-slowest call and moves by seconds between seeds; pooled over the
+    seeds it is the 30th of ~300, a steadier figure to compare routers by."""
+    ttfts: list[float] = []
+    for p in points:
+        f = out / p["dir"] / "calls.jsonl" if p.get("dir") else None
+        if f is None or not f.exists():
+            continue
+        speed = float(p["summary"].get("speedup") or 1.0)
+        w = warmup_s / speed  # run clock
+        for line in f.read_text().splitlines():
+            c = json.loads(line)
+            if c.get("ok") and c.get("ttft_s") is not None and c["t_start"] >= w:
+                ttfts.append(c["ttft_s"] * speed)
+    if not ttfts:
+        return {}
+    ttfts.sort()
+
+    def q(x: float) -> float:
+        return ttfts[min(len(ttfts) - 1, int(x * len(ttfts)))]
+
+    return {"ttft_p90_pooled_s": q(0.9), "ttft_p99_pooled_s": q(0.99), "pooled_calls": len(ttfts)}
+
+
+def aggregate(
+    points: list[dict[str, Any]], out: Path | None = None, warmup_s: float = 0.0
+) -> list[dict[str, Any]]:
     """Per (target, concurrency): min / median / max over the seeds' points of each of
     :data:`AGGREGATE_KEYS`, from the points whose processes were **not** CPU-saturated
-    (``cpu.saturated`` false or unmeasured); how many were left out is kept beside them."""
+    (``cpu.saturated`` false or unmeasured); how many were left out is kept beside them. With
+    ``out`` (the sweep's folder), also the TTFT percentiles pooled over those points' calls
+    (:func:`pooled_ttft`)."""
     import statistics
 
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -279,5 +309,7 @@ def aggregate(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[k] = (
                 {"min": min(xs), "median": statistics.median(xs), "max": max(xs)} if xs else None
             )
+        if out is not None:
+            row.update(pooled_ttft(out, used, warmup_s))
         rows.append(row)
     return rows

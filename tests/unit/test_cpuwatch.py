@@ -50,3 +50,30 @@ def test_a_spinning_group_is_measured_busy_and_a_sleeping_one_idle():
     assert g["spin"]["mean_cores"] > 0.3 and g["spin"]["busiest_thread_p90"] > 0.3
     assert g["sleep"]["mean_cores"] < 0.05
     assert 0 < rec["machine"]["busy_cores"] <= rec["machine"]["cpus"] + 0.1
+
+
+def test_aggregate_pools_ttft_over_the_used_seeds_after_warmup(tmp_path):
+    """The pooled TTFT p90 reads every used point's calls after its warm-up (modelled
+    seconds, speedup applied) and leaves saturated points out."""
+    import json
+
+    from loadtest.sweep.bench import aggregate
+
+    def point(seed, ttfts, saturated=False):
+        d = tmp_path / "points" / "t" / f"s{seed}"
+        d.mkdir(parents=True)
+        # run clock at speedup 2: warm-up 10 modelled s = 5 s; the first call is before it
+        rows = [{"ok": True, "t_start": 1.0, "ttft_s": 99.0}]
+        rows += [{"ok": True, "t_start": 6.0 + i, "ttft_s": x} for i, x in enumerate(ttfts)]
+        rows.append({"ok": False, "t_start": 7.0, "ttft_s": None})
+        (d / "calls.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return {"target": "t", "concurrency": 1, "seed": seed, "dir": f"points/t/s{seed}",
+                "cpu": {"saturated": saturated},
+                "summary": {"speedup": 2.0, "ttft_p90_s": max(ttfts) * 2}}  # fmt: skip
+
+    pts = [point(0, [0.1] * 9 + [1.0]), point(1, [0.2] * 10), point(2, [50.0] * 10, True)]
+    (row,) = aggregate(pts, tmp_path, warmup_s=10.0)
+    assert row["used"] == 2 and row["pooled_calls"] == 20
+    # 20 calls, ×2 for the speedup: 9 × 0.2, 10 × 0.4, 1 × 2.0 — p90 is the 18th: 0.4
+    assert row["ttft_p90_pooled_s"] == 0.4 and row["ttft_p99_pooled_s"] == 2.0
+    assert "ttft_p90_pooled_s" not in aggregate(pts)[0]  # no folder: no pooled figures
