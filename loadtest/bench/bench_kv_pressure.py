@@ -16,7 +16,10 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
   blocks (768k tokens) per replica — a stress configuration, not a hardware profile, chosen
   so that the host tier overflows and its eviction order matters (in ``weka-dev-scarce`` it
   never fills: see docs/benchmarks.md);
-- ``weka-dev-scarce-8x``: the yardstick's offload profile on 8 replicas (32 GPUs).
+- ``weka-dev-scarce-8x``: the yardstick's offload profile on 8 replicas (32 GPUs);
+- ``agentx-long-hi``: the yardstick's long-context sessions (``AGENTX_LONG``) at 16–32 lanes
+  on 4 replicas of ``h200-70b-fp8-tp4-1m-offload`` — past the line, looking for the load at
+  which long contexts fill the HBM (they do not: docs/benchmarks.md, ``agentx-long``).
 
 ``KVROUTE_BENCH_WORKLOADS`` / ``KVROUTE_BENCH_POLICIES`` (comma lists) narrow a run.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.bench.bench_kv_policy import _W, run_workloads
+from loadtest.bench.bench_kv_policy import _W, AGENTX_LONG, run_workloads
 
 POLICIES = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence", "sglang_tree", "llmd")
 OURS = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence")
@@ -34,6 +37,7 @@ WORKLOADS: dict[str, _W] = {
     "weka-dev-scarce": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 32, 48), (32,)),
     "weka-dev-squeezed": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 32, 48), (32,)),
     "weka-dev-scarce-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (96, 128, 160), (128,)),
+    "agentx-long-hi": (AGENTX_LONG, "h200-70b-fp8-tp4-1m-offload", 4, None, (16, 24, 32), (24,)),
 }
 OVERRIDES: dict[str, dict[str, Any]] = {
     "weka-dev-squeezed": {"gpu_kv_blocks": 12_000, "cpu_kv_blocks": 12_000},

@@ -13,7 +13,10 @@ warm-up, with each target mapped to the policy the simulator has for it:
 * ``vllm-router:consistent_hash`` → ``session_affinity`` (consistent hashing on the session;
   the port differs: kvroute's variant bounds each replica's load, vllm-router's does not).
 
-It prints tokens/GPU-s and TTFT p90 (median over seeds) per target in both, each side's
+The simulated router reads the engines' running / waiting / KV usage as the live router does,
+from a scrape every ``--scrape`` seconds (kvroute's ``metrics_interval_s``, 1 s; the
+simulator's default is exact load at every decision, which flatters a policy that leans on
+it). It prints tokens/GPU-s and TTFT p90 (median over seeds) per target in both, each side's
 ranking, and Kendall's tau between the rankings (1: the same order). Real-path points marked
 CPU-saturated are left out, as in the sweep's aggregate.
 """
@@ -25,6 +28,8 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+SCRAPE_S = 1.0  # kvroute's metrics_interval_s: how often the live router reads engine load
 
 SIM_POLICY = {
     "sglang:cache_aware": "sglang_tree",
@@ -38,7 +43,9 @@ def sim_policy(target: str) -> str | None:
     return SIM_POLICY.get(target)
 
 
-def simulate(cfg: dict[str, Any], policy: str, seed: int | None) -> dict[str, Any]:
+def simulate(
+    cfg: dict[str, Any], policy: str, seed: int | None, scrape_s: float = 0.0
+) -> dict[str, Any]:
     from costmodel.profiles import load_profile
     from loadtest.sim.router_policy import RouterPolicy
     from loadtest.sim.trace import simulate_trace
@@ -51,7 +58,8 @@ def simulate(cfg: dict[str, Any], policy: str, seed: int | None) -> dict[str, An
     )  # fmt: skip
     modelled = cfg["duration_s"] * cfg["speedup"]
     res = simulate_trace(
-        prof, cfg["replicas"], trace, RouterPolicy(policy, prof, seed=seed or 0),
+        prof, cfg["replicas"], trace,
+        RouterPolicy(policy, prof, seed=seed or 0, scrape_interval_s=scrape_s * cfg["speedup"]),
         concurrency=cfg["concurrency"][0], duration_s=modelled, seed=seed,
         stagger_s=cfg.get("stagger_s", 0.0), shared_prefix=cfg.get("shared_prefix", False),
     )  # fmt: skip
@@ -68,7 +76,7 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(vs) if vs else None
 
 
-def compare(out: Path) -> dict[str, Any]:
+def compare(out: Path, scrape_s: float = SCRAPE_S) -> dict[str, Any]:
     from scipy.stats import kendalltau
 
     res = json.loads((out / "results.json").read_text())
@@ -82,7 +90,7 @@ def compare(out: Path) -> dict[str, Any]:
         pol = sim_policy(target)
         if pol is None:
             continue
-        sims = [simulate(cfg, pol, s) for s in cfg.get("seeds") or [None]]
+        sims = [simulate(cfg, pol, s, scrape_s) for s in cfg.get("seeds") or [None]]
         rows.append({
             "target": target, "sim_policy": pol, "real_seeds": len(sums),
             "real_tok_per_gpu_s": _median([s["tokens_per_gpu_s"] for s in sums]),
@@ -99,7 +107,8 @@ def compare(out: Path) -> dict[str, Any]:
     if len(rows) >= 2:
         t = kendalltau([r["real_rank"] for r in rows], [r["sim_rank"] for r in rows])
         tau = float(t.statistic)
-    return {"out": str(out), "trace": cfg["trace"], "rows": rows, "kendall_tau": tau}
+    return {"out": str(out), "trace": cfg["trace"], "scrape_s": scrape_s, "rows": rows,
+            "kendall_tau": tau}
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -126,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="a kvroute bench --out folder")
     p.add_argument("--json", default=None)
+    p.add_argument("--scrape", type=float, default=SCRAPE_S, metavar="S",
+                   help="the simulated router reads engine load every S wall seconds, as "
+                        "kvroute's metrics_interval_s (default 1; 0: exact at every decision)")
     a = p.parse_args(argv)
-    doc = compare(Path(a.out))
+    doc = compare(Path(a.out), a.scrape)
     print(markdown(doc))
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1, default=str))

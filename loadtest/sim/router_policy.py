@@ -29,7 +29,10 @@ Differences from a live router: no tokenization (the simulator's block keys go s
 call's leading block keys, so text-prefix policies see the same sharing), no retries, no
 concurrent placement by another router (the pick is the session's replica), events arrive at
 the end of the step that produced them (no network delay), and sessions never expire from
-the table during a run.
+the table during a run. The engines' load (running, waiting, KV usage) is exact at every
+decision unless ``scrape_interval_s`` is set, which reads it as a live router does — from a
+``/metrics`` scrape every that many seconds (``metrics_interval_s``, 1 s by default);
+:mod:`loadtest.bench.bench_sim_vs_real` sets it.
 """
 
 from __future__ import annotations
@@ -66,9 +69,16 @@ class RouterPolicy:
 
     def __init__(
         self, policy: str, profile: ReplicaProfile, *, seed: int = 0, tenant: str = "sim",
-        engine_hints: bool = False,
+        engine_hints: bool = False, scrape_interval_s: float = 0.0,
     ):  # fmt: skip
+        if scrape_interval_s < 0:
+            raise ValueError("scrape_interval_s must be >= 0")
         self.engine_hints = engine_hints
+        # the engines' running / waiting / KV usage as a live router sees them: read from
+        # /metrics every metrics_interval_s (1 s by default), not at every decision (0: exact)
+        self.scrape_interval_s = scrape_interval_s
+        self._scraped: dict[int, tuple[float, float, float]] = {}
+        self._scrape_tick = -1
         self._params: dict[tuple[str, int], Any] = {}
         self.pipeline = build_pipeline(policy, seed=seed)
         self.profile = profile
@@ -121,11 +131,12 @@ class RouterPolicy:
         )  # fmt: skip
         self.calls.analyze(ctx)  # the KV layer's footprint (no tokenizer: keys are given)
         rec = self.store.touch(ident, call.now)
+        load = self._engine_load(replicas)
         endpoints = tuple(
             EndpointView(name=self.names[r.index], url=self.names[r.index], healthy=True,
                          models=frozenset({MODEL}), inflight=self.inflight.get(r.index, 0),
-                         running=float(r.num_running), waiting=float(r.num_waiting),
-                         kv_usage=r.kv_usage, breaker="closed")
+                         running=load[r.index][0], waiting=load[r.index][1],
+                         kv_usage=load[r.index][2], breaker="closed")
             for r in replicas
         )  # fmt: skip
         decision = self.calls.decide(ctx, endpoints, rec.copy())
@@ -140,6 +151,22 @@ class RouterPolicy:
                 params = orjson.loads(body).get("kv_transfer_params")
                 self._params[(call.session_id, call.call_index)] = params
         return i
+
+    def _engine_load(self, replicas: Sequence[ReplicaView]) -> dict[int, tuple[float, float, float]]:
+        """(running, waiting, KV usage) per replica: the engines' figures now, or with a
+        scrape interval as of the last scrape (every replica at t = k × interval; a replica
+        first seen after it is read at once)."""
+        exact = {r.index: (float(r.num_running), float(r.num_waiting), r.kv_usage)
+                 for r in replicas}  # fmt: skip
+        if not self.scrape_interval_s:
+            return exact
+        tick = int(self.now // self.scrape_interval_s)
+        if tick != self._scrape_tick:
+            self._scrape_tick = tick
+            self._scraped = exact
+        for i, v in exact.items():
+            self._scraped.setdefault(i, v)
+        return self._scraped
 
     def kv_transfer_params(self, call: CallView) -> Any:
         """The ``kv_transfer_params`` of the body sent upstream for ``call`` (None: none)."""

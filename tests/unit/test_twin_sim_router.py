@@ -80,3 +80,26 @@ def test_kv_cost_spreads_sessions_sharing_a_cached_prefix_by_decode_interference
     assert max(piled.values()) >= 0.4 * 32
     assert len(spread) == 4 and max(spread.values()) <= 0.3 * 32
     assert inter_on > 1.03 * inter_off
+
+
+def test_the_simulated_router_can_read_engine_load_through_scrapes():
+    """With ``scrape_interval_s`` the router's view of running / waiting / KV usage is the one
+    of the last scrape (every interval), as a live router's /metrics poll gives it."""
+    from types import SimpleNamespace as NS
+
+    pol = RouterPolicy("least_load", P70, scrape_interval_s=1.0)
+
+    def view(running):
+        return [NS(index=0, num_running=running, num_waiting=0, kv_usage=0.1)]
+
+    pol.now = 0.2
+    assert pol._engine_load(view(1))[0][0] == 1.0
+    pol.now = 0.9  # same scrape interval: the old figure
+    assert pol._engine_load(view(5))[0][0] == 1.0
+    pol.now = 1.05  # the next scrape
+    assert pol._engine_load(view(5))[0][0] == 5.0
+    exact = RouterPolicy("least_load", P70)
+    exact.now = 0.9
+    assert exact._engine_load(view(7))[0][0] == 7.0
+    with pytest.raises(ValueError):
+        RouterPolicy("least_load", P70, scrape_interval_s=-1)
