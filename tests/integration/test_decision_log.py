@@ -54,3 +54,16 @@ async def test_every_placement_is_logged_with_its_session_and_cost_terms(tmp_pat
     other = next(n for n in second["candidates"] if n != second["session_replica"])
     assert second["candidates"][other]["kv_cost"]["match_blocks"] == 0
     assert second["analysed"] and second["prompt_tokens"] > 600
+
+
+def test_an_unwritable_decision_log_is_a_configuration_error(tmp_path, capsys):
+    import argparse
+
+    from router.serve import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--replica", "http://127.0.0.1:1",
+                         "--decision-log", str(tmp_path / "no-such-dir" / "d.jsonl")])  # fmt: skip
+    assert run(args) == 2  # before binding: no traceback, no port taken
+    assert "no-such-dir" in capsys.readouterr().err
