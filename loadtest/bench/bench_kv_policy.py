@@ -146,11 +146,16 @@ def run_workloads(
 ) -> list[dict]:  # fmt: skip
     """Every workload x policy x concurrency point over the seeds, then the line row per
     workload; ``KVROUTE_BENCH_POLICIES`` / ``KVROUTE_BENCH_WORKLOADS`` (comma lists) narrow
-    the run. ``overrides``: engine settings per workload over its profile (``with_overrides``)."""
+    the run; ``KVROUTE_BENCH_SCRAPE_S`` (seconds, default 0: exact) has the simulated router read
+engine load through a scrape that often. ``overrides``: engine settings per workload over its
+profile (``with_overrides``)."""
     duration = 480.0 if quick else 900.0
     seeds = SEEDS[:1] if quick else SEEDS
     only = os.environ.get("KVROUTE_BENCH_POLICIES")
     policies = tuple(p for p in only.split(",") if p) if only else default_policies
+    # the simulated router's engine-load view: exact at each decision (0, the yardstick's
+    # default so far) or as of a /metrics scrape every S seconds, as a live router sees it
+    scrape = float(os.environ.get("KVROUTE_BENCH_SCRAPE_S", "0") or 0)
     only_w = os.environ.get("KVROUTE_BENCH_WORKLOADS")
     if only_w:
         workloads = {k: v for k, v in workloads.items() if k in only_w.split(",")}
@@ -171,7 +176,8 @@ def run_workloads(
                 t0 = time.perf_counter()
                 runs = [
                     simulate_trace(prof, n_rep, trace,
-                                   RouterPolicy(router_pol, prof, seed=s, engine_hints=hints),
+                                   RouterPolicy(router_pol, prof, seed=s, engine_hints=hints,
+                                                scrape_interval_s=scrape),
                                    concurrency=n, duration_s=duration, seed=s,
                                    stagger_s=STAGGER_S, plugin=plugin).summary(warmup_s=WARMUP_S)
                     for s in seeds
@@ -184,6 +190,7 @@ def run_workloads(
                     "name": f"{wname}_c{n}_{pol}", "workload": wname, "concurrency": n,
                     "policy": pol, "gpus": n_rep * prof.gpus, "seeds": len(seeds),
                     "calls": [r.get("requests", 0) for r in runs], "hit_bound": bound,
+                    "scrape_s": scrape,
                 }  # fmt: skip
                 for k, v in stats.items():
                     nd = 3 if k.startswith(("hit", "host", "storage")) else 1
