@@ -11,14 +11,35 @@ either. Pure Python; must not import sockets, aiohttp, torch or vllm.
 Eviction order follows vLLM: when a request finishes its blocks are freed tail first, so a
 prompt's last blocks are evicted before its first ones; :meth:`record` therefore touches a
 prompt's keys from the last to the first (the first block ends up most recently used).
+
+The same cache keyed by chained hashes of the prompt *text* (:func:`text_keys`, 1,024-character
+chunks) is the KV layer's routing history for calls placed before their tokens are known.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from router.kv.index import TierDepth
+
+TEXT_CHUNK = 1024  # characters per text-prefix key
+TEXT_LIMIT = 256 * 1024  # leading characters keyed (~64k tokens): a few hundred µs of hashing
+
+
+def text_keys(text: str) -> list[int]:
+    """Chained 64-bit keys of ``text``'s full ``TEXT_CHUNK``-character chunks (key i names the
+    whole prefix up to chunk i, as block keys do for tokens): the same LRU over routed prompt
+    text instead of tokens, for calls placed before their tokens are known."""
+    out: list[int] = []
+    prev = b""
+    for i in range(0, len(text) - TEXT_CHUNK + 1, TEXT_CHUNK):
+        prev = hashlib.blake2b(
+            prev + text[i : i + TEXT_CHUNK].encode("utf-8", "surrogatepass"), digest_size=8
+        ).digest()
+        out.append(int.from_bytes(prev, "little"))
+    return out
 
 
 class ApproxCache:

@@ -42,18 +42,19 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from costmodel.calibration import Calibration, Calibrator
 from costmodel.profiles import ReplicaProfile, load_profile
-from router.kv.approx import ApproxCache
+from router.kv.approx import TEXT_CHUNK, TEXT_LIMIT, ApproxCache, text_keys
 from router.kv.config import KVConfig
 from router.kv.index import BlockIndex
 from router.kv.sessions import ReplicaStat, SessionFootprint
 from router.kv.tokens import ProcessEncoder, SessionTokenizer
 from router.kv.view import KVView
 from router.outcome import CallOutcome
+from router.sessions import prompt_prefix_text
 from router.vllm.chat_template import ChatTemplateError, request_prompt
 from router.vllm.hashing import BlockHasher
 from router.vllm.tokenizer import ModelTokenizer
@@ -73,6 +74,9 @@ class KVCall:
     # the prompt's size guessed from the body's characters, for a call placed before its
     # analysis is done (0: not guessed); the analysis, when it lands, replaces it
     est_tokens: int = 0
+    # chained hashes of the prompt text's leading TEXT_CHUNK-character chunks: what a call
+    # placed before its analysis matches against the text routed to each replica
+    text_keys: list[int] = field(default_factory=list)
 
 
 def _text_chars(body: Any, limit: int = 100_000) -> int:
@@ -120,6 +124,9 @@ class KVState:
         self.clock = clock
         self.index = BlockIndex()
         self.approx = ApproxCache()
+        # the same routing history over prompt *text* chunks (text_keys): for a call placed
+        # before its tokens are known, the replica that was sent its leading text
+        self.text_approx = ApproxCache()
         self.hasher = BlockHasher(cfg.block_size, cfg.hash_algo, cfg.hash_seed)
         if tokenizer is None and cfg.tokenizer:
             tokenizer = ModelTokenizer.from_dir(cfg.tokenizer)
@@ -137,6 +144,13 @@ class KVState:
         # prefill as *running*, so the engine's waiting count misses exactly the long cold
         # prefill a later call queues behind; this is the prefill work the router knows of.
         self.prefilling: dict[str, tuple[str, int, float]] = {}
+        # This router's calls sent and not yet finished, with their prompt's block keys:
+        # request id -> (replica, keys, when sent). A burst sharing a prefix (subagents, the
+        # Mooncake-style traffic of many one-call sessions) arrives before the first call's
+        # blocks are stored and its KV events seen; vLLM queues the later calls behind that
+        # prefill and then hits its blocks. ``kv_cost`` reads these as the blocks coming to
+        # that replica (:meth:`KVView.with_routed`).
+        self.routed: dict[str, tuple[str, list[int], float]] = {}
         self._profiles: dict[str, ReplicaProfile] = {}
         self._profile_override = profile  # one profile object for every replica (tests, twins)
         self.subscriber: Any = None
@@ -266,7 +280,14 @@ class KVState:
         p = self.profile_of(replica)
         if self.approx.capacity(replica) == 0:
             self.approx.set_capacity(replica, p.gpu_kv_blocks * p.block_size // self.cfg.block_size)
+            tokens = p.gpu_kv_blocks * p.block_size  # ~4 characters a token
+            self.text_approx.set_capacity(replica, max(tokens * 4 // TEXT_CHUNK, 1))
         return p
+
+    @property
+    def chars_per_token(self) -> float:
+        """Body characters per prompt token, as measured by the analyses so far (4 before)."""
+        return self._lane.chars_per_token if self._lane is not None else 4.0
 
     def calibration(self, replica: str) -> Calibration:
         c = self.calibrators.get(replica)
@@ -302,6 +323,8 @@ class KVState:
         tokens, tokenizer = self.tokens, self.tokenizer
         if tokens is None or tokenizer is None:
             return None
+        if ctx.body:
+            call.text_keys = text_keys(prompt_prefix_text(ctx.body, TEXT_LIMIT))
         route, body, request_id = ctx.route, ctx.body, ctx.request_id
 
         def work() -> Any:  # pure CPU: the template, tokens, block hashes (a TokenizedPrompt)
@@ -406,12 +429,17 @@ class KVState:
         if keys:
             self.profile(replica)
             self.approx.record(replica, keys)
+            self.routed[ctx.request_id] = (replica, keys, self.clock())
+        call = ctx.analysis if isinstance(ctx.analysis, KVCall) else None
+        if call is not None and call.text_keys:
+            self.profile(replica)
+            self.text_approx.record(replica, call.text_keys)
         est = ctx.analysis.est_tokens if isinstance(ctx.analysis, KVCall) else 0
         n_tok = int(ctx.prompt_tokens or len(keys or ()) * self.cfg.block_size or est)
         if n_tok > 0:  # a retry decides again: the entry follows the call to its new replica
             matched = int(decision.term(replica, "match_blocks") or 0) * self.cfg.block_size
             self.prefilling[ctx.request_id] = (replica, max(n_tok - matched, 0), self.clock())
-            if len(self.prefilling) > PREFILLING_MAX:
+            if len(self.prefilling) > PREFILLING_MAX or len(self.routed) > PREFILLING_MAX:
                 self._expire_prefilling()
 
     def prefill_done(self, ctx: Any) -> None:
@@ -424,6 +452,8 @@ class KVState:
         cut = self.clock() - PREFILLING_MAX_AGE_S
         for rid in [k for k, v in self.prefilling.items() if v[2] < cut]:
             del self.prefilling[rid]
+        for rid in [k for k, v in self.routed.items() if v[2] < cut]:
+            del self.routed[rid]
 
     def pending_prefill(self) -> dict[str, tuple[int, int]]:
         """Per replica: (calls, uncached prompt tokens) this router sent there that have not
@@ -440,6 +470,7 @@ class KVState:
 
     def observe(self, ctx: Any, outcome: CallOutcome) -> None:
         self.prefilling.pop(ctx.request_id, None)  # ended without a first byte, or after one
+        self.routed.pop(ctx.request_id, None)  # its blocks are in the index now (or evicted)
         replica = outcome.replica
         now = self.clock()
         ident = ctx.identity

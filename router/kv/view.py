@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from costmodel.calibration import Calibration
 from costmodel.placement import CallShape, ReplicaLoad, Reservation, WarmSession, p_return_after
 from costmodel.profiles import ReplicaProfile
+from router.kv.approx import TEXT_CHUNK
 from router.kv.index import BlockIndexView, TierDepth
 from router.kv.sessions import ReplicaStat, SessionFootprint
 from router.replicas import EndpointView
@@ -55,6 +56,33 @@ class KVView:
             out.update(self._st.approx.match(keys, rest))
         return out
 
+    def with_routed(
+        self, keys: list[int], matches: dict[str, TierDepth], exclude: str | None = None
+    ) -> dict[str, TierDepth]:
+        """``matches`` deepened by the prompts this router has in flight: a replica gets the
+        longest prefix ``keys`` shares with a call routed there and not yet finished (other
+        than ``exclude``, the call itself on a retry), as GPU blocks — that call's prefill puts
+        them there, and vLLM queues a later call behind it, then hits them. Block keys are
+        chained, so the shared prefix is found by bisection."""
+        routed = self._st.routed
+        if not keys or not routed:
+            return matches
+        out = dict(matches)
+        for rid, (replica, other, _) in routed.items():
+            if rid == exclude or not other or other[0] != keys[0]:
+                continue
+            lo, hi = 1, min(len(keys), len(other))  # keys[:lo] shared; find the last shared
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if keys[mid - 1] == other[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            cur = out.get(replica)
+            if cur is None or lo > cur.depth:
+                out[replica] = TierDepth(lo, gpu=lo)
+        return out
+
     def approx_match(self, keys: list[int], replicas: list[str]) -> dict[str, TierDepth]:
         """Approximate mode only (routing history), whatever the event streams say."""
         return self._st.approx.match(keys, replicas)
@@ -85,17 +113,29 @@ class KVView:
 
     def estimate(self, ctx: Any) -> tuple[int, dict[str, TierDepth]]:
         """For a call placed before its analysis landed (no block keys): its prompt size
-        guessed from the body's characters (at least the session's context so far), and the
-        session's context on the replica that holds it as the match there — what is known
-        without tokens. Without either: ``(0, {})``."""
+        guessed from the body's characters (at least the session's context so far), and as
+        the match on each replica what is known without tokens — the session's context on the
+        replica that holds it, and the leading prompt text routed to each replica (text-chunk
+        routing history, as sglang-router's tree keeps it: a new session sharing a prefix with
+        earlier calls). Without an estimate: ``(0, {})``."""
         est = getattr(ctx.analysis, "est_tokens", 0) or 0
-        fp = self._st.sessions.get(ctx.identity.key)
         if not est:
             return 0, {}
-        if fp is None or fp.replica is None or not fp.tokens:
-            return est, {}
-        blocks = min(fp.tokens, est) // self.block_size
-        return est, {fp.replica: TierDepth(blocks, gpu=blocks)} if blocks else {}
+        out: dict[str, TierDepth] = {}
+        tkeys = getattr(ctx.analysis, "text_keys", None)
+        if tkeys:
+            per_chunk = TEXT_CHUNK / max(self._st.chars_per_token, 0.5)
+            for replica, d in self._st.text_approx.match(tkeys).items():
+                blocks = min(int(d.depth * per_chunk), est) // self.block_size
+                if blocks:
+                    out[replica] = TierDepth(blocks, gpu=blocks)
+        fp = self._st.sessions.get(ctx.identity.key)
+        if fp is not None and fp.replica is not None and fp.tokens:
+            blocks = min(fp.tokens, est) // self.block_size
+            cur = out.get(fp.replica)
+            if blocks and (cur is None or blocks > cur.depth):
+                out[fp.replica] = TierDepth(blocks, gpu=blocks)
+        return est, out
 
     def warm_and_reserved(
         self, replica: str, exclude: str | None

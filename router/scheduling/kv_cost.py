@@ -4,7 +4,9 @@ Algorithm, per candidate replica r (all in seconds, :func:`costmodel.placement.p
 
 1. match the prompt's block keys against r: the exact block index when r's KV event stream is
    fresh, else approximate mode (r's predicted cache from routing history) — giving the
-   matched prefix split by tier (GPU / CPU / STORAGE);
+   matched prefix split by tier (GPU / CPU / STORAGE) — deepened by the prompts this router
+   has in flight to r (a burst sharing a prefix arrives before the first call's blocks are
+   stored; vLLM queues the later calls behind that prefill, then hits them);
 2. cost(r) = queue + Σ min(load, recompute) over the prompt's segments + decode in r's batch
    + eviction harm (sessions whose warm KV this call would evict × their P(return) × the
    cost to bring it back; parents with children in flight are pinned, never evicted)
@@ -114,7 +116,7 @@ class KVCost:
         keys = ctx.block_keys or []
         n_tok = int(ctx.prompt_tokens or len(keys) * view.block_size)
         names = [e.name for e in endpoints]
-        matches = view.match(keys, names) if keys else {}
+        matches = view.with_routed(keys, view.match(keys, names), ctx.request_id) if keys else {}
         if not keys:  # placed before its analysis landed: what is known without tokens
             n_tok, matches = view.estimate(ctx)
         out_tok = self.expected_output_tokens or expected_output(

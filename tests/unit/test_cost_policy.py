@@ -472,3 +472,46 @@ def test_a_call_whose_analysis_never_landed_leaves_its_engine_prompt_count():
     tail = b'data: {"choices":[],"usage":{"prompt_tokens":50000,"completion_tokens":100}}\n\n'
     st.observe(c, outcome(ttft_s=1.0, duration_s=2.0, usage=usage_from_tail(tail)))
     assert st.sessions["t/late"].tokens == 50_100
+
+
+def test_a_burst_sharing_a_prefix_follows_the_call_in_flight():
+    """Two new sessions share a 1,000-block prefix; the first is routed to B and still
+    prefilling (no KV event yet): the second sees the prefix coming to B — it would wait for
+    that prefill there and then only compute its own 20 blocks — not a cold cluster; a retry
+    of the first does not match itself."""
+    st = state()
+    first = ctx_for(session="a", keys=KEYS[:1000])
+    first.request_id = "r-a"
+    st.analyze(first)
+    st.decided(first, Decision(ep("B"), []))
+    second = ctx_for(session="b", keys=KEYS[:1000] + list(range(7_000_000, 7_000_020)))
+    second.request_id = "r-b"
+    _, s = pick(st, [ep("A"), ep("B")], second)
+    a, b = s.terms["A"], s.terms["B"]
+    assert b["match_blocks"] == 1000 and a["match_blocks"] == 0
+    assert b["fetch_or_recompute_s"] < 0.1 * a["fetch_or_recompute_s"]
+    assert b["queued_prefill_tokens"] == 1000 * BS  # ... behind the first call's prefill
+    _, again = pick(st, [ep("A"), ep("B")], first)  # the first call itself, retried
+    assert again.terms["B"]["match_blocks"] == 0
+    st.observe(first, outcome(replica="B"))  # finished: its blocks are the index's business
+    assert st.routed == {}
+
+
+def test_a_call_placed_before_its_tokens_matches_the_text_routed_before():
+    """A new session whose analysis has not landed (no block keys) still finds the replica
+    that was sent its leading text: the text-chunk routing history, as sglang-router's tree."""
+    from router.kv.approx import TEXT_CHUNK, text_keys
+    from router.kv.state import KVCall
+
+    st = state()
+    shared = " ".join(f"word{i}" for i in range(12_000))  # ~100k characters
+    prev = ctx_for(session="p", keys=KEYS[:100])
+    prev.analysis = KVCall(text_keys=text_keys(shared + " first tail"))
+    st.decided(prev, Decision(ep("B"), []))
+    blind = ctx_for(session="new", keys=[])
+    blind.block_keys, blind.prompt_tokens = None, None
+    blind.analysis = KVCall(est_tokens=30_000, text_keys=text_keys(shared + " other tail" * 2000))
+    winner, s = pick(st, [ep("A"), ep("B")], blind)
+    shared_blocks = (len(shared) // TEXT_CHUNK) * TEXT_CHUNK // 4 // BS  # 4 chars a token
+    assert winner == "B" and s.terms["B"]["match_blocks"] == shared_blocks
+    assert s.terms["A"]["match_blocks"] == 0
