@@ -243,13 +243,17 @@ class KVState:
             self.forget_replica(name)
 
     def forget_replica(self, name: str) -> None:
-        """Drop everything known about ``name``: its blocks (index and approximate mode), its
-        event streams and replays in flight (its events are ignored until it is added again),
-        load stats, calibration, and the home of every session that lived there."""
+        """Drop everything known about ``name``: its blocks (index, approximate mode, the text
+        routing history and the prompts in flight there), its event streams and replays in
+        flight (its events are ignored until it is added again), load stats, calibration, and
+        the home of every session that lived there."""
         if self.subscriber is not None:
             self.subscriber.remove_replica(name)
         self.index.remove_replica(name)
         self.approx.remove_replica(name)
+        self.text_approx.remove_replica(name)
+        for rid in [k for k, v in self.routed.items() if v[0] == name]:
+            del self.routed[rid]
         self.stats.pop(name, None)
         self.calibrators.pop(name, None)
         self._profiles.pop(name, None)  # re-sets the approximate capacity if it comes back

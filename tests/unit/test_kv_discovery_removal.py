@@ -204,6 +204,8 @@ async def test_removal_forgets_replica_everywhere_and_readd_accepts_events(kv):
     await sub.handle(msg("kv@b", 0, KEYS[:8]))
     kv.profile(A)
     kv.approx.record(A, KEYS)
+    kv.text_approx.record(A, [11, 12, 13])
+    kv.routed["in-flight"] = (A, list(KEYS), 0.0)
     kv.sessions["t/s"] = SessionFootprint("t/s", replica=A, tokens=len(KEYS) * BS)
     kv.sessions["t/o"] = SessionFootprint("t/o", replica=B, tokens=8 * BS)
     view = kv.view()
@@ -214,6 +216,7 @@ async def test_removal_forgets_replica_everywhere_and_readd_accepts_events(kv):
 
     assert A not in kv.index.replicas() and A not in kv.index.match(KEYS)
     assert A not in kv.approx.match(KEYS) and kv.approx.capacity(A) == 0
+    assert A not in kv.text_approx.match([11, 12, 13]) and "in-flight" not in kv.routed
     view = kv.view()
     assert set(view.match(KEYS, [A, B])) == {B}  # even if A were still offered
     assert view.warm_and_reserved(A, None) == ([], [])
