@@ -386,8 +386,11 @@ def placement_cost(
     harm, evicted = eviction_harm(profile, call, load, scale=load.prefill_scale)
     duration = (queue or 0.0) + fetch + (decode or 0.0)
     compute = tail_s + sum(rec_s[t] for t, how in chose.items() if how == "recompute")
-    reserved = reserved_cost(profile, duration, load, scale=load.prefill_scale,
-                             prefill_window_s=(queue or 0.0) + fetch, compute_s=compute)  # fmt: skip
+    window = (queue or 0.0) + fetch
+    scale = load.prefill_scale
+    reserved = reserved_cost(
+        profile, duration, load, scale=scale, prefill_window_s=window, compute_s=compute
+    )
     congestion = (
         None
         if load.pending_calls is None

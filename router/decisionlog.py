@@ -54,7 +54,7 @@ class DecisionLog:
         if per_process:  # workers: one file each, so lines never interleave
             path = f"{path}.{os.getpid()}"
         self.path = path
-        self._f: BinaryIO | None = open(path, "ab", buffering=0)  # noqa: SIM115
+        self._f: BinaryIO | None = open(path, "ab", buffering=0)
         self.lines = 0
 
     def __call__(self, ctx: Any, decision: Any) -> None:

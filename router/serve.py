@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
         build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)  # fail before binding
         if cfg.decision_log:  # an unwritable path is a configuration error, not a traceback
-            open(cfg.decision_log, "ab").close()  # noqa: SIM115
+            open(cfg.decision_log, "ab").close()
         kv = kv_layer(cfg) if cfg.workers == 1 else None  # workers build their own
     except (ConfigError, ValueError, OSError) as e:
         print(f"kvroute serve: {e}", file=sys.stderr)

@@ -63,8 +63,10 @@ STAGGER_S = 60.0
 # published distributions — input p50 142k / p95 683k tokens (here 134k–142k / ~740k over
 # seeds 0–1, contexts up to 1M), output p50 444 (446), inter-call gap p50 3.84 s / p95 3.08 min
 # (3.3 s / ~165 s: log-normal, sigma = ln(185 / 3.84) / 1.645) — with the generator's subagents.
-AGENTX_LONG = ("synthetic:sessions=64,first_user_tokens=40000,growth_median=5200,"
-               "max_context_tokens=1000000,gap_median_s=3.84,gap_sigma=2.36,output_median=444")
+AGENTX_LONG = (
+    "synthetic:sessions=64,first_user_tokens=40000,growth_median=5200,"
+    "max_context_tokens=1000000,gap_median_s=3.84,gap_sigma=2.36,output_median=444"
+)
 # name -> (trace file or synthetic spec, profile, replicas, gap cap (s), concurrency (full),
 # (quick))
 _W = tuple[str, str, int, float | None, tuple[int, ...], tuple[int, ...]]
@@ -146,9 +148,9 @@ def run_workloads(
 ) -> list[dict]:  # fmt: skip
     """Every workload x policy x concurrency point over the seeds, then the line row per
     workload; ``KVROUTE_BENCH_POLICIES`` / ``KVROUTE_BENCH_WORKLOADS`` (comma lists) narrow
-    the run; ``KVROUTE_BENCH_SCRAPE_S`` (seconds, default 0: exact) has the simulated router read
-engine load through a scrape that often. ``overrides``: engine settings per workload over its
-profile (``with_overrides``)."""
+    the run; ``KVROUTE_BENCH_SCRAPE_S`` (seconds, default 0: exact) has the simulated router
+    read engine load through a scrape that often. ``overrides``: engine settings per workload
+    over its profile (``with_overrides``)."""
     duration = 480.0 if quick else 900.0
     seeds = SEEDS[:1] if quick else SEEDS
     only = os.environ.get("KVROUTE_BENCH_POLICIES")

@@ -107,8 +107,13 @@ def compare(out: Path, scrape_s: float = SCRAPE_S) -> dict[str, Any]:
     if len(rows) >= 2:
         t = kendalltau([r["real_rank"] for r in rows], [r["sim_rank"] for r in rows])
         tau = float(t.statistic)
-    return {"out": str(out), "trace": cfg["trace"], "scrape_s": scrape_s, "rows": rows,
-            "kendall_tau": tau}
+    return {
+        "out": str(out),
+        "trace": cfg["trace"],
+        "scrape_s": scrape_s,
+        "rows": rows,
+        "kendall_tau": tau,
+    }
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -135,9 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="a kvroute bench --out folder")
     p.add_argument("--json", default=None)
-    p.add_argument("--scrape", type=float, default=SCRAPE_S, metavar="S",
-                   help="the simulated router reads engine load every S wall seconds, as "
-                        "kvroute's metrics_interval_s (default 1; 0: exact at every decision)")
+    p.add_argument(
+        "--scrape",
+        type=float,
+        default=SCRAPE_S,
+        metavar="S",
+        help="the simulated router reads engine load every S wall seconds, as "
+        "kvroute's metrics_interval_s (default 1; 0: exact at every decision)",
+    )
     a = p.parse_args(argv)
     doc = compare(Path(a.out), a.scrape)
     print(markdown(doc))

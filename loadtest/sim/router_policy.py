@@ -77,7 +77,7 @@ class RouterPolicy:
         # the engines' running / waiting / KV usage as a live router sees them: read from
         # /metrics every metrics_interval_s (1 s by default), not at every decision (0: exact)
         self.scrape_interval_s = scrape_interval_s
-        self._scraped: dict[int, tuple[float, float, float]] = {}
+        self._scraped: dict[int, tuple[float, ...]] = {}
         self._scrape_tick = -1
         self._params: dict[tuple[str, int], Any] = {}
         self.pipeline = build_pipeline(policy, seed=seed)
@@ -152,12 +152,13 @@ class RouterPolicy:
                 self._params[(call.session_id, call.call_index)] = params
         return i
 
-    def _engine_load(self, replicas: Sequence[ReplicaView]) -> dict[int, tuple[float, float, float]]:
+    def _engine_load(self, replicas: Sequence[ReplicaView]) -> dict[int, tuple[float, ...]]:
         """(running, waiting, KV usage) per replica: the engines' figures now, or with a
         scrape interval as of the last scrape (every replica at t = k × interval; a replica
         first seen after it is read at once)."""
-        exact = {r.index: (float(r.num_running), float(r.num_waiting), r.kv_usage)
-                 for r in replicas}  # fmt: skip
+        exact: dict[int, tuple[float, ...]] = {
+            r.index: (float(r.num_running), float(r.num_waiting), r.kv_usage) for r in replicas
+        }
         if not self.scrape_interval_s:
             return exact
         tick = int(self.now // self.scrape_interval_s)

@@ -392,8 +392,11 @@ def test_a_cold_prefill_is_kept_off_a_replica_whose_agents_are_about_to_return()
     warm = CallShape(100_000, gpu_blocks=100_000 // H200.block_size - 4, expected_output_tokens=300)
     base = ReplicaLoad(0.0, 0, 0.0, H200.gpu_kv_blocks, 0.0)
     parked = ReplicaLoad(0.0, 0, 0.0, H200.gpu_kv_blocks, 0.0, reserved=agents)
-    cold_extra = placement_cost(H200, cold, parked).total_s - placement_cost(H200, cold, base).total_s
-    warm_extra = placement_cost(H200, warm, parked).total_s - placement_cost(H200, warm, base).total_s
+
+    def extra(call):
+        return placement_cost(H200, call, parked).total_s - placement_cost(H200, call, base).total_s
+
+    cold_extra, warm_extra = extra(cold), extra(warm)
     prefill = placement_cost(H200, cold, base).fetch_or_recompute_s
     assert cold_extra > 0.5 * prefill  # four agents likely back before a long prefill is done
     assert warm_extra < 0.2 * cold_extra

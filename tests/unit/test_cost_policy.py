@@ -454,7 +454,7 @@ def test_a_paced_agent_returns_memorylessly_however_long_it_has_been_idle(idle):
     )
     (res,) = st.view().warm_and_reserved("A", None)[1]
     assert res.expected_return_s == 10.0
-    from costmodel.placement import ReplicaLoad, reserved_cost, request_prefill_time
+    from costmodel.placement import ReplicaLoad, request_prefill_time, reserved_cost
 
     got = reserved_cost(PROF, 4.0, ReplicaLoad(reserved=[res]))
     full = request_prefill_time(PROF, 5_000, 100_000)

@@ -41,10 +41,18 @@ def test_moves_in_the_decision_log_are_attributed_to_the_term_that_drove_them():
     lines = [
         line(None, "r0", {}, {}),  # a new session: no move
         line("r0", "r0", {"queue_s": 9.0}, {}),  # stayed
-        line("r0", "r1", {"queue_s": 6.0, "fetch_or_recompute_s": 0.1},
-             {"queue_s": 0.0, "fetch_or_recompute_s": 3.0}),  # fled a queue
-        line("r0", "r1", {"reserved_s": 29.0, "fetch_or_recompute_s": 0.1},
-             {"reserved_s": 0.1, "fetch_or_recompute_s": 12.8}),  # fled reserved agents
+        line(
+            "r0",
+            "r1",
+            {"queue_s": 6.0, "fetch_or_recompute_s": 0.1},
+            {"queue_s": 0.0, "fetch_or_recompute_s": 3.0},
+        ),  # fled a queue
+        line(
+            "r0",
+            "r1",
+            {"reserved_s": 29.0, "fetch_or_recompute_s": 0.1},
+            {"reserved_s": 0.1, "fetch_or_recompute_s": 12.8},
+        ),  # fled reserved agents
         line("r1", "r0", {"interference_s": 0.5}, {"interference_s": 2.0}),  # r1 sticky
     ]
     m = decision_measures(lines)
