@@ -62,8 +62,9 @@ class KVView:
         """``matches`` deepened by the prompts this router has in flight: a replica gets the
         longest prefix ``keys`` shares with a call routed there and not yet finished (other
         than ``exclude``, the call itself on a retry), as GPU blocks — that call's prefill puts
-        them there, and vLLM queues a later call behind it, then hits them. Block keys are
-        chained, so the shared prefix is found by bisection."""
+        them there, and vLLM queues a later call behind it, then hits them — where the replica's
+        free GPU blocks hold both calls (else the later one waits for KV space instead). Block
+        keys are chained, so the shared prefix is found by bisection."""
         routed = self._st.routed
         if not keys or not routed:
             return matches
@@ -79,8 +80,16 @@ class KVView:
                 else:
                     hi = mid - 1
             cur = out.get(replica)
-            if cur is None or lo > cur.depth:
-                out[replica] = TierDepth(lo, gpu=lo)
+            if cur is not None and lo <= cur.depth:
+                continue
+            # only where both fit: a replica whose GPU pool cannot hold the call in flight and
+            # this one's own blocks besides makes this one wait for KV space, not share blocks
+            used = self.gpu_blocks_used(replica)
+            prof = self.profile(replica)
+            free = None if used is None else (prof.gpu_kv_blocks - used) * prof.block_size
+            if free is not None and free < (len(other) + len(keys) - lo) * self.block_size:
+                continue
+            out[replica] = TierDepth(lo, gpu=lo)
         return out
 
     def approx_match(self, keys: list[int], replicas: list[str]) -> dict[str, TierDepth]:

@@ -515,3 +515,18 @@ def test_a_call_placed_before_its_tokens_matches_the_text_routed_before():
     shared_blocks = (len(shared) // TEXT_CHUNK) * TEXT_CHUNK // 4 // BS  # 4 chars a token
     assert winner == "B" and s.terms["B"]["match_blocks"] == shared_blocks
     assert s.terms["A"]["match_blocks"] == 0
+
+
+def test_a_call_in_flight_lends_its_prefix_only_where_both_fit():
+    """On a replica whose GPU pool is full the later call of a burst would wait for KV space,
+    not share the first call's blocks: the prefix in flight does not count there."""
+    st = state()
+    st.index.store("B", list(range(5_000_000, 5_000_000 + PROF.gpu_kv_blocks)))  # B is full
+    first = ctx_for(session="a", keys=KEYS[:1000])
+    first.request_id = "r-a"
+    st.analyze(first)
+    st.decided(first, Decision(ep("B"), []))
+    second = ctx_for(session="b", keys=KEYS[:1000] + list(range(7_000_000, 7_000_020)))
+    second.request_id = "r-b"
+    _, s = pick(st, [ep("A"), ep("B")], second)
+    assert s.terms["B"]["match_blocks"] == 0
