@@ -25,8 +25,13 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
   block without a hash goes to the front (reused first). A block recomputed while its hash
   is cached elsewhere becomes a second cached copy (stored and removed on its own).
 * No room for a running request: preempt the last running request (recompute: free its
-  blocks, back to the front of the waiting queue). No room for a waiting request: stop
-  admitting this step.
+  blocks, back to the front of the waiting queue). A waiting request is admitted only if
+  its whole sequence so far fits in the free blocks (``scheduler_reserve_full_isl``, on by
+  default), not just its first chunk; an async load from a lower tier only within the free
+  blocks less what the other in-flight prefills still need (``reserved_blocks``). No room:
+  stop admitting this step — except where stopping would freeze the engine (nothing running,
+  a load behind holding blocks), where vLLM 0.32 stops for good (vllm#57841) and the twin
+  scans on past the head instead (:meth:`Engine._stranding`).
 * Tiers (optional): a block evicted from GPU is offloaded to host DRAM (LRU, capacity
   ``cpu_kv_blocks``), one evicted from DRAM goes to storage; a prefix hit continues into the
   lower tiers and the request waits (like ``WAITING_FOR_REMOTE_KVS``) for
@@ -775,7 +780,14 @@ class Engine:
             need = -(-(hit + n) // bs) - n_gpu
         # blocks referenced only from the free queue cannot also be allocated
         reusable = sum(1 for b in gpu if self.pool.ref[b] == 0)
-        if need > self.pool.num_free - reusable:
+        free = self.pool.num_free - reusable
+        # vLLM's full-ISL reservation (scheduler_reserve_full_isl, on by default): admit only
+        # if the whole sequence so far fits in the free blocks, not just its first chunk
+        if self._full_blocks(req) - n_gpu > free:
+            return None
+        # an async load holds its blocks with no progress and cannot be preempted: admit it
+        # only within what other in-flight prefills still need (_inflight_prefill_reserved_blocks)
+        if need > (free - self._inflight_reserved(req) if lower else free):
             return None
         self.pool.touch(gpu)
         new = self.pool.allocate(need) if need > 0 else []
@@ -809,6 +821,22 @@ class Engine:
             return 0
         self._cache_full_blocks(req, req.num_computed + n)
         return n
+
+    def _full_blocks(self, req: Request) -> int:
+        """Blocks ``req``'s whole sequence so far needs (``full_num_tokens`` in vLLM)."""
+        return -(-min(req.num_tokens, self.profile.max_model_len) // self.block_size)
+
+    def _inflight_reserved(self, req: Request) -> int:
+        """Blocks the other in-flight prefills still need to hold their full sequence:
+        requests loading (or loaded) from a lower tier and running prefill chunks, as vLLM's
+        ``_inflight_prefills`` (0.32.0)."""
+        return sum(
+            max(0, self._full_blocks(r) - len(r.blocks))
+            for r in self.requests.values()
+            if r is not req
+            and r.blocks
+            and (r.status != RUNNING or r.num_computed < r.num_tokens - 1)
+        )
 
     def _finish_load(self, req: Request) -> None:
         """Loaded blocks now hold their keys in GPU (``BlockStored`` medium GPU)."""
@@ -844,6 +872,15 @@ class Engine:
             req.blocks.extend(got)
         self._cache_full_blocks(req, req.num_computed + num_new)
         return True
+
+    def _stranding(self, head: Request, defer: bool) -> bool:
+        """Whether stopping at an unschedulable ``head`` would freeze the engine: nothing runs
+        and a request behind it holds blocks (an async load), so nothing would ever free them.
+        vLLM 0.32.0 stops there for good (vllm#45388, #57841); the twin scans on instead, as the
+        proposed upstream fix (vllm#45406) does, so the loads behind can finish and run."""
+        if self.running or defer:
+            return False
+        return any(r.blocks for r in self.waiting if r is not head)
 
     def _preempt(self, req: Request) -> None:
         self.pool.release(req.blocks)
@@ -922,6 +959,9 @@ class Engine:
                 if not req.blocks:
                     got = self._admit(req, now, budget, thresh, defer)
                     if got is None:
+                        if self._stranding(req, defer):
+                            skipped.append(self.waiting.popleft())
+                            continue
                         break
                     if got == 0:  # loading from a lower tier
                         skipped.append(self.waiting.popleft())
@@ -935,6 +975,9 @@ class Engine:
                         n = thresh
                     n = min(n, budget)
                     if not self._allocate(req, n):
+                        if self._stranding(req, defer):
+                            skipped.append(self.waiting.popleft())
+                            continue
                         break
                 self.waiting.popleft()
                 req.status = RUNNING

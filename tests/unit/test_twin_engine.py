@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from costmodel.profiles import load_profile
@@ -25,7 +27,8 @@ def drive(e: Engine, reqs=(), t: float = 0.0, until_idle: bool = True) -> float:
         s = e.schedule(t)
         if s is None:
             nxt = e.next_ready()
-            assert nxt is not None, "engine stuck with work but nothing schedulable"
+            # a load due at or before t that schedule(t) did not reach: the scan stopped short
+            assert nxt is not None and nxt > t, "engine stuck with work but nothing schedulable"
             t = max(t, nxt)
             continue
         t += s.duration
@@ -163,6 +166,65 @@ def test_running_request_short_of_blocks_preempts_the_newest():
     drive(e, [a, b])
     assert a.finished and b.finished
     assert e.preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
+
+
+def test_a_prompt_is_admitted_only_when_its_whole_sequence_fits():
+    # vLLM's full-ISL reservation: b's first chunk would fit beside a, its prompt does not
+    prof = TINY.replace(gpu_kv_blocks=9, max_num_batched_tokens=2 * BS)  # 8 usable
+    e = Engine(prof, hasher=BlockHasher(BS))
+    a = req("a", toks(3 * BS, 22), max_tokens=2 * BS)
+    b = req("b", toks(6 * BS, 23), max_tokens=1)
+    e.add(a)
+    t = drive(e, [], until_idle=False)
+    e.add(b)
+    s = e.schedule(t)
+    assert [r.id for r, _ in s.scheduled] == ["a"] and b.blocks == []
+    drive(e, [], t + s.duration)
+    assert a.finished and b.finished and b.first_token_time >= a.finish_time - 1e-9
+    assert e.preemptions == 0
+
+
+def _prefix_in_host(prof, n_blocks: int, seed: int):
+    """An engine whose host tier holds an ``n_blocks`` prompt evicted from GPU."""
+    e = Engine(prof, hasher=BlockHasher(BS))
+    p = toks(n_blocks * BS, seed)
+    t = drive(e, [req("p", [*p, 7])])
+    t = drive(e, [req("x", toks((prof.gpu_kv_blocks - 1) * BS - 1, seed + 1))], t)
+    assert not e.pool.match(BlockHasher(BS).hash_keys(p), n_blocks)
+    return e, p, t
+
+
+def test_async_loads_of_a_shared_prefix_do_not_freeze_the_engine():
+    # two calls hit the same host prefix; both loads holding blocks would leave neither room
+    # to compute its suffix (vllm#45388). b's whole sequence fits in what a's load leaves free
+    # (7 blocks), but not beside what a still needs (4): b waits, holding nothing
+    prof = TINY.replace(gpu_kv_blocks=12, cpu_kv_blocks=32)  # 11 usable
+    e, p, t = _prefix_in_host(prof, 4, 24)
+    a = req("a", p + toks(4 * BS, 26), max_tokens=1)  # 8 blocks, 4 from host
+    b = req("b", p + toks(3 * BS, 27), max_tokens=1)  # 7 blocks, 4 from host
+    e.add(a)
+    e.add(b)
+    assert e.schedule(t) is None
+    assert a.status == LOADING and b.blocks == []
+    drive(e, [], t)
+    assert a.finished and b.finished and a.cached_tokens == 4 * BS
+
+
+def test_a_load_behind_a_preempted_head_is_not_stranded():
+    # r decodes into the room a slow host load left it, preempts itself and cannot come back
+    # while the load holds its blocks; vLLM 0.32 stops at r for good (vllm#57841), the twin
+    # scans on so the load can finish and run, then r
+    hw = dataclasses.replace(TINY.hardware, host_latency_s=5.0)
+    prof = TINY.replace(gpu_kv_blocks=12, cpu_kv_blocks=32, hardware=hw)
+    e, p, t = _prefix_in_host(prof, 4, 28)
+    r = req("r", toks(2 * BS, 30), max_tokens=6 * BS)  # grows to 8 blocks
+    e.add(r)
+    t = drive(e, [], t, until_idle=False)
+    load = req("load", [*p, 9], max_tokens=1)  # 5 blocks, 4 from host
+    e.add(load)
+    t = drive(e, [], t)
+    assert r.num_preemptions >= 1 and load.cached_tokens == 4 * BS
+    assert r.finished and load.finished and load.finish_time < r.finish_time
 
 
 def test_token_budget_chunks_prefill_and_threshold_caps_chunks():
