@@ -26,20 +26,17 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from costmodel.placement import CostTerms
+
 log = logging.getLogger("kvroute.decisions")
 
-# the terms worth a line (explain shows every term; the log keeps the ones that decide)
+# the terms worth a line (explain shows every term; the log keeps the ones that decide):
+# kv_cost's cost terms (CostTerms.TERMS) and what they are computed from
 KEEP = (
     "total_s",
     "effective_s",
     "session_prior_s",
-    "queue_s",
-    "fetch_or_recompute_s",
-    "decode_s",
-    "eviction_harm_s",
-    "reserved_s",
-    "congestion_s",
-    "interference_s",
+    *CostTerms.TERMS,
     "match_blocks",
     "source",
     "queued_prefill_tokens",

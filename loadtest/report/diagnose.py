@@ -36,6 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from costmodel.placement import CostTerms
 from loadtest.replay.records import CallRecord, read_jsonl
 
 
@@ -131,8 +132,7 @@ def _tail_row(c: CallRecord, extra: int, speedup: float) -> dict[str, Any]:
 
 
 # kv_cost's terms, as the decision log names them (router.scheduling.kv_cost)
-COST_TERMS = ("queue_s", "fetch_or_recompute_s", "decode_s", "eviction_harm_s", "reserved_s",
-              "congestion_s", "interference_s")  # fmt: skip
+COST_TERMS = CostTerms.TERMS
 
 
 def decision_measures(lines: list[dict[str, Any]], scorer: str = "kv_cost") -> dict[str, Any]:

@@ -474,12 +474,10 @@ def test_a_call_whose_analysis_never_landed_leaves_its_engine_prompt_count():
     assert st.sessions["t/late"].tokens == 50_100
 
 
-def test_a_burst_sharing_a_prefix_follows_the_call_in_flight():
-    """Two new sessions share a 1,000-block prefix; the first is routed to B and still
-    prefilling (no KV event yet): the second sees the prefix coming to B — it would wait for
-    that prefill there and then only compute its own 20 blocks — not a cold cluster; a retry
-    of the first does not match itself."""
-    st = state()
+def _burst_behind_a_call_in_flight(st):
+    """A new session's call on a 1,000-block prefix routed to B (no KV event yet), then a
+    second new session's call on that prefix plus 20 blocks of its own, scored: (first, its
+    explanation)."""
     first = ctx_for(session="a", keys=KEYS[:1000])
     first.request_id = "r-a"
     st.analyze(first)
@@ -487,6 +485,16 @@ def test_a_burst_sharing_a_prefix_follows_the_call_in_flight():
     second = ctx_for(session="b", keys=KEYS[:1000] + list(range(7_000_000, 7_000_020)))
     second.request_id = "r-b"
     _, s = pick(st, [ep("A"), ep("B")], second)
+    return first, s
+
+
+def test_a_burst_sharing_a_prefix_follows_the_call_in_flight():
+    """Two new sessions share a 1,000-block prefix; the first is routed to B and still
+    prefilling (no KV event yet): the second sees the prefix coming to B — it would wait for
+    that prefill there and then only compute its own 20 blocks — not a cold cluster; a retry
+    of the first does not match itself."""
+    st = state()
+    first, s = _burst_behind_a_call_in_flight(st)
     a, b = s.terms["A"], s.terms["B"]
     assert b["match_blocks"] == 1000 and a["match_blocks"] == 0
     assert b["fetch_or_recompute_s"] < 0.1 * a["fetch_or_recompute_s"]
@@ -522,11 +530,5 @@ def test_a_call_in_flight_lends_its_prefix_only_where_both_fit():
     not share the first call's blocks: the prefix in flight does not count there."""
     st = state()
     st.index.store("B", list(range(5_000_000, 5_000_000 + PROF.gpu_kv_blocks)))  # B is full
-    first = ctx_for(session="a", keys=KEYS[:1000])
-    first.request_id = "r-a"
-    st.analyze(first)
-    st.decided(first, Decision(ep("B"), []))
-    second = ctx_for(session="b", keys=KEYS[:1000] + list(range(7_000_000, 7_000_020)))
-    second.request_id = "r-b"
-    _, s = pick(st, [ep("A"), ep("B")], second)
+    _, s = _burst_behind_a_call_in_flight(st)
     assert s.terms["B"]["match_blocks"] == 0
