@@ -56,8 +56,25 @@ class StepCoefficients:
         return self.overhead_s + comm + (compute if compute > memory else memory)
 
 
-@lru_cache(maxsize=64)
+# coefficients() by profile identity: the cost model asks for them ~10^5 times a second under
+# load, and hashing a frozen profile (three nested dataclasses) cost more than the formulas
+_BY_ID: dict[int, tuple[ReplicaProfile, StepCoefficients]] = {}
+
+
 def coefficients(profile: ReplicaProfile) -> StepCoefficients:
+    """The profile's step-time coefficients (memoised)."""
+    hit = _BY_ID.get(id(profile))
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    c = _coefficients(profile)
+    if len(_BY_ID) >= 64:
+        _BY_ID.clear()
+    _BY_ID[id(profile)] = (profile, c)  # holds the profile: its id is not reused meanwhile
+    return c
+
+
+@lru_cache(maxsize=64)
+def _coefficients(profile: ReplicaProfile) -> StepCoefficients:
     hw, m = profile.hardware, profile.model
     tp = profile.tensor_parallel_size
     allreduces = 2 * m.layers if tp > 1 else 0  # after attention and after the MLP
@@ -171,11 +188,23 @@ def prefill_chunk_tokens(profile: ReplicaProfile) -> int:
     return chunk
 
 
+_PREFILL: dict[tuple[int, int, int], tuple[ReplicaProfile, float]] = {}
+
+
 def request_prefill_time(profile: ReplicaProfile, new_tokens: int, cached_tokens: int = 0) -> float:
     """Wall time of prefilling one request alone on an idle replica: chunks of
     :func:`prefill_chunk_tokens`, each a full engine step with its overhead and weight reads
-    (:func:`prefill_stall_time` with no decoders)."""
-    return prefill_stall_time(profile, new_tokens, cached_tokens, 0, 0.0)
+    (:func:`prefill_stall_time` with no decoders). Memoised: the cost model prices every
+    paced agent's next prefill on every decision, with the same few arguments."""
+    key = (id(profile), new_tokens, cached_tokens)
+    hit = _PREFILL.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    t = prefill_stall_time(profile, new_tokens, cached_tokens, 0, 0.0)
+    if len(_PREFILL) >= 1 << 16:
+        _PREFILL.clear()
+    _PREFILL[key] = (profile, t)  # holds the profile: its id is not reused meanwhile
+    return t
 
 
 def prefill_stall_time(

@@ -25,12 +25,24 @@ if TYPE_CHECKING:
     from router.kv.state import KVState
 
 MIN_GAP_S = 0.1  # a measured mean gap of 0 s counts as this (back-to-back calls)
+# a paced agent this unlikely to return is no reservation: it would add < 1e-6 of one prefill
+# to a call's cost, and one-call sessions (Mooncake-style traffic) would each be priced on
+# every decision until their TTL
+P_NEGLIGIBLE = 1e-6
 
 
 class KVView:
     """What KV-aware scorers may read (no mutation): matches, profiles, footprints."""
 
-    __slots__ = ("_prefill", "_st", "block_size", "expected_output_tokens", "index", "now")
+    __slots__ = (
+        "_by_replica",
+        "_prefill",
+        "_st",
+        "block_size",
+        "expected_output_tokens",
+        "index",
+        "now",
+    )
 
     def __init__(self, st: KVState):
         self._st = st
@@ -38,6 +50,9 @@ class KVView:
         self.now: float = st.clock()
         self.block_size: int = st.cfg.block_size
         self._prefill = st.pending_prefill()
+        # sessions with KV by replica, bucketed once per pass (warm_and_reserved): scanning
+        # every footprint once per candidate made a decision O(replicas x sessions)
+        self._by_replica: dict[str, list[SessionFootprint]] | None = None
         # a session that has shown no output yet is expected to write what the others write
         ewma = st.output_ewma
         self.expected_output_tokens: int = (
@@ -158,8 +173,14 @@ class KVView:
         # return forever, and its KV could never be evicted without harm
         ewma = self._st.gap_ewma
         prior = self._st.cfg.default_gap_s if ewma is None else max(ewma, MIN_GAP_S)
-        for s in self._st.sessions.values():
-            if s.replica != replica or s.key == exclude or not s.tokens:
+        if self._by_replica is None:
+            by: dict[str, list[SessionFootprint]] = {}
+            for s in self._st.sessions.values():
+                if s.replica is not None and s.tokens:
+                    by.setdefault(s.replica, []).append(s)
+            self._by_replica = by
+        for s in self._by_replica.get(replica, ()):
+            if s.key == exclude:
                 continue
             idle = 0.0 if s.last_end is None else max(self.now - s.last_end, 0.0)
             gap = s.mean_gap()
@@ -169,7 +190,7 @@ class KVView:
             p = p_return_after(idle, gap, s.final)
             pinned = s.inflight > 0 or s.children_inflight > 0
             warm.append(WarmSession(s.key, s.tokens, idle, p, pinned))
-            if s.inflight == 0 and not s.final and p > 0:
+            if s.inflight == 0 and not s.final and p > P_NEGLIGIBLE:
                 # memoryless: the time to its return is exponential with the mean gap, however
                 # long it has been idle (agent gaps are heavy-tailed: AgentX median 3.84 s, p95
                 # 3 min). "gap - idle" read an agent past its mean gap as certain to return at
