@@ -63,6 +63,9 @@ log = logging.getLogger("kvroute.kv")
 
 MAX_GONE = 1024  # removed replicas remembered (late call outcomes there are not recorded)
 PREFILLING_MAX = 100_000  # calls tracked as awaiting their first byte, before old ones expire
+# a follower waits for a leader's placement only if their prompt texts share this many leading
+# TEXT_CHUNK-character chunks (8 KB, ~2k tokens) and at least half of the follower's text
+BURST_MIN_CHUNKS = 8
 PREFILLING_MAX_AGE_S = 900.0  # past the longest upstream wait (read_timeout_s 600 s)
 
 
@@ -151,6 +154,10 @@ class KVState:
         # prefill and then hits its blocks. ``kv_cost`` reads these as the blocks coming to
         # that replica (:meth:`KVView.with_routed`).
         self.routed: dict[str, tuple[str, list[int], float]] = {}
+        # calls analysed and not yet placed, by their prompt text's first chunk key: request
+        # id -> (text keys, set when it is placed, when analysed); see :meth:`analyze`
+        self._undecided: dict[int, dict[str, tuple[list[int], asyncio.Future[None], float]]] = {}
+        self.burst_waits = 0  # calls that waited for a leader's placement
         self._profiles: dict[str, ReplicaProfile] = {}
         self._profile_override = profile  # one profile object for every replica (tests, twins)
         self.subscriber: Any = None
@@ -300,6 +307,77 @@ class KVState:
     # ---- the analyzer: tokens + block keys ----------------------------------------------------
 
     def analyze(self, ctx: Any) -> Awaitable[None] | None:
+        """:meth:`_analyze`, and for a call whose prompt text mostly repeats that of a call
+        analysed but not yet placed (a cold burst sharing a prefix: subagents, many one-call
+        sessions on one system prompt), also a wait — within ``cfg.analysis_wait_s`` — for
+        that call's placement. sglang-router inserts a call's text into its tree at selection
+        and sends the next one after it; without the wait, a follower whose analysis queues
+        behind the leader's is placed first, blind to it, and both compute the prefix."""
+        own = self._analyze(ctx)
+        call = ctx.analysis
+        if not isinstance(call, KVCall) or not call.text_keys or self.cfg.analysis_wait_s <= 0:
+            return own
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return own  # the simulator, tests: calls are analysed and placed one by one
+        lead = self._burst_lead(call.text_keys)
+        keys = call.text_keys
+        self._undecided.setdefault(keys[0], {})[ctx.request_id] = (
+            keys, loop.create_future(), self.clock()
+        )  # fmt: skip
+        if lead is None:
+            return own
+        self.burst_waits += 1
+        return self._follow(lead, own)
+
+    async def _follow(self, lead: asyncio.Future[None], own: Awaitable[None] | None) -> None:
+        waits: list[Awaitable[Any]] = [
+            asyncio.wait_for(asyncio.shield(lead), self.cfg.analysis_wait_s)
+        ]
+        if own is not None:
+            waits.append(own)
+        await asyncio.gather(*waits, return_exceptions=True)
+
+    def _burst_lead(self, keys: list[int]) -> asyncio.Future[None] | None:
+        """The placement to wait for: the not-yet-placed call sharing the longest leading text
+        with ``keys``, if that covers at least half of it (and ``BURST_MIN_CHUNKS``)."""
+        group = self._undecided.get(keys[0])
+        if not group:
+            return None
+        now, stale = self.clock(), self.cfg.analysis_wait_s + 1.0
+        need = max(BURST_MIN_CHUNKS, (len(keys) + 1) // 2)
+        best: asyncio.Future[None] | None = None
+        best_n = 0
+        for rid, (other, fut, at) in list(group.items()):
+            if now - at > stale or fut.done():  # lost track of (an explain, a dropped call)
+                del group[rid]
+                continue
+            n = 0
+            for a, b in zip(keys, other, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n >= need and n > best_n:
+                best, best_n = fut, n
+        if not group:
+            del self._undecided[keys[0]]
+        return best
+
+    def _placed(self, ctx: Any) -> None:
+        """``ctx`` was placed (or ended unplaced): calls following it may go on."""
+        call = ctx.analysis if isinstance(ctx.analysis, KVCall) else None
+        if call is None or not call.text_keys:
+            return
+        group = self._undecided.get(call.text_keys[0])
+        entry = group.pop(ctx.request_id, None) if group is not None else None
+        if entry is not None:
+            if not entry[1].done():
+                entry[1].set_result(None)
+            if not group:
+                del self._undecided[call.text_keys[0]]
+
+    def _analyze(self, ctx: Any) -> Awaitable[None] | None:
         """Open the session's footprint; fill ``ctx.block_keys``, ``ctx.prompt_tokens`` and
         ``ctx.analysis`` (a :class:`KVCall`) from the body when a tokenizer is configured.
 
@@ -430,6 +508,7 @@ class KVState:
         sglang-router inserts into its tree — a burst sharing a prefix sees it at once."""
         keys = ctx.block_keys
         replica = decision.endpoint.name
+        self._placed(ctx)
         if keys:
             self.profile(replica)
             self.approx.record(replica, keys)
@@ -473,6 +552,7 @@ class KVState:
     # ---- the observer: what happened ----------------------------------------------------------
 
     def observe(self, ctx: Any, outcome: CallOutcome) -> None:
+        self._placed(ctx)  # a call that ended before it was placed
         self.prefilling.pop(ctx.request_id, None)  # ended without a first byte, or after one
         self.routed.pop(ctx.request_id, None)  # its blocks are in the index now (or evicted)
         replica = outcome.replica
@@ -545,6 +625,12 @@ class KVState:
     def sweep(self) -> None:
         now = self.clock()
         self.expire_removed(now)
+        stale = self.cfg.analysis_wait_s + 1.0
+        for first, group in list(self._undecided.items()):
+            for rid in [r for r, (_, fut, at) in group.items() if fut.done() or now - at > stale]:
+                del group[rid]
+            if not group:
+                del self._undecided[first]
         ttl = self.cfg.session_idle_ttl_s
         for k in [
             k

@@ -13,6 +13,7 @@ import pytest
 from loadtest import tinymodel
 from router.kv.config import KVConfig
 from router.kv.state import KVState
+from router.outcome import CallOutcome
 from router.scheduling import RequestContext
 from router.sessions import SessionIdentity
 from router.vllm.tokenizer import ModelTokenizer
@@ -117,3 +118,43 @@ async def test_wait_zero_places_first_calls_at_once_and_warms_the_session(
     c3 = ctx("z", words(100, 5))
     await asyncio.to_thread(st.analyze, c3)
     assert c3.block_keys
+
+
+async def test_a_cold_burst_sharing_a_prefix_is_placed_after_its_first_call(
+    tokenizer: ModelTokenizer,
+) -> None:
+    """Two new sessions on one long prompt text arrive together: the second waits for the
+    first's placement (not only for its own tokens), so it sees where the prefix went; a call
+    on other text, and one sharing only a short prefix, do not wait for it."""
+    from router.replicas import EndpointView
+    from router.scheduling.pipeline import Decision
+
+    shared = words(20_000, 5)
+    st = KVState(KVConfig(block_size=16, analysis_wait_s=10), tokenizer=tokenizer)
+    first, second = ctx("a", shared + " one"), ctx("b", shared + " two")
+    other = ctx("c", words(20_000, 6))
+    short = ctx("d", shared[:3000] + words(20_000, 7))
+    p1 = st.analyze(first)
+    p2 = st.analyze(second)
+    assert p2 is not None and st.burst_waits == 1
+    for c in (other, short):
+        p = st.analyze(c)
+        if p is not None:
+            await p
+    assert st.burst_waits == 1
+    if p1 is not None:
+        await p1
+    follower = asyncio.ensure_future(p2)
+    await asyncio.sleep(0.05)
+    assert first.block_keys and not follower.done()  # the first has its tokens, not a replica
+    b = EndpointView("B", "B", True, frozenset({"m"}), 0, 0.0, 0.0, 0.1, "closed")
+    st.decided(first, Decision(b, []))
+    await asyncio.wait_for(follower, 5)
+    view = st.view()
+    if second.block_keys:  # its tokens came in time: the first's prefix, in flight to B
+        match = view.with_routed(second.block_keys, {}, second.request_id)
+    else:  # placed blind: the first's text, routed to B
+        match = view.estimate(second)[1]
+    assert match["B"].depth >= 0.9 * len(first.block_keys or ())
+    st.observe(second, CallOutcome(None, "dry_run"))
+    assert not st._undecided.get(second.analysis.text_keys[0], {}).get(second.request_id)
