@@ -145,6 +145,7 @@ def build_app(
         first.append(kv.prefill_done)
         metrics.watch_kv_events(lambda: kv.subscriber)
         metrics.watch_calibration(kv)
+        metrics.watch_kv_analysis(kv)
     obs.extend(observers or [])
     if cfg.decision_log:
         from router.decisionlog import DecisionLog

@@ -20,6 +20,8 @@ histograms, no ``_created`` series). The full list with meanings is in docs/rout
 * replicas as the router sees them: ``kvroute_replica_healthy``,
   ``kvroute_replica_requests_running`` / ``_waiting``, ``kvroute_replica_kv_cache_usage_perc``,
   ``kvroute_breaker_state`` (0 closed, 1 half-open, 2 open);
+* prompt analysis: ``kvroute_kv_analyses_total{outcome=waited|not_waited|late|dropped|
+  burst_wait}``;
 * KV events: ``kvroute_kv_event_batches_total``, ``_gaps_total``, ``_replayed_total``,
   ``_restarts_total`` (per replica), ``kvroute_kv_event_lag_seconds`` (publish to apply, last
   batch), ``kvroute_kv_event_decode_errors_total``;
@@ -202,6 +204,11 @@ class RouterMetrics:
         ``calibrators`` and ``calibration(replica)``, :class:`router.kv.state.KVState`)."""
         self.registry.register(_CalibrationCollector(kv))
 
+    def watch_kv_analysis(self, kv: Any) -> None:
+        """How calls fared with prompt analysis (``kv.analysis_stats()``,
+        :class:`router.kv.state.KVState`)."""
+        self.registry.register(_KVAnalysisCollector(kv))
+
     def placed(self, previous: str | None, chosen: str, decision: Any = None) -> None:
         """One placement of a session's call: kept / moved / new, and the decision's time
         (``decision.elapsed_s`` when the pipeline measured it)."""
@@ -361,6 +368,25 @@ class _CalibrationCollector:
             n.add_metric([name, "itl"], float(c.itl_samples))
         yield g
         yield n
+
+
+class _KVAnalysisCollector:
+    """``kvroute_kv_analyses_total{outcome}``: calls that waited for their own analysis
+    (``waited``), were placed without waiting (``not_waited``: queued behind other calls'
+    cold work), waited in vain (``late``), were not analysed (``dropped``: the queue was full),
+    and waited for a burst leader's placement (``burst_wait``). Many ``not_waited`` calls
+    mean cold prompts arrive faster than one process tokenizes them."""
+
+    def __init__(self, kv: Any):
+        self.kv = kv
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily(
+            "kvroute_kv_analyses", "Calls by how their prompt analysis went", labels=["outcome"]
+        )
+        for outcome, n in sorted(self.kv.analysis_stats().items()):
+            c.add_metric([outcome], float(n))
+        yield c
 
 
 class _KVEventCollector:

@@ -339,6 +339,14 @@ class KVState:
             waits.append(own)
         await asyncio.gather(*waits, return_exceptions=True)
 
+    def analysis_stats(self) -> dict[str, int]:
+        """Calls by how their analysis went (see ``kvroute_kv_analyses_total``)."""
+        base = dict.fromkeys(("waited", "not_waited", "late", "dropped"), 0)
+        if self._lane is not None:
+            base.update(self._lane.stats)
+        base["burst_wait"] = self.burst_waits
+        return base
+
     def _burst_lead(self, keys: list[int]) -> asyncio.Future[None] | None:
         """The placement to wait for: the not-yet-placed call sharing the longest leading text
         with ``keys``, if that covers at least half of it (and ``BURST_MIN_CHUNKS``)."""

@@ -211,6 +211,18 @@ def test_calibration_collector_shows_each_replicas_fit():
     assert value(m, "kvroute_kv_calibration_samples", replica="r1", kind="ttft") == 10.0
 
 
+def test_analysis_collector_counts_how_calls_fared():
+    from router.kv.config import KVConfig
+    from router.kv.state import KVState
+
+    kv = KVState(KVConfig(block_size=16), clock=lambda: 0.0)
+    m = RouterMetrics()
+    m.watch_kv_analysis(kv)
+    assert value(m, "kvroute_kv_analyses_total", outcome="not_waited") == 0.0
+    kv.burst_waits = 3
+    assert value(m, "kvroute_kv_analyses_total", outcome="burst_wait") == 3.0
+
+
 def test_store_collector_only_for_redis():
     m = RouterMetrics()
     m.watch_store(SimpleNamespace(backend="memory"))
