@@ -109,8 +109,9 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics.on_scrape(refresh)
     metrics.watch_store(store)
     task = asyncio.create_task(store.run(), name="kvroute-store")
+    lag = asyncio.create_task(metrics.watch_loop(), name="kvroute-loop-lag")
     yield
-    await cancel_all([task])
+    await cancel_all([task, lag])
     await store.close()
 
 

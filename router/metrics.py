@@ -25,6 +25,8 @@ histograms, no ``_created`` series). The full list with meanings is in docs/rout
 * KV events: ``kvroute_kv_event_batches_total``, ``_gaps_total``, ``_replayed_total``,
   ``_restarts_total`` (per replica), ``kvroute_kv_event_lag_seconds`` (publish to apply, last
   batch), ``kvroute_kv_event_decode_errors_total``;
+* the process: ``kvroute_event_loop_lag_seconds`` (how late a 50 ms timer fired: the stall
+  every call through this process saw);
 * state: ``kvroute_state_backend_up{backend}``, ``kvroute_redis_pending_writes``,
   ``kvroute_redis_reconciles_total``.
 
@@ -34,6 +36,7 @@ the collectors as plain objects or zero-argument callables (duck-typed).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -49,6 +52,10 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
 # agent sessions: tens of calls with tool pauses, minutes to hours
 SESSION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
+# the event-loop lag probe: a timer every 50 ms (20 wake-ups a second, ~1 ms of CPU); lateness
+# buckets from 1 ms (scheduling noise) to 5 s (a cold tokenization on the loop would be ~0.3 s)
+LOOP_TICK_S = 0.05
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 SESSION_IDLE_S = 300.0  # a session silent this long counts as complete (unless it said final)
 MAX_TRACKED_SESSIONS = 100_000
 
@@ -156,6 +163,13 @@ class RouterMetrics:
             buckets=SESSION_BUCKETS,
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "kvroute_event_loop_lag_seconds",
+            "How late the event loop ran a timer due every LOOP_TICK_S: time every call through "
+            "this process waited for something else on the loop (a stall)",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
         for outcome in ("kept", "moved", "new"):
             self.placements.labels(outcome)
         # the per-call series, children cached (see Children)
@@ -172,6 +186,14 @@ class RouterMetrics:
         self._sessions: OrderedDict[str, list[float]] = OrderedDict()  # key -> [start, end]
         self._refreshers: list[Callable[[], None]] = []
         self.on_scrape(self.expire_sessions)
+
+    async def watch_loop(self, tick_s: float = LOOP_TICK_S) -> None:
+        """Run for ever (a task): every ``tick_s`` observe how late the loop woke up."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + tick_s
+            await asyncio.sleep(tick_s)
+            self.loop_lag.observe(max(loop.time() - due, 0.0))
 
     def on_scrape(self, fn: Callable[[], None]) -> None:
         """Register a callback that refreshes gauges right before each exposition."""

@@ -168,11 +168,18 @@ def run_point(
 
 
 # The router's own view at the end of a point, kept for diagnosis (docs/router.md has them).
-ROUTER_FAMILIES = ("kvroute_kv_calibration", "kvroute_session_placements_total")
+ROUTER_FAMILIES = (
+    "kvroute_kv_calibration",
+    "kvroute_session_placements_total",
+    "kvroute_kv_analyses_total",
+    "kvroute_event_loop_lag_seconds_bucket",
+    "kvroute_event_loop_lag_seconds_count",
+)
 
 
 def router_state(url: str) -> dict[str, Any]:
-    """kvroute's calibration per replica and placement counts, from its ``/metrics``."""
+    """kvroute's calibration per replica, placement and analysis counts and event-loop lag
+    histogram, from its ``/metrics``."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -230,3 +230,19 @@ def test_store_collector_only_for_redis():
     m.watch_store(SimpleNamespace(backend="redis", pending_writes=4, reconciles=2))
     assert value(m, "kvroute_redis_pending_writes") == 4.0
     assert value(m, "kvroute_redis_reconciles_total") == 2.0
+
+
+async def test_loop_lag_probe_sees_a_stall():
+    import asyncio
+    import time
+
+    m = RouterMetrics()
+    task = asyncio.create_task(m.watch_loop(tick_s=0.01))
+    await asyncio.sleep(0.05)
+    time.sleep(0.3)  # noqa: ASYNC251 -- the stall under test: the next tick is ~0.3 s late
+    await asyncio.sleep(0.05)
+    task.cancel()
+    assert value(m, "kvroute_event_loop_lag_seconds_count") >= 3
+    assert value(m, "kvroute_event_loop_lag_seconds_bucket", le="0.2") < value(
+        m, "kvroute_event_loop_lag_seconds_bucket", le="0.5"
+    )
