@@ -165,8 +165,8 @@ class RouterMetrics:
         )
         self.loop_lag = Histogram(
             "kvroute_event_loop_lag_seconds",
-            "How late the event loop ran a timer due every LOOP_TICK_S: time every call through "
-            "this process waited for something else on the loop (a stall)",
+            "How late the event loop ran a timer due every 50 ms: time every call through this "
+            "process waited for something else on the loop (a stall)",
             buckets=LAG_BUCKETS,
             registry=r,
         )
