@@ -353,12 +353,12 @@ class KVState:
         group = self._undecided.get(keys[0])
         if not group:
             return None
-        now, stale = self.clock(), self.cfg.analysis_wait_s + 1.0
+        now = self.clock()
         need = max(BURST_MIN_CHUNKS, (len(keys) + 1) // 2)
         best: asyncio.Future[None] | None = None
         best_n = 0
         for rid, (other, fut, at) in list(group.items()):
-            if now - at > stale or fut.done():  # lost track of (an explain, a dropped call)
+            if self._undecided_done(fut, at, now):
                 del group[rid]
                 continue
             n = 0
@@ -371,6 +371,11 @@ class KVState:
         if not group:
             del self._undecided[keys[0]]
         return best
+
+    def _undecided_done(self, fut: asyncio.Future[None], at: float, now: float) -> bool:
+        """An undecided entry to drop: placed, or lost track of (a dropped call) for longer
+        than any follower waits."""
+        return fut.done() or now - at > self.cfg.analysis_wait_s + 1.0
 
     def _placed(self, ctx: Any) -> None:
         """``ctx`` was placed (or ended unplaced): calls following it may go on."""
@@ -633,9 +638,9 @@ class KVState:
     def sweep(self) -> None:
         now = self.clock()
         self.expire_removed(now)
-        stale = self.cfg.analysis_wait_s + 1.0
         for first, group in list(self._undecided.items()):
-            for rid in [r for r, (_, fut, at) in group.items() if fut.done() or now - at > stale]:
+            done = [r for r, (_, fut, at) in group.items() if self._undecided_done(fut, at, now)]
+            for rid in done:
                 del group[rid]
             if not group:
                 del self._undecided[first]
