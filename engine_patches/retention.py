@@ -92,7 +92,9 @@ def _build(name: str) -> type:
         ) -> None:
             super().on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)
             hint = self._hint(req_context)
-            self.table.claim(order_request_keys(key_groups, req_context), hint)
+            # only chunks still here: an evicted key claimed would count against the share cap
+            keys = [k for k in order_request_keys(key_groups, req_context) if k in self.chunks]
+            self.table.claim(keys, hint)
             for key in self.table.finish(hint, time.monotonic()):
                 self._make_cold(key)
 

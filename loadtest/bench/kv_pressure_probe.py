@@ -28,14 +28,14 @@ def main(argv: list[str]) -> int:
     prof = with_overrides(load_profile(pname), OVERRIDES.get(wname, {}))
     trace = load_trace(Path(TRACES) / fname, max_gap_s=gap)
     peak = {"blocks": 0}
-    offload = twin_engine.Engine._offload
+    settle = twin_engine.Engine._settle
 
-    def counting(self: twin_engine.Engine, key: int, owner: str | None = None) -> None:
-        offload(self, key, owner)
-        if self.cpu is not None:  # a retaining tier may overflow until the allocation ends
-            peak["blocks"] = max(peak["blocks"], min(len(self.cpu), self.cpu.capacity))
+    def counting(self: twin_engine.Engine) -> None:
+        settle(self)
+        if self.cpu is not None:
+            peak["blocks"] = max(peak["blocks"], len(self.cpu))
 
-    twin_engine.Engine._offload = counting  # type: ignore[method-assign]
+    twin_engine.Engine._settle = counting  # type: ignore[method-assign]
     for pol in policies:
         peak["blocks"] = 0
         router_pol, hints, plugin = policy_spec(pol)

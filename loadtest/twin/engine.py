@@ -32,12 +32,20 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
   stop admitting this step — except where stopping would freeze the engine (nothing running,
   a load behind holding blocks), where vLLM 0.32 stops for good (vllm#57841) and the twin
   scans on past the head instead (:meth:`Engine._stranding`).
-* Tiers (optional): a block evicted from GPU is offloaded to host DRAM (LRU, capacity
-  ``cpu_kv_blocks``), one evicted from DRAM goes to storage; a prefix hit continues into the
-  lower tiers and the request waits (like ``WAITING_FOR_REMOTE_KVS``) for
-  ``load_time(cpu) + load_time(storage)`` while other requests run, then holds those blocks in
-  GPU. Lower-tier events carry ``medium`` CPU/STORAGE, empty token ids and block size 0, as
-  vLLM's CPU tier publishes them.
+* Tiers (optional), as vLLM's ``OffloadingConnector`` (``offloading/scheduler.py``,
+  ``kv_offload/cpu/manager.py``, ``kv_offload/tiering/manager.py``): write-through, not a
+  victim cache. Each prompt block a step computes is offered to host DRAM (:class:`HostTier`,
+  LRU, capacity ``cpu_kv_blocks``) by the step that computes it, and written on to storage
+  when the write ends (every stored chunk goes to every tier); a GPU eviction moves nothing.
+  A request with no lower-tier hit offers all its prompt blocks (so a GPU hit puts back what
+  the host tier lost), one that loads offers only the blocks after its hit. When a request
+  ends, the host chunks it offered or loaded become the most recently used (its first block
+  last). A prefix hit continues into the lower tiers and the request waits (like
+  ``WAITING_FOR_REMOTE_KVS``) for ``load_time(cpu) + load_time(storage)`` while other
+  requests run (the loaded chunks cannot be evicted meanwhile; storage chunks are staged
+  through the host tier), then holds those blocks in GPU. Lower-tier events carry ``medium``
+  CPU/STORAGE, empty token ids and block size 0, as vLLM's tiers publish them: removals when
+  the store pass evicts, ``BlockStored`` when the step's writes end.
 * Prefill cadence (optional, ``prefill_interval_steps`` N > 1): waiting requests are admitted
   only every N-th step, except when nothing is running (the capacity guard: an idle engine
   never waits for its cadence).
@@ -45,14 +53,13 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
 The engine plugin (``engine_patches``, docs/engine.md), optional and off by default
 (:class:`EnginePlugin`):
 
-* Retention (``EnginePlugin.retention``): the host tier is :class:`RetainingTier`, vLLM's LRU
+* Retention (``EnginePlugin.retention``): the host tier is :class:`HostTier` with vLLM's LRU
   plus the session holds of ``AgentRetentionPolicy``, decided by the same pure rule
   (:mod:`engine_patches.retention_rule`) from the request's ``kvroute`` hint
-  (``Request.hint``). A GPU block belongs to the last hinted session whose request finished
-  with it; when it is offloaded, its host copy belongs to that session. A request that hits
-  host blocks claims them; when it finishes it claims its prompt's host blocks and its hint
-  applies (hold, ``running``, ``done`` = to the cold end). Evictions run once per allocation,
-  as one ``evict(n)`` of the plugin's policy.
+  (``Request.hint``). Host chunks a hinted request stores belong to its session; when it
+  finishes, the chunks it offered or loaded do too and its hint applies (hold, ``running``,
+  ``done`` = to the cold end). Each store pass that needs room runs one ``evict(n)`` of the
+  plugin's policy.
 * Bounded prefill cadence (``EnginePlugin.cadence``): each step asks
   :class:`engine_patches.cadence.PrefillCadence` (the plugin scheduler's pure rule, with the
   same pending list: running prefill chunks, and waiting requests flagged eligible by
@@ -79,8 +86,6 @@ from engine_patches.retention_rule import Hint, RetentionConfig, RetentionTable
 from router.vllm.hashing import MASK64, BlockHasher
 from router.vllm.kvevents import encode_all_cleared, encode_block_removed, encode_block_stored
 
-_DONE = "\0done"  # GPU block owner mark: its session said done (arrives on host cold)
-
 WAITING, LOADING, RUNNING, FINISHED, ABORTED = (
     "waiting",
     "loading",
@@ -106,6 +111,8 @@ class Request:
         "finish_time",
         "first_token_time",
         "hint",
+        "host_lo",
+        "host_next",
         "id",
         "load_blocks",
         "max_tokens",
@@ -163,6 +170,10 @@ class Request:
         self.ready_at = 0.0
         self.load_blocks: list[int] = []  # keys being loaded from lower tiers
         self.num_preemptions = 0
+        # the lower tiers' store pass (vLLM's next_stored_chunk_idx): blocks [host_lo,
+        # host_next) were offered to or loaded from them (-1: not admitted yet)
+        self.host_lo = -1
+        self.host_next = 0
 
     @property
     def num_tokens(self) -> int:
@@ -226,24 +237,41 @@ class TierLRU:
         self.keys.clear()
 
 
-class RetainingTier:
-    """The host tier under ``AgentRetentionPolicy``'s rule: LRU plus session holds.
+class HostTier:
+    """The host-DRAM tier as vLLM's ``OffloadingConnector`` keeps it: write-through.
 
-    Same interface as :class:`TierLRU` (``in``, ``len``, ``keys``, ``capacity``, ``touch``,
-    ``clear``) except that :meth:`put` only inserts: the engine calls :meth:`evict_over` after
-    each allocation to bring the tier back to its capacity, one ``evict(n)`` per batch as the
-    plugin's policy is asked. Who holds what is :class:`RetentionTable` (``table``), the
-    plugin's own bookkeeping. The LRU order is a rank per key in a lazy min-heap; a held key met
-    while evicting is parked under its session and goes back to the heap (same rank) when the
-    session stops holding, so skipping held keys costs once per hold, not once per eviction.
+    vLLM 0.32.0's ``CPUOffloadingManager`` with its LRU policy (``vllm/v1/kv_offload/cpu``), or
+    with the plugin's ``AgentRetentionPolicy`` when ``retention`` is given (the same pure rule,
+    :class:`RetentionTable`, as ``table``). One chunk per engine block. What it models:
+
+    * :meth:`store` is ``prepare_store``: a request's newly computed prompt blocks are offered
+      at the step that computes them; keys already here are left as they are, new keys get a
+      fresh LRU rank and are written during the step (not evictable until :meth:`settle`, when
+      their ``BlockStored`` is due). Room is made first, evicting the least recently used
+      chunks that are not in the offer, not being loaded and not being written; if that cannot
+      free enough, nothing is stored (the connector retries at the request's next step).
+    * :meth:`finish` is ``on_request_finished``: every chunk the request offered or loaded gets
+      a fresh rank, its last block first, so a prefix outlives its tails. No lookup refreshes.
+    * Retention: an eviction first skips the chunks of sessions that hold (``evict(n,
+      protected | held)``), and runs as plain LRU if that cannot give ``n``; ``done`` sends the
+      session's chunks to the cold end. A held chunk met while evicting is parked under its
+      session and goes back to the heap (same rank) when the session stops holding, so skipping
+      it costs once per hold, not once per eviction.
+
+    The LRU order is a rank per key in a lazy min-heap (lower: evicted earlier), as vLLM's.
     """
 
-    __slots__ = ("_cold", "_heap", "_next", "_parked", "capacity", "keys", "table")
+    __slots__ = ("_cold", "_heap", "_next", "_parked", "_pins", "capacity", "keys", "pending",
+                 "table")  # fmt: skip
 
-    def __init__(self, capacity: int, config: RetentionConfig):
+    def __init__(self, capacity: int, retention: RetentionConfig | None = None):
+        if capacity <= 0:
+            raise ValueError("a host tier needs a capacity of at least one block")
         self.capacity = capacity
-        self.table = RetentionTable(config, capacity)
-        self.keys: dict[int, int] = {}  # key -> LRU rank (lower: evicted earlier)
+        self.table = RetentionTable(retention, capacity) if retention is not None else None
+        self.keys: dict[int, int] = {}  # key -> LRU rank
+        self.pending: dict[int, None] = {}  # stored this step, being written (in order)
+        self._pins: dict[int, int] = {}  # key -> loads in flight (not evictable)
         self._heap: list[tuple[int, int]] = []
         self._parked: dict[str, list[tuple[int, int]]] = {}
         self._next = 0
@@ -263,75 +291,125 @@ class RetainingTier:
             heapq.heapify(self._heap)
             self._parked.clear()  # their keys are back in the heap
 
-    def put(self, key: int, owner: str | None = None) -> None:
-        """Store (or refresh) ``key``, owned by session ``owner`` when given; may overflow
-        the capacity until :meth:`evict_over`."""
-        self._next += 1
-        self._rank(key, self._next)
-        if owner is not None:
-            self.table.assign((key,), owner)
+    def _unpark(self, keep: Mapping[str, int]) -> None:
+        for name in [x for x in self._parked if x not in keep]:
+            for e in self._parked.pop(name):
+                heapq.heappush(self._heap, e)
 
-    def touch(self, key: int, hint: Hint | None = None) -> None:
-        """A request hit ``key``: most recently used, and the request's session claims it."""
-        self.put(key, hint.session if hint is not None else None)
-
-    def claim(self, keys: Iterable[int], session: str) -> None:
-        self.table.assign((k for k in keys if k in self.keys), session)
-
-    def make_cold(self, keys: Iterable[int]) -> None:
-        """``done``: these keys go to the cold end (evicted first), in the order given."""
-        for k in keys:
-            if k in self.keys:
-                self._cold -= 1
-                self._rank(k, self._cold)
-
-    def evict_over(self, now: float) -> list[int]:
-        """Evict down to the capacity; returns the evicted keys (oldest first)."""
-        n = len(self.keys) - self.capacity
-        if n <= 0:
-            return []
-        held = self.table.held(now)
-        heap, parked = self._heap, self._parked
-        for name in [x for x in parked if x not in held]:
-            for e in parked.pop(name):
-                heapq.heappush(heap, e)
-        if len(self.keys) - sum(held.values()) < n:
-            # retention yields: what is not held cannot give n, so this eviction is plain LRU
-            for lst in parked.values():
-                for e in lst:
-                    heapq.heappush(heap, e)
-            parked.clear()
-            held = {}
-        owner = self.table.owner
-        keys = self.keys
-        out: list[int] = []
-        while len(out) < n:
-            if not heap:  # a parked key changed hands: finish this eviction as plain LRU
-                for lst in parked.values():
-                    for e in lst:
-                        heapq.heappush(heap, e)
-                parked.clear()
-                held = {}
-            rank, key = heapq.heappop(heap)
+    def _pop(self, n: int, protected: set[int], held: Mapping[str, int]) -> list[int] | None:
+        """The ``n`` least recently used evictable keys, skipping ``held`` sessions' (parked);
+        None (the heap as it was) when there are not ``n``."""
+        heap, keys, pins, pending = self._heap, self.keys, self._pins, self.pending
+        owner = self.table.owner if self.table is not None and held else None
+        out: list[tuple[int, int]] = []
+        skipped: list[tuple[int, int]] = []
+        while len(out) < n and heap:
+            e = heapq.heappop(heap)
+            rank, key = e
             if keys.get(key) != rank:
                 continue  # stale: refreshed or gone
-            who = owner(key) if held else None
-            if who is not None and who in held:
-                parked.setdefault(who, []).append((rank, key))
+            if key in protected or key in pins or key in pending:
+                skipped.append(e)
                 continue
-            del keys[key]
-            out.append(key)
-        self.table.forget(out)
+            if owner is not None:
+                who = owner(key)
+                if who is not None and who in held:
+                    self._parked.setdefault(who, []).append(e)
+                    continue
+            out.append(e)
+        for e in skipped:
+            heapq.heappush(heap, e)
+        if len(out) < n:
+            for e in out:
+                heapq.heappush(heap, e)
+            return None
+        gone = [k for _, k in out]
+        for k in gone:
+            del keys[k]
+        return gone
+
+    def _evict(self, n: int, protected: set[int], now: float) -> list[int] | None:
+        held = self.table.held(now) if self.table is not None else {}
+        self._unpark(held)
+        out = self._pop(n, protected, held) if held else None
+        if out is None:  # retention yields: never block an eviction the engine needs
+            self._unpark({})
+            out = self._pop(n, protected, {})
+        if out and self.table is not None:
+            self.table.forget(out)
         return out
 
+    def store(
+        self, keys: Sequence[int], now: float, hint: Hint | None = None
+    ) -> tuple[list[int], list[int]] | None:
+        """``prepare_store`` of ``keys``: (keys newly stored, keys evicted for them), or None
+        when no room could be made (nothing changed)."""
+        new = list(dict.fromkeys(k for k in keys if k not in self.keys))
+        if not new:
+            return [], []
+        n = len(self.keys) + len(new) - self.capacity
+        evicted: list[int] = []
+        if n > 0:
+            if n > len(self.keys):
+                return None  # the offer alone is larger than the tier
+            got = self._evict(n, set(keys), now)
+            if got is None:
+                return None
+            evicted = got
+        for k in new:
+            self._next += 1
+            self._rank(k, self._next)
+            self.pending[k] = None
+        if self.table is not None:
+            self.table.claim(new, hint)  # the policy's on_store_miss
+        return new, evicted
+
+    def settle(self) -> list[int]:
+        """The step's writes are done (``complete_store``): returns the keys now readable."""
+        out = [k for k in self.pending if k in self.keys]
+        self.pending.clear()
+        return out
+
+    def pin(self, keys: Iterable[int]) -> None:
+        """A load from this tier began (``prepare_load``): not evictable until :meth:`unpin`."""
+        pins = self._pins
+        for k in keys:
+            pins[k] = pins.get(k, 0) + 1
+
+    def unpin(self, keys: Iterable[int]) -> None:
+        pins = self._pins
+        for k in keys:
+            c = pins.get(k, 0) - 1
+            if c > 0:
+                pins[k] = c
+            else:
+                pins.pop(k, None)
+
+    def finish(self, keys: Sequence[int], hint: Hint | None, now: float) -> None:
+        """``on_request_finished``: the request's chunks (prompt order) become the most
+        recently used, its first block last; then its hint applies (claim, hold, ``done``)."""
+        present = [k for k in keys if k in self.keys]
+        for k in reversed(present):
+            self._next += 1
+            self._rank(k, self._next)
+        if self.table is not None and hint is not None:
+            self.table.claim(present, hint)
+            for gone in self.table.finish(hint, now):
+                if isinstance(gone, int) and gone in self.keys:
+                    self._cold -= 1
+                    self._rank(gone, self._cold)
+
     def held_blocks(self, now: float) -> int:
-        return sum(self.table.held(now).values())
+        return sum(self.table.held(now).values()) if self.table is not None else 0
 
     def clear(self) -> None:
         self.keys.clear()
+        self.pending.clear()
+        self._pins.clear()
         self._heap.clear()
         self._parked.clear()
-        self.table = RetentionTable(self.table.config, self.capacity)
+        if self.table is not None:
+            self.table = RetentionTable(self.table.config, self.capacity)
 
 
 @dataclass(frozen=True)
@@ -362,21 +440,13 @@ class BlockPool:
     """vLLM's GPU block pool: ref counts, an LRU free queue, and the prefix-cache map.
 
     Block 0 is the reserved null block (never allocated), as in vLLM. Events go to ``sink``
-    (already in wire form); evicted cached keys go to ``on_evict`` (the lower tiers) with the
-    block's ``owner`` (the retention session it was last used by, engine plugin), and
-    ``after_evict`` runs once after an allocation that evicted.
+    (already in wire form). An evicted block is gone: the lower tiers already hold what they
+    were given when it was computed (write-through, :class:`HostTier`).
     """
 
-    __slots__ = ("after_evict", "cached", "dups", "free", "key_of", "num_blocks", "on_evict",
-                 "owner", "ref", "sink")  # fmt: skip
+    __slots__ = ("cached", "dups", "free", "key_of", "num_blocks", "ref", "sink")
 
-    def __init__(
-        self,
-        num_blocks: int,
-        sink: list[dict[str, Any]] | None,
-        on_evict: Callable[[int, str | None], None] | None = None,
-        after_evict: Callable[[], None] | None = None,
-    ):
+    def __init__(self, num_blocks: int, sink: list[dict[str, Any]] | None):
         if num_blocks < 2:
             raise ValueError("a block pool needs at least 2 blocks (one is reserved)")
         self.num_blocks = num_blocks
@@ -386,9 +456,6 @@ class BlockPool:
         self.cached: dict[int, int] = {}
         self.dups: dict[int, set[int]] = {}
         self.sink = sink
-        self.on_evict = on_evict
-        self.after_evict = after_evict
-        self.owner: list[str | None] = [None] * num_blocks
 
     @property
     def usable(self) -> int:
@@ -424,24 +491,16 @@ class BlockPool:
         if n > len(self.free):
             return None
         out = []
-        free, ref, key_of, owner = self.free, self.ref, self.key_of, self.owner
-        evicted = False
+        free, ref, key_of = self.free, self.ref, self.key_of
         for _ in range(n):
             b = free.popitem(last=False)[0]
             k = key_of[b]
             if k is not None:
                 key_of[b] = None
-                if self._uncache(b, k):
-                    if self.sink is not None:
-                        self.sink.append(encode_block_removed([k]))
-                    if self.on_evict is not None and k not in self.cached:
-                        self.on_evict(k, owner[b])
-                        evicted = True
-            owner[b] = None
+                if self._uncache(b, k) and self.sink is not None:
+                    self.sink.append(encode_block_removed([k]))
             ref[b] = 1
             out.append(b)
-        if evicted and self.after_evict is not None:
-            self.after_evict()
         return out
 
     def _uncache(self, b: int, k: int) -> bool:
@@ -500,7 +559,6 @@ class BlockPool:
         self.cached.clear()
         self.dups.clear()
         self.key_of = [None] * self.num_blocks
-        self.owner = [None] * self.num_blocks
         self.free = OrderedDict.fromkeys(range(1, self.num_blocks))
         return True
 
@@ -526,19 +584,15 @@ class Engine:
         if hasher is not None and hasher.block_size != profile.block_size:
             raise ValueError("hasher block size differs from the profile's")
         self.events: list[dict[str, Any]] | None = [] if emit_events else None
-        self.cpu: TierLRU | RetainingTier | None = None
-        if plugin.retention is not None:
-            if not profile.cpu_kv_blocks:
-                raise ValueError("retention needs a host tier (cpu_kv_blocks > 0)")
-            self.cpu = RetainingTier(profile.cpu_kv_blocks, plugin.retention)
-        elif profile.cpu_kv_blocks:
-            self.cpu = TierLRU(profile.cpu_kv_blocks)
+        if plugin.retention is not None and not profile.cpu_kv_blocks:
+            raise ValueError("retention needs a host tier (cpu_kv_blocks > 0)")
+        self.cpu = (
+            HostTier(profile.cpu_kv_blocks, plugin.retention) if profile.cpu_kv_blocks else None
+        )
         self.storage = TierLRU(profile.storage_kv_blocks) if profile.storage_kv_blocks else None
-        self.retaining = isinstance(self.cpu, RetainingTier)
-        self.pool = BlockPool(
-            profile.gpu_kv_blocks, self.events, self._offload,
-            self._settle_cpu if self.retaining else None,
-        )  # fmt: skip
+        self.pool = BlockPool(profile.gpu_kv_blocks, self.events)
+        # stores written during the current step: (keys, tier) groups, published at its end
+        self._writing: list[list[int]] = []
         self.cadence = (
             PrefillCadence(plugin.cadence, profile.max_num_batched_tokens)
             if plugin.cadence is not None
@@ -557,6 +611,8 @@ class Engine:
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens hit (any tier)
         self.tier_hit_blocks = {"gpu": 0, "cpu": 0, "storage": 0}
+        # prompt tokens hit by tier, once per request (vllm:prompt_tokens_cached_by_source)
+        self.cached_by_source = {"device": 0, "host": 0, "disk": 0}
         self.preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -568,38 +624,57 @@ class Engine:
         if self.events is not None:
             self.events.append(ev)
 
-    def _offload(self, key: int, owner: str | None = None) -> None:
-        cpu = self.cpu
-        if isinstance(cpu, RetainingTier):
-            self._emit(encode_block_stored([key], None, [], 0, medium="CPU"))
-            if owner == _DONE:
-                cpu.put(key)
-                cpu.make_cold((key,))
-            else:
-                cpu.put(key, owner)  # evicted after the allocation (_settle_cpu)
-        elif cpu is not None:
-            self._emit(encode_block_stored([key], None, [], 0, medium="CPU"))
-            gone = cpu.put(key)
-            if gone is not None:
-                self._emit(encode_block_removed([gone], medium="CPU"))
-                self._to_storage(gone)
-        else:
-            self._to_storage(key)
-
-    def _settle_cpu(self) -> None:
-        """The retaining host tier back to its capacity: one eviction for the allocation."""
-        assert isinstance(self.cpu, RetainingTier)
-        for gone in self.cpu.evict_over(self.now):
-            self._emit(encode_block_removed([gone], medium="CPU"))
-            self._to_storage(gone)
-
-    def _to_storage(self, key: int) -> None:
-        if self.storage is None:
+    def _store_lower(self, req: Request, horizon: int, now: float) -> None:
+        """The connector's store pass for one scheduled request: offer its prompt blocks
+        ``[host_next, horizon)`` to the host tier (to storage when there is none); evictions
+        are published now, the stored keys when the step's writes end (:meth:`_settle`)."""
+        start = req.host_next
+        if horizon <= start:
             return
-        self._emit(encode_block_stored([key], None, [], 0, medium="STORAGE"))
-        gone = self.storage.put(key)
-        if gone is not None:
-            self._emit(encode_block_removed([gone], medium="STORAGE"))
+        offer = req.block_keys[start:horizon]
+        cpu = self.cpu
+        if cpu is None:  # storage only: written through to it
+            req.host_next = horizon
+            self._writing.append(offer)
+            return
+        got = cpu.store(offer, now, req.hint)
+        if got is None:
+            return  # no room now: offered again at the request's next step, as vLLM does
+        new, evicted = got
+        req.host_next = horizon
+        if evicted:
+            self._emit(encode_block_removed(evicted, medium="CPU"))
+        if new:
+            self._writing.append(new)
+
+    def _settle(self) -> None:
+        """The step's tier writes are done: ``BlockStored`` for the host tier, and the
+        cascade to storage (vLLM's tiering manager writes every stored chunk to all tiers)."""
+        groups, self._writing = self._writing, []
+        if self.cpu is not None:
+            ready = set(self.cpu.settle())
+            groups = [[k for k in g if k in ready] for g in groups]
+        for g in groups:
+            if not g:
+                continue
+            if self.cpu is not None:
+                self._emit(encode_block_stored(g, None, [], 0, medium="CPU"))
+            self._to_storage(g)
+
+    def _to_storage(self, keys: Sequence[int]) -> None:
+        sto = self.storage
+        if sto is None:
+            return
+        new = [k for k in keys if k not in sto]
+        gone = []
+        for k in keys:
+            out = sto.put(k)
+            if out is not None:
+                gone.append(out)
+        if gone:
+            self._emit(encode_block_removed(gone, medium="STORAGE"))
+        if new:
+            self._emit(encode_block_stored(new, None, [], 0, medium="STORAGE"))
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -622,6 +697,10 @@ class Engine:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.cpu is not None:
+            if req.status == LOADING:
+                self.cpu.unpin(req.load_blocks)
+            self._host_finish(req, self.now)
         self.pool.release(req.blocks)
         req.blocks = []
         req.status = ABORTED
@@ -635,6 +714,7 @@ class Engine:
             self.cpu.clear()
         if self.storage is not None:
             self.storage.clear()
+        self._writing.clear()
         self._emit(encode_all_cleared())
         return True
 
@@ -800,6 +880,14 @@ class Engine:
             req.cached_tokens = hit
             self.prefix_queries += req.prompt_len
             self.prefix_hits += hit
+            by = self.cached_by_source
+            by["device"] += n_gpu * bs
+            by["host"] += n_cpu * bs
+            by["disk"] += n_sto * bs
+        # the blocks the request's store pass has covered (vLLM: a load skips them; without
+        # one every prompt block is offered, so a GPU hit puts back what the host tier lost)
+        lo = n_gpu if lower else 0
+        req.host_lo = lo if req.host_lo < 0 else min(req.host_lo, lo)
         if lower:
             req.load_blocks = lower
             req.status = LOADING
@@ -808,14 +896,11 @@ class Engine:
                 + load_time(self.profile, n_cpu, "cpu")
                 + load_time(self.profile, n_sto, "storage")
             )
-            if isinstance(cpu, RetainingTier):
-                for k in lower:
-                    if k in cpu:
-                        cpu.touch(k, req.hint)  # the plugin policy's touch(): a claim
-            elif cpu is not None:
-                for k in lower:
-                    if k in cpu:
-                        cpu.touch(k)
+            req.host_next = max(req.host_next, n_gpu + len(lower))
+            if cpu is not None:
+                if n_sto:  # storage hits are staged through the host tier (tiering manager)
+                    self._promote(req, [k for k in lower if k not in cpu], now)
+                cpu.pin(k for k in lower if k in cpu)
             self.tier_hit_blocks["cpu"] += n_cpu
             self.tier_hit_blocks["storage"] += n_sto
             return 0
@@ -838,8 +923,22 @@ class Engine:
             and (r.status != RUNNING or r.num_computed < r.num_tokens - 1)
         )
 
+    def _promote(self, req: Request, keys: list[int], now: float) -> None:
+        """Storage chunks a request loads are written to the host tier on their way."""
+        assert self.cpu is not None
+        got = self.cpu.store(keys, now, req.hint)
+        if got is None:
+            return  # no room on the host: the twin loads straight from storage
+        new, evicted = got
+        if evicted:
+            self._emit(encode_block_removed(evicted, medium="CPU"))
+        if new:
+            self._writing.append(new)
+
     def _finish_load(self, req: Request) -> None:
         """Loaded blocks now hold their keys in GPU (``BlockStored`` medium GPU)."""
+        if self.cpu is not None:
+            self.cpu.unpin(req.load_blocks)
         n_gpu = len(req.blocks) - len(req.load_blocks)
         keys = req.load_blocks
         stored = []
@@ -995,6 +1094,15 @@ class Engine:
                                 if r.id in pending_left))  # fmt: skip
         if not scheduled:
             return None
+        if self.cpu is not None or self.storage is not None:
+            # the connector's store pass (build_connector_meta): the prompt blocks this step
+            # completes are offered to the lower tiers (offload_prompt_only)
+            bs = self.block_size
+            for req, n in scheduled:
+                horizon = min(req.num_computed + n, req.prompt_len) // bs
+                if horizon > req.host_next:
+                    self._keys_upto(req, horizon)
+                    self._store_lower(req, horizon, now)
         c = self.coeffs
         tokens = attended = kv_read = 0.0
         pf = dc = 0
@@ -1015,6 +1123,8 @@ class Engine:
     def complete(self, step: Step, end: float) -> StepResult:
         """Apply a step's computation at time ``end``: tokens, first tokens, finishes."""
         self.busy_time += step.duration
+        if self._writing:
+            self._settle()
         got: list[Request] = []
         first: list[Request] = []
         done: list[Request] = []
@@ -1044,30 +1154,19 @@ class Engine:
             ids = {id(r) for r in done}
             self.running = [r for r in self.running if id(r) not in ids]
             for req in done:
-                if req.hint is not None and self.retaining:
-                    self._retention_finish(req, end)
+                if self.cpu is not None:
+                    self._host_finish(req, end)
                 self.pool.release(req.blocks)
                 req.blocks = []
                 self.requests.pop(req.id, None)
         return StepResult(got, done, first)
 
-    def _retention_finish(self, req: Request, now: float) -> None:
-        """The plugin policy's ``on_request_finished``: the request's blocks belong to its
-        session (its GPU blocks when they are offloaded later, its host blocks now), then the
-        hint applies: a hold, the end of one, or ``done`` (its host blocks to the cold end)."""
-        cpu = self.cpu
-        assert isinstance(cpu, RetainingTier) and req.hint is not None
-        session = req.hint.session
-        owner = self.pool.owner
-        # vLLM's host tier already holds a copy of these blocks; the twin's takes them when the
-        # GPU evicts them, so a done session's GPU blocks are marked to arrive cold
-        mark = _DONE if req.hint.state == "done" else session
-        for b in req.blocks:
-            owner[b] = mark
-        cpu.claim(req.block_keys, session)
-        released = cpu.table.finish(req.hint, now)
-        if released:
-            cpu.make_cold(k for k in released if isinstance(k, int))
+    def _host_finish(self, req: Request, now: float) -> None:
+        """The connector's ``on_request_finished``: the host chunks the request offered or
+        loaded become the most recently used, then its hint applies (engine plugin)."""
+        assert self.cpu is not None
+        if req.host_lo >= 0:
+            self.cpu.finish(req.block_keys[req.host_lo : req.host_next], req.hint, now)
 
     def pending_prefills(self) -> list[PendingPrefill]:
         """What the plugin's scheduler hands its cadence: running prefill chunks (eligible),

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 # the engine plugin's host-tier gauge names (that module imports vLLM only inside functions)
 from engine_patches.offload import HOST_OCCUPANCY, HOST_RETAINED
-from loadtest.twin.engine import RetainingTier
 
 if TYPE_CHECKING:
     from loadtest.twin.replica import TwinReplica
@@ -97,7 +96,7 @@ class TwinMetrics:
         counter(
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
-            eng.prefix_hits,
+            eng.cached_by_source["device"],  # vLLM's engine prefix cache only
         )
         counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", eng.prompt_tokens_total
@@ -107,6 +106,11 @@ class TwinMetrics:
             "Number of cached prompt tokens (local + external).",
             eng.prefix_hits,
         )
+        name = "vllm:prompt_tokens_cached_by_source_total"
+        lines.append(f"# HELP {name} Cached prompt tokens by the tier that served them.\n"
+                     f"# TYPE {name} counter")  # fmt: skip
+        for source, n in eng.cached_by_source.items():
+            lines.append(f'{name}{{{labels},source="{source}"}} {float(n)}')
         counter(
             "vllm:generation_tokens",
             "Number of generation tokens processed.",
@@ -128,7 +132,7 @@ class TwinMetrics:
             # the engine plugin's host-tier signals (engine_patches/offload.py)
             gauge(HOST_OCCUPANCY, "Share of host-tier KV chunks holding data.",
                   len(cpu) / cpu.capacity)  # fmt: skip
-            if isinstance(cpu, RetainingTier):
+            if cpu.table is not None:
                 gauge(HOST_RETAINED, "Share of host-tier KV chunks held for paused sessions.",
                       cpu.held_blocks(eng.now) / cpu.capacity)  # fmt: skip
         info = (

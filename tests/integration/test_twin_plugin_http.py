@@ -12,7 +12,7 @@ from costmodel.profiles import load_profile
 from engine_patches.retention_rule import RetentionConfig
 from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
-from loadtest.twin.engine import EnginePlugin, RetainingTier
+from loadtest.twin.engine import EnginePlugin, HostTier
 from router.hints import with_hint
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,7 +62,7 @@ async def test_a_hinted_body_holds_the_session_on_the_host_tier_and_the_gauges_s
         n = again["usage"]["prompt_tokens"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 32 * 32
         cpu = c.replicas[0].engine.cpu
-        assert isinstance(cpu, RetainingTier)
+        assert isinstance(cpu, HostTier) and cpu.table is not None
         assert cpu.table.held(c.replicas[0].engine.now + 1.0) == {"t/s-1": round(held * 64)}
 
 

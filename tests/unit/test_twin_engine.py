@@ -286,15 +286,27 @@ def test_cpu_tier_offloads_on_eviction_and_reloads_on_hit():
     assert set(ka) <= set(stored(events(e), "GPU"))
 
 
-def test_cpu_tier_overflow_goes_to_storage():
-    prof = TINY.replace(gpu_kv_blocks=5, cpu_kv_blocks=2, storage_kv_blocks=100)
-    e = Engine(prof, hasher=BlockHasher(BS))
+def test_stores_cascade_to_storage_and_a_storage_hit_is_staged_through_the_host_tier():
+    prof = TINY.replace(gpu_kv_blocks=5, cpu_kv_blocks=4, storage_kv_blocks=100)
+    h = BlockHasher(BS)
+    e = Engine(prof, hasher=h)
+    prompts = [toks(3 * BS + 1, 80 + i) for i in range(4)]
     t = 0.0
-    for i in range(4):
-        t = drive(e, [req(f"r{i}", toks(3 * BS + 1, 80 + i))], t)
+    for i, p in enumerate(prompts):
+        t = drive(e, [req(f"r{i}", p)], t)
     evs = events(e)
-    assert removed(evs, "CPU") and set(removed(evs, "CPU")) <= set(stored(evs, "STORAGE"))
-    assert len(e.cpu) == 2
+    # write-through: every chunk the host tier stored is written on to storage
+    assert set(stored(evs, "CPU")) == set(stored(evs, "STORAGE"))
+    assert removed(evs, "CPU") and not removed(evs, "STORAGE")
+    assert len(e.cpu) == 4
+    k0 = h.hash_keys(prompts[0])
+    assert not any(k in e.cpu for k in k0)  # the first prompt left the host tier long ago
+    again = req("r0-again", prompts[0])
+    drive(e, [again], t)
+    assert again.cached_tokens == 3 * BS
+    assert e.cached_by_source == {"device": 0, "host": 0, "disk": 3 * BS}
+    assert all(k in e.cpu for k in k0)  # staged through the host tier on the way up
+    assert set(k0) <= set(stored(events(e), "CPU"))
 
 
 def test_prefill_cadence_admits_only_every_nth_step_unless_idle():

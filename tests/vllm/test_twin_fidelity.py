@@ -24,6 +24,7 @@ import orjson
 import pytest
 from scipy.stats import spearmanr
 
+from costmodel.profiles import ReplicaProfile
 from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
 from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
@@ -41,24 +42,24 @@ ROUTER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
 class TwinThread:
     """A one-replica twin cluster on its own event loop (the tests here are synchronous)."""
 
-    def __init__(self, kv_events: str):
+    def __init__(self, kv_events: str, profile: str | ReplicaProfile = "cpu-tiny"):
         self.ready = threading.Event()
         self.url = ""
         self.topic = ""
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._err: BaseException | None = None
-        self._t = threading.Thread(target=self._main, args=(kv_events,), daemon=True)
+        self._t = threading.Thread(target=self._main, args=(kv_events, profile), daemon=True)
         self._t.start()
         if not self.ready.wait(30) or self._err:
             raise RuntimeError(f"twin did not start: {self._err!r}")
 
-    def _main(self, kv_events: str) -> None:
+    def _main(self, kv_events: str, profile: str | ReplicaProfile) -> None:
         async def run() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             async with start_cluster(
-                1, "cpu-tiny", kv_events=kv_events, name_prefix="fidelity-twin"
+                1, profile, kv_events=kv_events, name_prefix="fidelity-twin"
             ) as c:
                 self.url, self.topic = c.urls[0], c.topics[0]
                 self.ready.set()
