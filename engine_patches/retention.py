@@ -62,6 +62,7 @@ def _build(name: str) -> type:
             super().__init__(cache_capacity)
             self.table = RetentionTable(RetentionConfig(), cache_capacity)
             self._cold_rank = 0
+            self._claims: dict[Any, str] = {}  # the last store miss's keys -> its session
 
         def configure(self, config: RetentionConfig) -> None:
             self.table.config = config
@@ -75,9 +76,19 @@ def _build(name: str) -> type:
             super().touch(keys, req_context)
 
         def on_store_miss(self, keys: Iterable[Any], req_context: Any) -> None:
-            keys = list(keys)
-            self.table.claim(keys, self._hint(req_context))
-            super().on_store_miss(keys, req_context)
+            # Called before the manager makes room and inserts, so the claim waits for
+            # insert(): a store that fails leaves no owner behind, and the eviction that makes
+            # room counts only chunks that are here. Not super(): vLLM's default forwards a
+            # miss to touch(), which would claim now (for the LRU it does nothing else, the
+            # keys being absent).
+            hint = self._hint(req_context)
+            self._claims = dict.fromkeys(keys, hint.session) if hint is not None else {}
+
+        def insert(self, key: Any, chunk: Any) -> None:
+            super().insert(key, chunk)
+            session = self._claims.pop(key, None)
+            if session is not None:
+                self.table.assign((key,), session)
 
         def on_request_access(self, keys: Iterable[Any], req_context: Any) -> None:
             # vLLM 0.33.0 only: first accesses during a request

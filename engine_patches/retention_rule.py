@@ -90,7 +90,8 @@ class _Session:
     state: str = "running"
     until: float = 0.0  # hold expiry (caller's clock, s); 0: no hold
     since: float = 0.0  # when the hold started
-    keys: set[Hashable] = field(default_factory=set)
+    # in the order first claimed (a request claims head to tail): ``done`` releases them so
+    keys: dict[Hashable, None] = field(default_factory=dict)
 
 
 class RetentionTable:
@@ -116,17 +117,19 @@ class RetentionTable:
         for k in keys:
             old = owner.get(k)
             if old is not None and old != session:
-                sessions[old].keys.discard(k)
+                sessions[old].keys.pop(k, None)
             owner[k] = session
-            s.keys.add(k)
+            s.keys[k] = None
 
     def owner(self, key: Hashable) -> str | None:
         return self._owner.get(key)
 
-    def finish(self, hint: Hint | None, now: float) -> set[Hashable]:
-        """Apply a finished request's hint; returns the keys it releases (``done``)."""
+    def finish(self, hint: Hint | None, now: float) -> list[Hashable]:
+        """Apply a finished request's hint; returns the keys it releases (``done``), in the
+        order they were first claimed — head to tail — so a tier that sends each below the
+        last evicts the tail first, as it would for any finished request."""
         if hint is None:
-            return set()
+            return []
         s = self._sessions.setdefault(hint.session, _Session())
         s.state = hint.state
         if hint.state in HOLDING:
@@ -134,22 +137,22 @@ class RetentionTable:
             hold = c.ttl_s if hint.return_s is None else hint.return_s * c.return_slack
             s.since, s.until = now, now + min(hold, c.ttl_s)
             self._holding.add(hint.session)
-            return set()
+            return []
         s.until = 0.0
         self._holding.discard(hint.session)
         if hint.state == "done":
-            released = set(s.keys)
+            released = list(s.keys)
             for k in released:
                 self._owner.pop(k, None)
             del self._sessions[hint.session]
             return released
-        return set()
+        return []
 
     def forget(self, keys: Iterable[Hashable]) -> None:
         for k in keys:
             owner = self._owner.pop(k, None)
             if owner is not None and owner in self._sessions:
-                self._sessions[owner].keys.discard(k)
+                self._sessions[owner].keys.pop(k, None)
 
     def held(self, now: float) -> dict[str, int]:
         """Sessions holding now -> their chunk count: newest hold first, within
@@ -180,7 +183,7 @@ class RetentionTable:
         """Keys held now (the union of :meth:`held` sessions' chunks)."""
         out: set[Hashable] = set()
         for name in self.held(now):
-            out |= self._sessions[name].keys
+            out.update(self._sessions[name].keys)
         return out
 
     def held_sessions(self, now: float) -> dict[str, int]:

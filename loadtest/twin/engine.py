@@ -246,17 +246,22 @@ class HostTier:
 
     * :meth:`store` is ``prepare_store``: a request's newly computed prompt blocks are offered
       at the step that computes them; keys already here are left as they are, new keys get a
-      fresh LRU rank and are written during the step (not evictable until :meth:`settle`, when
-      their ``BlockStored`` is due). Room is made first, evicting the least recently used
-      chunks that are not in the offer, not being loaded and not being written; if that cannot
-      free enough, nothing is stored (the connector retries at the request's next step).
+      fresh LRU rank and are being written (not evictable until :meth:`settle`, when their
+      ``BlockStored`` is due: the engine settles them a step later, as vLLM's worker submits
+      a step's stores at the start of the next one). Room is made first, evicting the least
+      recently used chunks that are not in the offer, not being loaded and not being written;
+      if that cannot free enough, nothing is stored (the connector retries at the request's
+      next step).
+    * Retention claims: chunks a hinted request stores belong to its session once inserted
+      (the plugin's ``on_store_miss`` / ``insert``), so the eviction that makes room for them
+      does not count them yet.
     * :meth:`finish` is ``on_request_finished``: every chunk the request offered or loaded gets
       a fresh rank, its last block first, so a prefix outlives its tails. No lookup refreshes.
     * Retention: an eviction first skips the chunks of sessions that hold (``evict(n,
       protected | held)``), and runs as plain LRU if that cannot give ``n``; ``done`` sends the
-      session's chunks to the cold end. A held chunk met while evicting is parked under its
-      session and goes back to the heap (same rank) when the session stops holding, so skipping
-      it costs once per hold, not once per eviction.
+      session's chunks to the cold end, tail first. A held chunk met while evicting is parked
+      under its session and goes back to the heap (same rank) when the session stops holding,
+      so skipping it costs once per hold, not once per eviction.
 
     The LRU order is a rank per key in a lazy min-heap (lower: evicted earlier), as vLLM's.
     """
@@ -270,7 +275,7 @@ class HostTier:
         self.capacity = capacity
         self.table = RetentionTable(retention, capacity) if retention is not None else None
         self.keys: dict[int, int] = {}  # key -> LRU rank
-        self.pending: dict[int, None] = {}  # stored this step, being written (in order)
+        self.pending: set[int] = set()  # stored, being written (not readable, not evictable)
         self._pins: dict[int, int] = {}  # key -> loads in flight (not evictable)
         self._heap: list[tuple[int, int]] = []
         self._parked: dict[str, list[tuple[int, int]]] = {}
@@ -359,15 +364,19 @@ class HostTier:
         for k in new:
             self._next += 1
             self._rank(k, self._next)
-            self.pending[k] = None
+            self.pending.add(k)
         if self.table is not None:
             self.table.claim(new, hint)  # the policy's on_store_miss
         return new, evicted
 
-    def settle(self) -> list[int]:
-        """The step's writes are done (``complete_store``): returns the keys now readable."""
-        out = [k for k in self.pending if k in self.keys]
-        self.pending.clear()
+    def settle(self, keys: Iterable[int]) -> list[int]:
+        """These writes are done (``complete_store``): returns those of ``keys`` now readable."""
+        out = []
+        for k in keys:
+            if k in self.pending:
+                self.pending.discard(k)
+                if k in self.keys:
+                    out.append(k)
         return out
 
     def pin(self, keys: Iterable[int]) -> None:
@@ -591,8 +600,11 @@ class Engine:
         )
         self.storage = TierLRU(profile.storage_kv_blocks) if profile.storage_kv_blocks else None
         self.pool = BlockPool(profile.gpu_kv_blocks, self.events)
-        # stores written during the current step: (keys, tier) groups, published at its end
+        # lower-tier stores by group (one per request and store pass): those of the step being
+        # planned, and those of the step before, which the worker writes during the next step
+        # (vLLM defers a step's stores to the next one's start) — settled when that step ends
         self._writing: list[list[int]] = []
+        self._in_flight: list[list[int]] = []
         self.cadence = (
             PrefillCadence(plugin.cadence, profile.max_num_batched_tokens)
             if plugin.cadence is not None
@@ -648,12 +660,11 @@ class Engine:
             self._writing.append(new)
 
     def _settle(self) -> None:
-        """The step's tier writes are done: ``BlockStored`` for the host tier, and the
-        cascade to storage (vLLM's tiering manager writes every stored chunk to all tiers)."""
-        groups, self._writing = self._writing, []
+        """The writes in flight are done: ``BlockStored`` for the host tier, and the cascade
+        to storage (vLLM's tiering manager writes every stored chunk to all tiers)."""
+        groups, self._in_flight = self._in_flight, []
         if self.cpu is not None:
-            ready = set(self.cpu.settle())
-            groups = [[k for k in g if k in ready] for g in groups]
+            groups = [self.cpu.settle(g) for g in groups]
         for g in groups:
             if not g:
                 continue
@@ -715,6 +726,7 @@ class Engine:
         if self.storage is not None:
             self.storage.clear()
         self._writing.clear()
+        self._in_flight.clear()
         self._emit(encode_all_cleared())
         return True
 
@@ -1093,6 +1105,9 @@ class Engine:
             bounded.observe(sum(min(n, pending_left[r.id]) for r, n in scheduled
                                 if r.id in pending_left))  # fmt: skip
         if not scheduled:
+            if self._in_flight or self._writing:  # vLLM steps on to finish its transfers
+                self._settle()
+                self._in_flight, self._writing = self._writing, []
             return None
         if self.cpu is not None or self.storage is not None:
             # the connector's store pass (build_connector_meta): the prompt blocks this step
@@ -1123,8 +1138,9 @@ class Engine:
     def complete(self, step: Step, end: float) -> StepResult:
         """Apply a step's computation at time ``end``: tokens, first tokens, finishes."""
         self.busy_time += step.duration
-        if self._writing:
-            self._settle()
+        if self._in_flight:
+            self._settle()  # the previous step's stores, written during this one
+        self._in_flight, self._writing = self._writing, []
         got: list[Request] = []
         first: list[Request] = []
         done: list[Request] = []
@@ -1159,6 +1175,8 @@ class Engine:
                 self.pool.release(req.blocks)
                 req.blocks = []
                 self.requests.pop(req.id, None)
+        if self._in_flight and not self.has_work:
+            self._settle()  # the flush step vLLM runs while transfers are pending
         return StepResult(got, done, first)
 
     def _host_finish(self, req: Request, now: float) -> None:

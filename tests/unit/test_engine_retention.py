@@ -39,12 +39,15 @@ def test_hold_never_outlives_the_ttl():
 
 def test_done_releases_and_running_stops_the_hold():
     t = table()
-    t.claim([1, 2], Hint("p"))
+    t.claim([7, 1, 2], Hint("p"))
+    t.claim([7], Hint("other"))  # changed hands: not p's to release
+    t.claim([9, 1], Hint("p"))  # 1 again: keeps its place
     t.finish(Hint("p", "tool-pause", 30), now=0.0)
     t.finish(Hint("p", "running"), now=1.0)
     assert t.protected(2.0) == set()
     t.finish(Hint("p", "tool-pause", 30), now=3.0)
-    assert t.finish(Hint("p", "done"), now=4.0) == {1, 2}
+    # released head to tail, in the order first claimed (a tier evicts the tail first)
+    assert t.finish(Hint("p", "done"), now=4.0) == [1, 2, 9]
     assert t.protected(5.0) == set()
 
 

@@ -27,6 +27,7 @@ from scipy.stats import spearmanr
 from costmodel.profiles import ReplicaProfile
 from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
+from loadtest.twin.engine import EnginePlugin
 from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
 from router.vllm.hashing import BlockHasher
 from router.vllm.kvevents import BlockRemoved, BlockStored
@@ -42,24 +43,33 @@ ROUTER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
 class TwinThread:
     """A one-replica twin cluster on its own event loop (the tests here are synchronous)."""
 
-    def __init__(self, kv_events: str, profile: str | ReplicaProfile = "cpu-tiny"):
+    def __init__(
+        self,
+        kv_events: str,
+        profile: str | ReplicaProfile = "cpu-tiny",
+        plugin: EnginePlugin | None = None,
+    ):
         self.ready = threading.Event()
         self.url = ""
         self.topic = ""
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._err: BaseException | None = None
-        self._t = threading.Thread(target=self._main, args=(kv_events, profile), daemon=True)
+        self._t = threading.Thread(
+            target=self._main, args=(kv_events, profile, plugin), daemon=True
+        )
         self._t.start()
         if not self.ready.wait(30) or self._err:
             raise RuntimeError(f"twin did not start: {self._err!r}")
 
-    def _main(self, kv_events: str, profile: str | ReplicaProfile) -> None:
+    def _main(
+        self, kv_events: str, profile: str | ReplicaProfile, plugin: EnginePlugin | None
+    ) -> None:
         async def run() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             async with start_cluster(
-                1, profile, kv_events=kv_events, name_prefix="fidelity-twin"
+                1, profile, kv_events=kv_events, name_prefix="fidelity-twin", plugin=plugin
             ) as c:
                 self.url, self.topic = c.urls[0], c.topics[0]
                 self.ready.set()
@@ -100,6 +110,11 @@ def real_and_twin():
 
 
 def _sequence(seed: int = 11) -> list[str]:
+    return [p for _, p in _session_sequence(seed)]
+
+
+def _session_sequence(seed: int = 11) -> list[tuple[int, str]]:
+    """(session, prompt) of the fidelity sequence: five growing sessions, interleaved."""
     rng = random.Random(seed)
     words = tinymodel._WORDS
     base = [" ".join(rng.choice(words) for _ in range(900)) for _ in range(5)]
@@ -107,12 +122,16 @@ def _sequence(seed: int = 11) -> list[str]:
     order = [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (3, 0), (0, 2), (2, 1), (4, 0), (3, 1),
              (1, 2), (0, 3), (4, 1), (2, 2), (3, 2), (1, 3), (4, 2), (2, 3), (3, 3), (4, 3),
              (0, 3), (2, 3)]  # fmt: skip
-    return [" ".join([base[s], *turns[s][: c + 1]]) for s, c in order]
+    return [(s, " ".join([base[s], *turns[s][: c + 1]])) for s, c in order]
 
 
-def _run(client: httpx.Client, url: str, prompts: list[str]) -> list[tuple[float, int, int]]:
+def _run(
+    client: httpx.Client, url: str, prompts: list[str], extra: list[dict] | None = None
+) -> list[tuple[float, int, int]]:
+    """(TTFT, prompt tokens, cached tokens) per prompt, sent one at a time; ``extra``: more
+    body fields per prompt."""
     out = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         body = {
             "model": "tiny",
             "prompt": p,
@@ -120,6 +139,7 @@ def _run(client: httpx.Client, url: str, prompts: list[str]) -> list[tuple[float
             "stream": True,
             "ignore_eos": True,
             "stream_options": {"include_usage": True},
+            **(extra[i] if extra else {}),
         }
         t0 = time.perf_counter()
         ttft, usage = None, None

@@ -9,6 +9,12 @@ overflows both tiers, so what each later call finds — in the engine's cache, i
 or nowhere — is decided by both tiers' eviction. Compared: per-request ``cached_tokens``, the
 split by source (``vllm:prompt_tokens_cached_by_source``), and the host tier's
 ``BlockStored`` / ``BlockRemoved`` (``medium`` CPU) hashes, in order and in batches.
+
+Twice: with vLLM's LRU, and with the plugin's ``AgentRetentionPolicy`` on both sides
+(``--retention``, share 0.5) while the calls carry hints — two sessions pause with a long
+``return_s`` (held past the test), one says ``running``, one ``done`` on every call, one sends
+none — so the holds, the share cap and ``done``'s cold end decide evictions too; the retention
+run must then differ from the LRU one.
 """
 
 from __future__ import annotations
@@ -24,35 +30,53 @@ import pytest
 
 from costmodel.profiles import load_profile
 from engine_patches import presets
+from engine_patches.retention_rule import RetentionConfig
 from loadtest import tinymodel
+from loadtest.twin.engine import EnginePlugin
 from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
 from router.vllm.kvevents import BlockRemoved, BlockStored
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES
 from tests.vllm.test_engine_plugin import install_plugin
-from tests.vllm.test_twin_fidelity import TwinThread, _run, _sequence
+from tests.vllm.test_twin_fidelity import TwinThread, _run, _session_sequence
 
 pytestmark = pytest.mark.timeout(300)
 
 HOST_BLOCKS = 300
 HOST_BYTES = HOST_BLOCKS * BLOCK_SIZE * 2048  # 2 KiB of fp32 KV per token for the tiny model
+SHARE = 0.5  # retention: held chunks never exceed half the host tier (150 of 300)
+# retention: what each session's calls say comes next (session 4 sends no hint)
+HINTS = {
+    0: {"state": "tool-pause", "return_s": 100},  # held ~150 s: longer than the test
+    1: {"state": "tool-pause", "return_s": 100},
+    2: {"state": "running"},
+    3: {"state": "done"},
+}
 
 
-@pytest.fixture(scope="module")
-def tiered_pair():
+_CACHED: dict[bool, list[int]] = {}  # real vLLM's cached_tokens per run, by retention
+
+
+@pytest.fixture(scope="module", params=["lru", "retention"])
+def tiered_pair(request):
+    retention = request.param == "retention"
     install_plugin()
     collector = EventCollector()
-    words = presets.flags(presets.EngineOptions(cadence=None, host_tier_bytes=HOST_BYTES))
+    opts = presets.EngineOptions(
+        cadence=None, host_tier_bytes=HOST_BYTES, retention=retention, retention_share=SHARE
+    )
+    words = presets.flags(opts)
     cfg = ReplicaConfig(
         name="fidelity-tiers", model_dir=tinymodel.ensure(), block_size=BLOCK_SIZE,
         kv_cache_bytes=KV_BYTES, events_endpoint=collector.endpoint, cpu=1, extra_args=words,
     )  # fmt: skip
     bed = VllmBed([cfg])
+    plugin = EnginePlugin(retention=RetentionConfig(max_share=SHARE)) if retention else None
     twin = TwinThread(
-        collector.endpoint, load_profile("cpu-tiny").replace(cpu_kv_blocks=HOST_BLOCKS)
+        collector.endpoint, load_profile("cpu-tiny").replace(cpu_kv_blocks=HOST_BLOCKS), plugin
     )
     try:
         with bed:
-            yield bed.replicas[0], twin, collector
+            yield bed.replicas[0], twin, collector, retention
     finally:
         twin.close()
         collector.close()
@@ -72,8 +96,17 @@ def _tier_keys(batches, kind, medium: str) -> list[int]:
 
 
 def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pair):
-    replica, twin, collector = tiered_pair
-    prompts = _sequence()
+    replica, twin, collector, retention = tiered_pair
+    seq = _session_sequence()
+    prompts = [p for _, p in seq]
+    extra = None
+    if retention:
+        extra = [
+            {"kv_transfer_params": {"kvroute": {"session": f"s{s}", **HINTS[s]}}}
+            if s in HINTS
+            else {}
+            for s, _ in seq
+        ]
     cached: dict[str, list[int]] = {}
     by_source: dict[str, dict[str, float]] = {}
     batches = {}
@@ -82,7 +115,7 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
                                  ("twin", twin.url, twin.topic)):  # fmt: skip
             before = _by_source(client.get(url + "/metrics").text)
             n_before = len(collector.snapshot(topic))
-            cached[name] = [c for _, _, c in _run(client, url, prompts)]
+            cached[name] = [c for _, _, c in _run(client, url, prompts, extra)]
             time.sleep(1.5)  # the host tier's last write is published a step after the reply
             batches[name] = collector.snapshot(topic)[n_before:]
             after = _by_source(client.get(url + "/metrics").text)
@@ -94,6 +127,7 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
     report = {
         "requests": len(prompts),
         "host_blocks": HOST_BLOCKS,
+        "retention": retention,
         "cached_real": cached["real"],
         "cached_twin": cached["twin"],
         "cached_exact": sum(a == b for a, b in zip(cached["real"], cached["twin"], strict=True)),
@@ -117,7 +151,9 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
             if isinstance(e, BlockRemoved) and e.medium == "CPU"
         ],
     }
-    out = Path(os.environ.get("KVROUTE_FIDELITY_TIERS_OUT", "out/bench/twin_fidelity_tiers.json"))
+    out = Path(os.environ.get("KVROUTE_FIDELITY_TIERS_OUT", "out/bench")) / (
+        f"twin_fidelity_tiers_{'retention' if retention else 'lru'}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
 
@@ -128,4 +164,7 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
         assert by_source["real"].get(src, 0) == by_source["twin"].get(src, 0), report
     assert sorted(real_stored) == sorted(twin_stored), report
     assert real_removed == twin_removed, report
+    _CACHED[retention] = cached["real"]
+    if retention and False in _CACHED:
+        assert _CACHED[True] != _CACHED[False], "the hints changed nothing to compare"
     assert not collector.errors
