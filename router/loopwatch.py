@@ -246,18 +246,26 @@ class StallWatch:
                 stop.wait(0.001)
                 continue
             stop.wait(max(due - time.monotonic(), 0.0))
-            if self._fired[0] >= seq:
+            if self._on_time(seq, due):
                 continue
             tid = self._tid
             base = _schedstat(tid) if tid is not None else None
             gc0 = (self._gc_s, self._gc_runs, time.monotonic())
             stop.wait(max(due + self.threshold_s - time.monotonic(), 0.0))
-            if self._fired[0] >= seq or stop.is_set():
+            if stop.is_set() or self._on_time(seq, due):
                 continue
+            # late: sample until it fires — or, when this thread got the GIL (or a CPU) only
+            # after it fired, report it unsampled (one long C call holding the GIL shows so)
             try:
                 self._sample(seq, due, base, gc0)
             except Exception:  # a diagnosis aid must never take the router down
                 log.exception("stall watch: sampling failed")
+
+    def _on_time(self, seq: int, due: float) -> bool:
+        """Tick ``seq`` fired, and not more than the threshold late (or a later one fired too:
+        this thread was held up past a whole tick, so when ``seq`` fired is not known)."""
+        fired_seq, fired_at = self._fired
+        return fired_seq > seq or (fired_seq == seq and fired_at - due <= self.threshold_s)
 
     def _sample(
         self, seq: int, due: float, base: tuple[int, int] | None, gc0: tuple[float, int, float]
@@ -266,18 +274,18 @@ class StallWatch:
         skip = {threading.get_native_id(), *((tid,) if tid is not None else ())}
         others0 = _threads(skip)
         stacks: Counter[tuple[str, ...]] = Counter()
-        last = time.monotonic()
+        last = due + self.threshold_s  # when the first sample was due
         max_gap = 0.0
         while self._fired[0] < seq and not stop.is_set():
             if time.monotonic() - due > MAX_SAMPLE_S:  # report a long stall while it lasts
                 break
+            now = time.monotonic()
+            max_gap = max(max_gap, now - last)
+            last = now
             frame = sys._current_frames().get(ident) if ident is not None else None
             stacks[_stack(frame, self.depth)] += 1
             del frame
             stop.wait(self.sample_s)
-            now = time.monotonic()
-            max_gap = max(max_gap, now - last)
-            last = now
         if stop.is_set():
             return
         end = _schedstat(tid) if tid is not None else None

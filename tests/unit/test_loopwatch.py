@@ -100,6 +100,54 @@ async def test_gc_and_other_threads_are_counted():
     assert w._on_gc not in gc.callbacks
 
 
+async def test_a_long_c_call_holding_the_gil_is_reported_though_barely_sampled():
+    import random
+
+    data = list(range(200_000))
+    random.Random(0).shuffle(data)
+    while True:  # one sorted() call (C, the GIL held throughout) of at least 80 ms
+        t = time.perf_counter()
+        sorted(data)
+        if time.perf_counter() - t >= 0.08:
+            break
+        data = data * 2
+    stalls: list[Stall] = []
+    w, task = await _watch(stalls)
+    sorted(data)  # the stall under test: no sample can be taken during it
+    await asyncio.sleep(0.1)
+    await _stop(w, task)
+    assert len(stalls) == 1, [s.describe() for s in stalls]
+    s = stalls[0]
+    assert s.late_s >= 0.05
+    assert s.samples <= 2, s.describe()  # caught after it, if at all
+    if s.samples:  # the first sample waited for the GIL until sorted() returned
+        assert s.max_gap_s >= 0.03, s.describe()
+
+
+def test_a_stall_over_before_the_watchdog_could_look_is_still_reported():
+    """The watchdog thread itself held up (no CPU free, or the GIL) until after the late tick
+    fired: the stall is reported, unsampled, rather than missed."""
+
+    class Oversleep(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            if timeout and timeout > 0.002:
+                time.sleep(timeout + 0.1)  # this thread gets a CPU 100 ms late
+            return super().wait(0)
+
+    stalls: list[Stall] = []
+    w = StallWatch(0.015, on_stall=stalls.append)
+    w._stop = Oversleep()
+    w.arm(time.monotonic() + 0.02)
+    w.start()
+    time.sleep(0.08)  # the tick fires 60 ms late, before the watchdog wakes
+    w.fired()
+    time.sleep(0.3)
+    w.stop()
+    assert len(stalls) == 1, [s.describe() for s in stalls]
+    assert 0.05 <= stalls[0].late_s < 0.1
+    assert stalls[0].samples == 0
+
+
 def test_idle_frames_and_labels():
     from router.loopwatch import _stack
 
