@@ -3,14 +3,15 @@
 Owns: :class:`StallWatch` and :class:`Stall`. ``loop_stall_log_ms`` (off by default, see
 docs/router.md) turns it on: :meth:`router.metrics.RouterMetrics.watch_loop` arms it before
 each 50 ms tick of ``kvroute_event_loop_lag_seconds`` (:meth:`StallWatch.arm`, the tick's due
-time) and tells it when the tick fired (:meth:`StallWatch.fired`). The thread sleeps until
-the due time, notes the loop thread's CPU there, sleeps on to due + threshold and, if the tick
-has not fired by then, samples the loop thread's Python stack (``sys._current_frames()``)
-every ``sample_s`` until it does. It then reports one :class:`Stall` (by default one WARNING
-line on the ``kvroute.stall`` logger): how late the tick was, the loop thread's time on a CPU
-and waiting for one over the stall (Linux ``/proc/self/task/<tid>/schedstat``; absent
-elsewhere), the other threads of the process that ran meanwhile (the GIL: one of them holding
-it stalls the loop as surely as the loop's own work), time in the garbage collector, and the
+time) and tells it when the tick fired (:meth:`StallWatch.fired`). The loop thread notes its
+own CPU and run-queue figures at both (Linux ``/proc/self/task/<tid>/schedstat``, one
+``pread``: exact even when the watchdog itself gets no CPU). The thread sleeps until due +
+threshold and, if the tick has not fired by then, samples the loop thread's Python stack
+(``sys._current_frames()``) every ``sample_s`` until it does. It then reports one
+:class:`Stall` (by default one WARNING line on the ``kvroute.stall`` logger): how late the tick
+was, the loop thread's time on a CPU and waiting for one from armed to fired (absent off
+Linux), the other threads of the process that ran meanwhile (the GIL: one of them holding it
+stalls the loop as surely as the loop's own work), time in the garbage collector, and the
 sampled stacks, innermost frame first.
 
 How to read it: loop CPU close to the stall's length means work on the loop (the stacks say
@@ -20,8 +21,9 @@ syscall, or waiting for the GIL while another thread ran (their CPU is listed). 
 taken only when the watchdog gets the GIL, so code that holds it without releasing (one long
 C call) shows as a long gap between samples and a stack caught just after it.
 
-Costs nothing measurable while the loop keeps time (two wake-ups and one small ``/proc`` read
-per tick); a stall costs a ``/proc`` listing of the threads and a stack walk per sample.
+Costs little while the loop keeps time (per 50 ms tick: two ``pread`` calls on the loop, one
+wake-up of the thread); a stall costs a ``/proc`` listing of the threads and a stack walk per
+sample.
 Must not import aiohttp, the KV layer or scheduling.
 """
 
@@ -131,16 +133,17 @@ class Stall:
     """One tick that fired more than the threshold late."""
 
     late_s: float  # the tick's due time to when it fired (the watchdog's clock)
-    loop_cpu_s: float | None  # the loop thread on a CPU over the stall (None: not on Linux)
-    # the loop thread runnable, waiting for a CPU: the waits that ended in the window (the
-    # kernel counts a wait when it ends, so one that began before the due time counts whole)
+    # the loop thread on a CPU from when the tick was armed (a tick before its due time) to
+    # when it fired (None: not on Linux) ...
+    loop_cpu_s: float | None
+    # ... and runnable, waiting for a CPU (the loop sleeps until due: a wait is the stall's)
     loop_wait_s: float | None
     gc_s: float  # garbage collection (any thread) over the stall
     gc_runs: int
     others: dict[str, float]  # other threads' CPU seconds once the stall was noticed, by name
     stacks: Counter[tuple[str, ...]] = field(default_factory=Counter)  # sampled loop stacks
     max_gap_s: float = 0.0  # longest time between two samples (the GIL held in C code)
-    window_s: float = 0.0  # what loop_cpu_s / loop_wait_s cover: ~due to the stall's end
+    window_s: float = 0.0  # what loop_cpu_s / loop_wait_s cover: armed to fired
 
     @property
     def samples(self) -> int:
@@ -185,8 +188,13 @@ class StallWatch:
         self.depth = depth
         self.on_stall = on_stall or (lambda s: log.warning("%s", s.describe()))
         self.stalls = 0
-        self._armed: tuple[int, float] = (0, 0.0)  # (tick number, due on time.monotonic)
-        self._fired: tuple[int, float] = (0, 0.0)  # (tick number, when it fired)
+        # (tick number, due on time.monotonic, when armed, the loop thread's schedstat then,
+        # gc seconds and runs then) — written by the loop thread only
+        self._armed: tuple[int, float, float, tuple[int, int] | None, float, int] = (
+            0, 0.0, 0.0, None, 0.0, 0)  # fmt: skip
+        # (tick number, when it fired, the loop thread's schedstat then)
+        self._fired: tuple[int, float, tuple[int, int] | None] = (0, 0.0, None)
+        self._fd: int | None = None  # the loop thread's /proc/self/task/<tid>/schedstat
         self._seq = 0
         self._ident: int | None = None  # the loop thread (threading.get_ident)
         self._tid: int | None = None  # ... and its native id
@@ -203,12 +211,29 @@ class StallWatch:
         if self._ident is None:
             self._ident = threading.get_ident()
             self._tid = threading.get_native_id()
+            try:
+                self._fd = os.open(f"/proc/self/task/{self._tid}/schedstat", os.O_RDONLY)
+            except OSError:  # not Linux: no CPU / run-queue figures
+                self._fd = None
         self._seq += 1
-        self._armed = (self._seq, due)
+        self._armed = (self._seq, due, time.monotonic(), self._own_schedstat(),
+                       self._gc_s, self._gc_runs)  # fmt: skip
 
     def fired(self) -> None:
         """The armed tick fired (now)."""
-        self._fired = (self._seq, time.monotonic())
+        self._fired = (self._seq, time.monotonic(), self._own_schedstat())
+
+    def _own_schedstat(self) -> tuple[int, int] | None:
+        """The loop thread's (ns on a CPU, ns waiting for one), read on the loop thread
+        itself: exact even when the watchdog thread gets no CPU during a stall."""
+        fd = self._fd
+        if fd is None:
+            return None
+        try:
+            run, wait, _ = os.pread(fd, 128, 0).split(None, 2)
+            return int(run), int(wait)
+        except (OSError, ValueError):
+            return None
 
     # ---- lifetime ------------------------------------------------------------------------------
 
@@ -228,6 +253,9 @@ class StallWatch:
             self._thread = None
             if self._on_gc in gc.callbacks:
                 gc.callbacks.remove(self._on_gc)
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -241,35 +269,29 @@ class StallWatch:
     def _run(self) -> None:
         stop = self._stop
         while not stop.is_set():
-            seq, due = self._armed
+            armed = self._armed
+            seq, due = armed[0], armed[1]
             if seq == 0 or self._fired[0] >= seq:  # not armed yet, or between fired and arm
                 stop.wait(0.001)
                 continue
-            stop.wait(max(due - time.monotonic(), 0.0))
-            if self._on_time(seq, due):
-                continue
-            tid = self._tid
-            base = _schedstat(tid) if tid is not None else None
-            gc0 = (self._gc_s, self._gc_runs, time.monotonic())
             stop.wait(max(due + self.threshold_s - time.monotonic(), 0.0))
             if stop.is_set() or self._on_time(seq, due):
                 continue
             # late: sample until it fires — or, when this thread got the GIL (or a CPU) only
             # after it fired, report it unsampled (one long C call holding the GIL shows so)
             try:
-                self._sample(seq, due, base, gc0)
+                self._sample(armed)
             except Exception:  # a diagnosis aid must never take the router down
                 log.exception("stall watch: sampling failed")
 
     def _on_time(self, seq: int, due: float) -> bool:
         """Tick ``seq`` fired, and not more than the threshold late (or a later one fired too:
         this thread was held up past a whole tick, so when ``seq`` fired is not known)."""
-        fired_seq, fired_at = self._fired
+        fired_seq, fired_at, _ = self._fired
         return fired_seq > seq or (fired_seq == seq and fired_at - due <= self.threshold_s)
 
-    def _sample(
-        self, seq: int, due: float, base: tuple[int, int] | None, gc0: tuple[float, int, float]
-    ) -> None:
+    def _sample(self, armed: tuple[int, float, float, tuple[int, int] | None, float, int]) -> None:
+        seq, due, armed_at, base, gc_s0, gc_runs0 = armed
         stop, ident, tid = self._stop, self._ident, self._tid
         skip = {threading.get_native_id(), *((tid,) if tid is not None else ())}
         others0 = _threads(skip)
@@ -288,11 +310,11 @@ class StallWatch:
             stop.wait(self.sample_s)
         if stop.is_set():
             return
-        end = _schedstat(tid) if tid is not None else None
-        t_end = time.monotonic()
         others1 = _threads(skip)
-        fired_seq, fired_at = self._fired
-        late = (fired_at if fired_seq >= seq else t_end) - due
+        fired_seq, fired_at, end = self._fired
+        if fired_seq < seq:  # still going (MAX_SAMPLE_S): as of now
+            fired_at, end = time.monotonic(), _schedstat(tid) if tid is not None else None
+        late = fired_at - due
         busy: dict[str, float] = {}
         for t, (name, ns) in others1.items():
             d = ns - others0.get(t, (name, ns))[1]
@@ -305,12 +327,12 @@ class StallWatch:
             late_s=late,
             loop_cpu_s=cpu,
             loop_wait_s=wait,
-            gc_s=self._gc_s - gc0[0],
-            gc_runs=self._gc_runs - gc0[1],
+            gc_s=self._gc_s - gc_s0,
+            gc_runs=self._gc_runs - gc_runs0,
             others=busy,
             stacks=stacks,
             max_gap_s=max_gap,
-            window_s=t_end - gc0[2],
+            window_s=fired_at - armed_at,
         )
         self.stalls += 1
         self.on_stall(stall)
