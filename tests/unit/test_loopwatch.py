@@ -17,6 +17,16 @@ from router.loopwatch import IDLE, Stall, StallWatch, frame_label
 from router.metrics import RouterMetrics
 
 
+@pytest.fixture(autouse=True)
+def _no_automatic_gc():
+    """Late in a full test run a generation-2 collection of pytest's heap takes ~0.5 s: one
+    landing inside a test would be the stall the test sees (collections here are explicit)."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
 def _spin_on_the_loop(seconds: float) -> None:
     t = time.perf_counter()
     while time.perf_counter() - t < seconds:
