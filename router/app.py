@@ -109,9 +109,16 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics.on_scrape(refresh)
     metrics.watch_store(store)
     task = asyncio.create_task(store.run(), name="kvroute-store")
-    lag = asyncio.create_task(metrics.watch_loop(), name="kvroute-loop-lag")
+    stalls = None
+    if cfg.loop_stall_log_ms > 0:
+        from router.loopwatch import StallWatch
+
+        stalls = StallWatch(cfg.loop_stall_log_ms / 1000.0).start()
+    lag = asyncio.create_task(metrics.watch_loop(stalls=stalls), name="kvroute-loop-lag")
     yield
     await cancel_all([task, lag])
+    if stalls is not None:
+        stalls.stop()
     await store.close()
 
 

@@ -112,6 +112,9 @@ class RouterConfig:
     log_level: str = "info"
     # append one JSON line per placement here (router.decisionlog; with workers, one file each)
     decision_log: str | None = None
+    # a watchdog thread logs what the event loop ran when a tick of the loop-lag probe fires
+    # more than this late (router.loopwatch; 0: off)
+    loop_stall_log_ms: float = 0.0
 
     def __repr__(self) -> str:
         parts = []
@@ -148,6 +151,8 @@ class RouterConfig:
             raise ConfigError("workers >= 1")
         if self.max_body_bytes <= 0 or self.retries < 0 or self.breaker_failures < 1:
             raise ConfigError("max_body_bytes > 0, retries >= 0 and breaker_failures >= 1")
+        if self.loop_stall_log_ms < 0:
+            raise ConfigError("loop_stall_log_ms >= 0 (0: off)")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}

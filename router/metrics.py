@@ -187,13 +187,23 @@ class RouterMetrics:
         self._refreshers: list[Callable[[], None]] = []
         self.on_scrape(self.expire_sessions)
 
-    async def watch_loop(self, tick_s: float = LOOP_TICK_S) -> None:
-        """Run for ever (a task): every ``tick_s`` observe how late the loop woke up."""
+    async def watch_loop(self, tick_s: float = LOOP_TICK_S, stalls: Any = None) -> None:
+        """Run for ever (a task): every ``tick_s`` observe how late the loop woke up. With
+        ``stalls`` (a :class:`router.loopwatch.StallWatch`) each tick is also armed there, so
+        its thread can sample the loop's stack while a tick is late."""
         loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + tick_s
-            await asyncio.sleep(tick_s)
-            self.loop_lag.observe(max(loop.time() - due, 0.0))
+        try:
+            while True:
+                due = loop.time() + tick_s
+                if stalls is not None:
+                    stalls.arm(time.monotonic() + tick_s)
+                await asyncio.sleep(tick_s)
+                if stalls is not None:
+                    stalls.fired()
+                self.loop_lag.observe(max(loop.time() - due, 0.0))
+        finally:
+            if stalls is not None:  # no tick is pending any more: nothing to wait for
+                stalls.fired()
 
     def on_scrape(self, fn: Callable[[], None]) -> None:
         """Register a callback that refreshes gauges right before each exposition."""

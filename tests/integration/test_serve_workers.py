@@ -163,3 +163,31 @@ async def test_workers_stop_when_the_parent_is_killed(replica, serve):
             break
         await asyncio.sleep(0.1)
     assert not any(_alive(p) for p in seen.values())  # nobody left holding the port
+
+
+async def test_one_process_freezes_its_startup_heap_and_runs_the_stall_watch(replica):
+    """``kvroute serve`` (one process) freezes what start-up left on the heap out of the
+    collector's full passes (router.serve.freeze_startup_heap) and, with
+    ``loop_stall_log_ms``, runs the stall watch and stops it cleanly on SIGTERM."""
+    env = {**os.environ, "KVROUTE_LOOP_STALL_LOG_MS": "20"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.serve", "--port", "0", "--replica", replica.url,
+        "--policy", "round_robin", "--log-level", "info",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line.startswith(b"kvroute listening on "), line
+        url = line.split()[-1].decode()
+        status, _ = await fresh(url, "/v1/chat/completions", json={**CHAT, "stream": False})
+        assert status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        err = (await asyncio.wait_for(proc.stderr.read(), 20)).decode()
+        code = await asyncio.wait_for(proc.wait(), 20)
+    assert code == 0, err
+    frozen = [ln for ln in err.splitlines() if "start-up heap frozen:" in ln]
+    assert len(frozen) == 1, err
+    assert int(frozen[0].split("frozen:")[1].split()[0]) > 10_000
+    assert "Traceback" not in err and "sampling failed" not in err
