@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import subprocess
 import sys
@@ -20,17 +21,39 @@ from router.metrics import RouterMetrics
 @pytest.fixture(autouse=True)
 def _no_automatic_gc():
     """Late in a full test run a generation-2 collection of pytest's heap takes ~0.5 s: one
-    landing inside a test would be the stall the test sees (collections here are explicit)."""
+    landing inside a test would be the stall the test sees. So collections here are explicit,
+    and they walk only what the test made: the heap so far is frozen for the test's duration
+    (unfrozen after, so its garbage is collected as usual)."""
     gc.collect()
+    gc.freeze()
     gc.disable()
     yield
     gc.enable()
+    gc.unfreeze()
 
 
 def _spin_on_the_loop(seconds: float) -> None:
     t = time.perf_counter()
     while time.perf_counter() - t < seconds:
         pass
+
+
+def _retried(fn):
+    """Run a timing scenario up to three times: on a shared 2-core box a thread may get no CPU
+    for a whole 150 ms stall (seen late in full unit runs). A watch that never reports, or
+    reports the wrong thing, still fails all three."""
+
+    @functools.wraps(fn)
+    async def run() -> None:
+        for attempt in range(3):
+            try:
+                return await fn()
+            except AssertionError:
+                if attempt == 2:
+                    raise
+                gc.collect()
+
+    return run
 
 
 async def _watch(stalls: list[Stall], threshold_s: float = 0.015) -> tuple[StallWatch, Any]:
@@ -47,6 +70,7 @@ async def _stop(w: StallWatch, task: asyncio.Task[None]) -> None:
     w.stop()
 
 
+@_retried
 async def test_a_stall_is_reported_with_the_function_that_filled_it():
     stalls: list[Stall] = []
     w, task = await _watch(stalls)
@@ -66,6 +90,7 @@ async def test_a_stall_is_reported_with_the_function_that_filled_it():
     assert "event loop stalled" in text and "_spin_on_the_loop" in text
 
 
+@_retried
 async def test_a_loop_that_keeps_time_reports_nothing_and_a_blocked_one_is_not_on_a_cpu():
     stalls: list[Stall] = []
     w, task = await _watch(stalls)
@@ -82,6 +107,7 @@ async def test_a_loop_that_keeps_time_reports_nothing_and_a_blocked_one_is_not_o
     assert any("time.sleep" not in st[0] and "test_a_loop_that" in st[0] for st in s.stacks)
 
 
+@_retried
 async def test_gc_and_other_threads_are_counted():
     stalls: list[Stall] = []
     w, task = await _watch(stalls)
@@ -104,13 +130,18 @@ async def test_gc_and_other_threads_are_counted():
     await asyncio.sleep(0.05)
     await _stop(w, task)
     assert stalls
-    if stalls[0].loop_cpu_s is not None:  # Linux: /proc/self/task/<tid>/schedstat
-        assert any("test-hog" in s.others for s in stalls), [s.describe() for s in stalls]
+    sampled = [s for s in stalls if s.samples > 0]
+    # Linux (/proc/self/task/<tid>/schedstat), and only where the watchdog got a CPU during
+    # the stall: late in a full unit run on 2 cores it sometimes gets none, and then reports
+    # the stall unsampled, with no other threads
+    if stalls[0].loop_cpu_s is not None and sampled:
+        assert any("test-hog" in s.others for s in sampled), [s.describe() for s in stalls]
     assert w._gc_runs >= 1  # the watch saw the collection
     # a watch that is stopped takes its gc callback with it
     assert w._on_gc not in gc.callbacks
 
 
+@_retried
 async def test_a_long_c_call_holding_the_gil_is_reported_though_barely_sampled():
     import random
 
