@@ -13,12 +13,14 @@ model is derived from first principles, and a bigger disagreement than 5× is qu
 not see, not a slower GPU.
 
 The fit is the minimiser of ``Σ f²·ρ((rᵢ/f)²)``, ρ(z) = 2(√(1+z) − 1), over the box — the
-objective of ``scipy.optimize.least_squares(loss="soft_l1", f_scale=f, bounds=...)``, solved
-here in numpy because the router refits on its event loop after every observed call (scipy's
-solver cost ~3 ms a refit; this one ~0.1 ms). The loss is convex and smooth, so Newton's method
-with a backtracking line search finds the unconstrained minimiser; when that lies outside the
-box the bounded one is on an edge, found by a 1-D projected Newton on each edge until one meets
-the KKT conditions (``tests/unit/test_calibration.py`` holds it to scipy's on random problems).
+objective of ``scipy.optimize.least_squares(loss="soft_l1", f_scale=f, bounds=...)``, which
+this module used before; it is solved here in numpy because the router refits on its event
+loop after every observed call (a refit of both full windows: ~8 ms with scipy, ~0.2–0.4 ms
+here; ``python -m loadtest.benchmarks --only calibration``). The loss is convex and smooth, so
+Newton's method with a backtracking line search, from median starts, finds the unconstrained
+minimiser; when that lies outside the box the bounded one is on an edge, found by a 1-D
+projected Newton on each edge until one meets the KKT conditions — the bounded optimum, not a
+clip (``tests/unit/test_calibration.py`` holds both fits to scipy's on seeded problems).
 
 Two guards against a feedback trap (found in the simulator: a replica whose first calls
 queued behind a burst of cold 100k-token prefills fitted an offset of ~100 s, was never chosen
@@ -134,16 +136,15 @@ def _min_2d(
     cost is strictly convex): Newton with backtracking from ``(s, off)``. Returns ``(s, off,
     converged)``; with ``stop_outside``, returns unconverged as soon as a full Newton step lands
     outside the box (Newton's model then puts the minimiser there: try the edges first)."""
-    x2 = x * x
+    design = np.stack([x, np.ones_like(x), x * x])  # one product gives all the sums
     r = off + s * x - y
     cost, w, w3 = _soft_l1(r, f)
     for _ in range(_MAX_ITER):
-        wr = w * r
-        gs, go = float(wr @ x), float(wr.sum())
-        hss, hso, hoo = float(w3 @ x2), float(w3 @ x), float(w3.sum())
+        gs, go = (design[:2] @ (w * r)).tolist()
+        hso, hoo, hss = (design @ w3).tolist()
         det = hss * hoo - hso * hso
         if det <= 1e-12 * hss * hoo:  # the weights sit on one x: take the IRLS step instead
-            hss, hso, hoo = float(w @ x2), float(w @ x), float(w.sum())
+            hso, hoo, hss = (design @ w).tolist()
             det = hss * hoo - hso * hso
             if det <= 1e-12 * hss * hoo:  # x's spread is lost in rounding: no Newton step
                 return s, off, False
@@ -284,8 +285,8 @@ class Calibrator:
 
     @staticmethod
     def _pairs(q: deque[tuple[float, float, float]]) -> tuple[np.ndarray, np.ndarray]:
-        a = np.fromiter(chain.from_iterable(q), float, 3 * len(q)).reshape(-1, 3)
-        return a[:, 0], a[:, 1]
+        a = np.fromiter(chain.from_iterable(q), float, 3 * len(q)).reshape(-1, 3).T.copy()
+        return a[0], a[1]  # contiguous: strided columns slow every pass of the fit
 
     def current(self, now: float | None = None) -> Calibration:
         """The fit over the samples still in the window at ``now`` (``None``: no expiry)."""
