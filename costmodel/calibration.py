@@ -136,7 +136,9 @@ def _min_2d(
     cost is strictly convex): Newton with backtracking from ``(s, off)``. Returns ``(s, off,
     converged)``; with ``stop_outside``, returns unconverged as soon as a full Newton step lands
     outside the box (Newton's model then puts the minimiser there: try the edges first)."""
-    design = np.stack([x, np.ones_like(x), x * x])  # one product gives all the sums
+    design = np.empty((3, len(x)))  # rows x, 1, x²: one product gives all the sums
+    design[0], design[1] = x, 1.0
+    np.multiply(x, x, out=design[2])
     r = off + s * x - y
     cost, w, w3 = _soft_l1(r, f)
     for _ in range(_MAX_ITER):
