@@ -206,7 +206,8 @@ class StepResult:
 
 
 class TierLRU:
-    """A lower KV tier: an LRU set of block keys with a capacity in blocks."""
+    """The storage tier: an LRU set of block keys with a capacity in blocks (written through
+    from the host tier; the host tier itself is :class:`HostTier`)."""
 
     __slots__ = ("capacity", "keys")
 
@@ -639,7 +640,8 @@ class Engine:
     def _store_lower(self, req: Request, horizon: int, now: float) -> None:
         """The connector's store pass for one scheduled request: offer its prompt blocks
         ``[host_next, horizon)`` to the host tier (to storage when there is none); evictions
-        are published now, the stored keys when the step's writes end (:meth:`_settle`)."""
+        are published now, the stored keys when their writes end, a step later
+        (:meth:`_settle`)."""
         start = req.host_next
         if horizon <= start:
             return
