@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
 from router.vllm.kvevents import BlockRemoved, BlockStored
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES
 from tests.vllm.test_engine_plugin import install_plugin
+from tests.vllm.test_engine_tiers import cached_by_source
 from tests.vllm.test_twin_fidelity import TwinThread, _run, _session_sequence
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,13 +82,6 @@ def tiered_pair(request):
         collector.close()
 
 
-def _by_source(metrics: str) -> dict[str, float]:
-    pat = re.compile(
-        r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)'
-    )
-    return {m.group(1): float(m.group(2)) for m in map(pat.match, metrics.splitlines()) if m}
-
-
 def _tier_keys(batches, kind, medium: str) -> list[int]:
     return [k for b in batches for e in b.events
             if isinstance(e, kind) and (e.medium or "GPU").upper() == medium
@@ -113,12 +106,12 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
     with httpx.Client(timeout=120) as client:
         for name, url, topic in (("real", replica.url, replica.topic),
                                  ("twin", twin.url, twin.topic)):  # fmt: skip
-            before = _by_source(client.get(url + "/metrics").text)
+            before = cached_by_source(client.get(url + "/metrics").text)
             n_before = len(collector.snapshot(topic))
             cached[name] = [c for _, _, c in _run(client, url, prompts, extra)]
             time.sleep(1.5)  # the host tier's last write is published a step after the reply
             batches[name] = collector.snapshot(topic)[n_before:]
-            after = _by_source(client.get(url + "/metrics").text)
+            after = cached_by_source(client.get(url + "/metrics").text)
             by_source[name] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     real_stored = _tier_keys(batches["real"], BlockStored, "CPU")
     real_removed = _tier_keys(batches["real"], BlockRemoved, "CPU")
