@@ -1110,6 +1110,14 @@ class Engine:
             if self._in_flight or self._writing:  # vLLM steps on to finish its transfers
                 self._settle()
                 self._in_flight, self._writing = self._writing, []
+            if preempted:
+                # the only running request preempted itself (it was short of a block, held
+                # by a parked load): vLLM's engine core schedules again at once, and that
+                # step admits from the waiting queue, which this one skipped. Without this
+                # the twin slept until the next arrival, and forever if none came. Once:
+                # nothing runs now, so nothing more can be preempted.
+                assert not running
+                return self.schedule(now)
             return None
         if self.cpu is not None or self.storage is not None:
             # the connector's store pass (build_connector_meta): the prompt blocks this step

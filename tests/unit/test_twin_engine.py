@@ -210,11 +210,16 @@ def test_async_loads_of_a_shared_prefix_do_not_freeze_the_engine():
     assert a.finished and b.finished and a.cached_tokens == 4 * BS
 
 
-def test_a_load_behind_a_preempted_head_is_not_stranded():
-    # r decodes into the room a slow host load left it, preempts itself and cannot come back
+@pytest.mark.parametrize("host_latency_s", [5.0, 0.2])
+def test_a_load_behind_a_preempted_head_is_not_stranded(host_latency_s):
+    # r decodes into the room a host load left it, preempts itself and cannot come back
     # while the load holds its blocks; vLLM 0.32 stops at r for good (vllm#57841), the twin
-    # scans on so the load can finish and run, then r
-    hw = dataclasses.replace(TINY.hardware, host_latency_s=5.0)
+    # scans on so the load can finish and run, then r. With a slow load (5 s) r preempts
+    # itself while the load is still in flight; with a fast one (0.2 s) the load has landed
+    # but could not get its suffix blocks beside r, and r's self-preemption leaves a step
+    # with nothing scheduled, after which the engine must schedule again at once (it used
+    # to wait for the next arrival: the freeze behind a flaky integration test)
+    hw = dataclasses.replace(TINY.hardware, host_latency_s=host_latency_s)
     prof = TINY.replace(gpu_kv_blocks=12, cpu_kv_blocks=32, hardware=hw)
     e, p, t = _prefix_in_host(prof, 4, 28)
     r = req("r", toks(2 * BS, 30), max_tokens=6 * BS)  # grows to 8 blocks
