@@ -121,6 +121,7 @@ class Request:
         "num_output",
         "num_preemptions",
         "output_ids",
+        "promoted",
         "prompt_len",
         "queued_time",
         "ready_at",
@@ -169,6 +170,7 @@ class Request:
         self.queued_time: float | None = None  # first scheduled
         self.ready_at = 0.0
         self.load_blocks: list[int] = []  # keys being loaded from lower tiers
+        self.promoted: set[int] | None = None  # keys it staged from storage to host (disk hits)
         self.num_preemptions = 0
         # the lower tiers' store pass (vLLM's next_stored_chunk_idx): blocks [host_lo,
         # host_next) were offered to or loaded from them (-1: not admitted yet)
@@ -860,6 +862,8 @@ class Engine:
                 else:
                     break
                 lower.append(k)
+        if n_sto and cpu is not None:
+            lower, n_cpu, n_sto = self._promote(req, lower, now)
         hit = (n_gpu + len(lower)) * bs
         if lower:
             n = 0
@@ -912,9 +916,7 @@ class Engine:
             )
             req.host_next = max(req.host_next, n_gpu + len(lower))
             if cpu is not None:
-                if n_sto:  # storage hits are staged through the host tier (tiering manager)
-                    self._promote(req, [k for k in lower if k not in cpu], now)
-                cpu.pin(k for k in lower if k in cpu)
+                cpu.pin(lower)
             self.tier_hit_blocks["cpu"] += n_cpu
             self.tier_hit_blocks["storage"] += n_sto
             return 0
@@ -937,17 +939,37 @@ class Engine:
             and (r.status != RUNNING or r.num_computed < r.num_tokens - 1)
         )
 
-    def _promote(self, req: Request, keys: list[int], now: float) -> None:
-        """Storage chunks a request loads are written to the host tier on their way."""
-        assert self.cpu is not None
-        got = self.cpu.store(keys, now, req.hint)
-        if got is None:
-            return  # no room on the host: the twin loads straight from storage
-        new, evicted = got
-        if evicted:
-            self._emit(encode_block_removed(evicted, medium="CPU"))
-        if new:
-            self._writing.append(new)
+    def _promote(self, req: Request, lower: list[int], now: float) -> tuple[list[int], int, int]:
+        """Stage a request's storage hits through the host tier, as vLLM's tiering manager
+        does in its lookup (``_initiate_promotion``): each gets a host chunk, made room for
+        least recently used first — which may evict the request's own host hits, not pinned
+        before its load begins. vLLM's next lookup finds those gone and promotes them from
+        storage too; so here, round by round, until none is lost. A chunk that cannot be
+        staged (no room, or gone from storage as well) ends the hit there, as vLLM's lookup
+        misses. Returns the hit's lower-tier keys and how many come from host / storage
+        (promoted keys count as storage hits, vLLM's ``get_load_source``)."""
+        cpu, sto = self.cpu, self.storage
+        assert cpu is not None and sto is not None
+        promoted = req.promoted
+        if promoted is None:
+            promoted = req.promoted = set()
+        while todo := [k for k in lower if k not in cpu]:
+            lost = next((k for k in todo if k not in sto), None)
+            if lost is not None:
+                lower = lower[: lower.index(lost)]
+                continue
+            got = cpu.store(todo, now, req.hint)
+            if got is None:
+                lower = lower[: lower.index(todo[0])]
+                break
+            new, evicted = got
+            if evicted:
+                self._emit(encode_block_removed(evicted, medium="CPU"))
+            if new:
+                self._writing.append(new)
+                promoted.update(new)
+        n_sto = sum(1 for k in lower if k in promoted)
+        return lower, len(lower) - n_sto, n_sto
 
     def _finish_load(self, req: Request) -> None:
         """Loaded blocks now hold their keys in GPU (``BlockStored`` medium GPU)."""

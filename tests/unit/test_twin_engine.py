@@ -314,6 +314,34 @@ def test_stores_cascade_to_storage_and_a_storage_hit_is_staged_through_the_host_
     assert set(k0) <= set(stored(events(e), "CPU"))
 
 
+def test_staging_a_storage_hit_can_evict_the_requests_own_host_hits_which_then_come_from_storage():
+    # vLLM's tiering manager makes room for each promoted chunk least recently used first,
+    # before the request's host hits are pinned by its load: here they are the oldest chunks,
+    # so staging the storage hits evicts them, and its next lookup promotes them from storage
+    # too. Checked against real vLLM-CPU in tests/vllm/test_twin_fidelity_tiers.py (disk).
+    prof = TINY.replace(gpu_kv_blocks=14, cpu_kv_blocks=16, storage_kv_blocks=100)
+    h = BlockHasher(BS)
+    e = Engine(prof, hasher=h)
+    pt = toks(8 * BS, 95)  # P (blocks 0-3) then T (blocks 4-7)
+    t = drive(e, [req("a", [*pt, 1])])
+    # 12 blocks more: a leaves the 13-block GPU pool; the host tier (16) drops a's tail T
+    # (finish ranks a prefix above its tail), keeping P — now its oldest chunks
+    t = drive(e, [req("b", toks(12 * BS + 1, 96))], t)
+    k = h.hash_keys(pt)
+    assert not e.pool.match(k, 8)
+    assert all(x in e.cpu for x in k[:4]) and not any(x in e.cpu for x in k[4:])
+    assert all(x in e.storage for x in k)
+    events(e)
+    c = req("c", [*pt, 2])
+    drive(e, [c], t)
+    assert c.cached_tokens == 8 * BS
+    # staging T's 4 chunks evicted P's 4: all 8 come from storage, through the host tier
+    assert e.cached_by_source == {"device": 0, "host": 0, "disk": 8 * BS}
+    assert all(x in e.cpu for x in k)
+    gone = removed(events(e), "CPU")
+    assert set(gone[:4]) == set(k[:4]) and len(gone) == 8  # P, then 4 of b's for P's return
+
+
 def test_prefill_cadence_admits_only_every_nth_step_unless_idle():
     e = Engine(TINY.replace(prefill_interval_steps=4), hasher=BlockHasher(BS))
     e.add(req("a", toks(40, 90), max_tokens=30))

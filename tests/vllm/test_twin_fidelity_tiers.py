@@ -10,11 +10,16 @@ or nowhere — is decided by both tiers' eviction. Compared: per-request ``cache
 split by source (``vllm:prompt_tokens_cached_by_source``), and the host tier's
 ``BlockStored`` / ``BlockRemoved`` (``medium`` CPU) hashes, in order and in batches.
 
-Twice: with vLLM's LRU, and with the plugin's ``AgentRetentionPolicy`` on both sides
+Three times: with vLLM's LRU; with the plugin's ``AgentRetentionPolicy`` on both sides
 (``--retention``, share 0.5) while the calls carry hints — two sessions pause with a long
 ``return_s`` (held past the test), one says ``running``, one ``done`` on every call, one sends
-none — so the holds, the share cap and ``done``'s cold end decide evictions too; the retention
-run must then differ from the LRU one.
+none — so the holds, the share cap and ``done``'s cold end decide evictions too, and the
+retention run must then differ from the LRU one; and with LRU plus a disk tier below the host
+tier (``--disk-tier-dir``: vLLM's ``TieringOffloadingSpec`` with its filesystem tier, which
+has no capacity limit and so never evicts; the twin's ``storage_kv_blocks`` is set beyond the
+run's working set), where what the host tier lost comes back from disk: compared as well are
+the split with ``disk``, and the ``STORAGE`` ``BlockStored`` hashes (as sets: the filesystem
+tier's writer threads publish in their own batches).
 """
 
 from __future__ import annotations
@@ -53,17 +58,23 @@ HINTS = {
 }
 
 
-_CACHED: dict[bool, list[int]] = {}  # real vLLM's cached_tokens per run, by retention
+SOURCES = ("device", "host", "disk")
+DISK_BLOCKS = 1 << 20  # the twin's storage tier: more than the run's working set (no eviction)
+
+_CACHED: dict[str, list[int]] = {}  # real vLLM's cached_tokens per run, by mode
 
 
-@pytest.fixture(scope="module", params=["lru", "retention"])
-def tiered_pair(request):
-    retention = request.param == "retention"
+@pytest.fixture(scope="module", params=["lru", "retention", "disk"])
+def tiered_pair(request, tmp_path_factory):
+    mode = request.param
+    retention = mode == "retention"
     install_plugin()
     collector = EventCollector()
+    disk = str(tmp_path_factory.mktemp("disk-tier")) if mode == "disk" else None
     opts = presets.EngineOptions(
-        cadence=None, host_tier_bytes=HOST_BYTES, retention=retention, retention_share=SHARE
-    )
+        cadence=None, host_tier_bytes=HOST_BYTES, retention=retention, retention_share=SHARE,
+        disk_tier_dir=disk,
+    )  # fmt: skip
     words = presets.flags(opts)
     cfg = ReplicaConfig(
         name="fidelity-tiers", model_dir=tinymodel.ensure(), block_size=BLOCK_SIZE,
@@ -71,12 +82,13 @@ def tiered_pair(request):
     )  # fmt: skip
     bed = VllmBed([cfg])
     plugin = EnginePlugin(retention=RetentionConfig(max_share=SHARE)) if retention else None
-    twin = TwinThread(
-        collector.endpoint, load_profile("cpu-tiny").replace(cpu_kv_blocks=HOST_BLOCKS), plugin
+    prof = load_profile("cpu-tiny").replace(
+        cpu_kv_blocks=HOST_BLOCKS, storage_kv_blocks=DISK_BLOCKS if disk else 0
     )
+    twin = TwinThread(collector.endpoint, prof, plugin)
     try:
         with bed:
-            yield bed.replicas[0], twin, collector, retention
+            yield bed.replicas[0], twin, collector, mode
     finally:
         twin.close()
         collector.close()
@@ -89,7 +101,8 @@ def _tier_keys(batches, kind, medium: str) -> list[int]:
 
 
 def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pair):
-    replica, twin, collector, retention = tiered_pair
+    replica, twin, collector, mode = tiered_pair
+    retention = mode == "retention"
     seq = _session_sequence()
     prompts = [p for _, p in seq]
     extra = None
@@ -103,13 +116,24 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
     cached: dict[str, list[int]] = {}
     by_source: dict[str, dict[str, float]] = {}
     batches = {}
+    split: dict[str, list[str]] = {}  # per call: cached tokens device/host/disk
     with httpx.Client(timeout=120) as client:
         for name, url, topic in (("real", replica.url, replica.topic),
                                  ("twin", twin.url, twin.topic)):  # fmt: skip
             before = cached_by_source(client.get(url + "/metrics").text)
             n_before = len(collector.snapshot(topic))
-            cached[name] = [c for _, _, c in _run(client, url, prompts, extra)]
-            time.sleep(1.5)  # the host tier's last write is published a step after the reply
+            cached[name], split[name] = [], []
+            last = before
+            for i, p in enumerate(prompts):  # one at a time: each call's hits by source
+                cached[name] += [
+                    c for _, _, c in _run(client, url, [p], extra and extra[i : i + 1])
+                ]
+                now = cached_by_source(client.get(url + "/metrics").text)
+                split[name].append(
+                    "/".join(str(int(now.get(k, 0) - last.get(k, 0))) for k in SOURCES)
+                )
+                last = now
+            time.sleep(1.5)  # the tiers' last writes are published after the reply
             batches[name] = collector.snapshot(topic)[n_before:]
             after = cached_by_source(client.get(url + "/metrics").text)
             by_source[name] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -117,12 +141,16 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
     real_removed = _tier_keys(batches["real"], BlockRemoved, "CPU")
     twin_stored = _tier_keys(batches["twin"], BlockStored, "CPU")
     twin_removed = _tier_keys(batches["twin"], BlockRemoved, "CPU")
+    real_disk = _tier_keys(batches["real"], BlockStored, "STORAGE")
+    twin_disk = _tier_keys(batches["twin"], BlockStored, "STORAGE")
     report = {
         "requests": len(prompts),
         "host_blocks": HOST_BLOCKS,
-        "retention": retention,
+        "mode": mode,
         "cached_real": cached["real"],
         "cached_twin": cached["twin"],
+        "split_real": split["real"],
+        "split_twin": split["twin"],
         "cached_exact": sum(a == b for a, b in zip(cached["real"], cached["twin"], strict=True)),
         "by_source_real": by_source["real"],
         "by_source_twin": by_source["twin"],
@@ -131,6 +159,9 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
         "cpu_removed_real": len(real_removed),
         "cpu_removed_twin": len(twin_removed),
         "cpu_removed_same_order": real_removed == twin_removed,
+        "storage_stored_real": len(real_disk),
+        "storage_stored_twin": len(twin_disk),
+        "storage_stored_same_set": set(real_disk) == set(twin_disk),
         "cpu_removed_batches_real": [
             len(e.block_hashes)
             for b in batches["real"]
@@ -145,7 +176,7 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
         ],
     }
     out = Path(os.environ.get("KVROUTE_FIDELITY_TIERS_OUT", "out/bench")) / (
-        f"twin_fidelity_tiers_{'retention' if retention else 'lru'}.json"
+        f"twin_fidelity_tiers_{mode}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
@@ -153,11 +184,19 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
     # the sequence exercises both tiers: host hits, and host evictions
     assert by_source["real"].get("host", 0) > 0 and real_removed, report
     assert cached["real"] == cached["twin"], report
-    for src in ("device", "host"):
+    assert split["real"] == split["twin"], report  # every call's hits by source
+    for src in SOURCES:
         assert by_source["real"].get(src, 0) == by_source["twin"].get(src, 0), report
     assert sorted(real_stored) == sorted(twin_stored), report
     assert real_removed == twin_removed, report
-    _CACHED[retention] = cached["real"]
-    if retention and False in _CACHED:
-        assert _CACHED[True] != _CACHED[False], "the hints changed nothing to compare"
+    if mode == "disk":
+        # the host tier's losses come back from disk; every chunk stored reaches the disk
+        assert by_source["real"].get("disk", 0) > 0, report
+        assert set(real_disk) == set(twin_disk), report
+        assert set(real_stored) <= set(real_disk), report
+    else:
+        assert not real_disk and not twin_disk, report
+    _CACHED[mode] = cached["real"]
+    if "retention" in _CACHED and "lru" in _CACHED:
+        assert _CACHED["retention"] != _CACHED["lru"], "the hints changed nothing to compare"
     assert not collector.errors
