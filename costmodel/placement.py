@@ -88,7 +88,8 @@ class WarmSession:
     ``idle_s``: since its last call ended (eviction order is least recently used first);
     ``p_return``: probability it calls again (0 after its final call); ``tokens``: its cached
     context (the evicted part is its tail); ``pinned``: a parent waiting on children or a call
-    in flight — never evicted, it only shrinks the free pool.
+    in flight — never evicted, it only shrinks the free pool; ``mean_gap_s``: the mean of the
+    exponential time to its return (None: unknown).
     """
 
     key: str
@@ -96,6 +97,7 @@ class WarmSession:
     idle_s: float
     p_return: float
     pinned: bool = False
+    mean_gap_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,9 @@ class ReplicaLoad:
     prefill_scale: float = 1.0  # calibration: observed / modelled
     decode_scale: float = 1.0
     ttft_offset_s: float = 0.0
+    # how long a chunk stays in the host tier after its last use (LRU turnover: capacity /
+    # evictions per second) while that tier is full; None: not full, or not known
+    host_residence_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +282,9 @@ def eviction_harm(
 
     A session loses its tail blocks first (vLLM frees a request's blocks tail first, so they
     sit earlier in the free queue). Bringing ``n`` tokens back costs min(reload from the host
-    tier if the profile has one, recompute them at their position).
+    tier, recompute them at their position) if the host tier still holds them when the session
+    returns (:func:`host_survival`: the host tier is written through, so they are there now
+    unless it turned over since the session's last call), and recompute if not.
     """
     if load.free_gpu_blocks is None:
         return None, {}
@@ -296,9 +303,10 @@ def eviction_harm(
         evicted[s.key] = take
         n_tok = min(take * bs, s.tokens)
         recompute = scale * request_prefill_time(profile, n_tok, s.tokens - n_tok)
-        back = (
-            min(recompute, load_time(profile, take, "cpu")) if profile.cpu_kv_blocks else recompute
-        )
+        back = recompute
+        if profile.cpu_kv_blocks:
+            p = host_survival(s.idle_s, s.mean_gap_s, load.host_residence_s)
+            back = p * min(recompute, load_time(profile, take, "cpu")) + (1.0 - p) * recompute
         harm += max(0.0, min(1.0, s.p_return)) * back
     return harm, evicted
 
@@ -411,6 +419,25 @@ def placement_cost(
         tail_prefill_s=tail_s,
         evicted=evicted,
     )
+
+
+def host_survival(idle_s: float, mean_gap_s: float | None, residence_s: float | None) -> float:
+    """P(a session's host-tier copy is still there when it returns).
+
+    Its chunks were last ranked when its last call ended (vLLM re-ranks a finished request's
+    chunks), ``idle_s`` ago; under LRU a chunk survives while younger than the tier's
+    residence time R. The session returns after a further Exp(``mean_gap_s``) (memoryless),
+    so P = 1 − exp(−(R − idle) / gap) while R > idle, else 0. ``residence_s`` None (the tier
+    is not full, or its turnover is unknown): 1. An unknown gap reads as an early return.
+    """
+    if residence_s is None:
+        return 1.0
+    left = residence_s - idle_s
+    if left <= 0.0:
+        return 0.0
+    if mean_gap_s is None or mean_gap_s <= 0.0:
+        return 1.0
+    return -math.expm1(-left / mean_gap_s)
 
 
 def p_return_after(idle_s: float, mean_gap_s: float | None, final: bool) -> float:

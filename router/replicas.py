@@ -49,6 +49,12 @@ VLLM_GAUGES = {
 # the undivided total (re-exported as source "all")
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 CACHED_TOTAL = "vllm:prompt_tokens_cached_total"
+# the engine plugin's host-tier shares (engine_patches.offload, which router/ does not import):
+# the largest over label sets (one per engine), not their sum
+VLLM_SHARES = {
+    "vllm:kv_offload_cpu_cache_occupancy_perc": "host_occupancy",
+    "vllm:kv_offload_cpu_retained_perc": "host_retained",
+}
 
 
 class CircuitBreaker:
@@ -110,6 +116,7 @@ class EndpointView:
     kv_usage: float | None
     breaker: str
     accepting: bool = True  # breaker closed, or a half-open probe slot is free
+    host_occupancy: float | None = None  # share of the host KV tier holding data (plugin)
 
     @property
     def load(self) -> float:
@@ -130,6 +137,10 @@ class Replica:
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None
+    # the engine plugin's host-tier gauges: share of chunks holding data, share held for
+    # paused sessions (None: not exported)
+    host_occupancy: float | None = None
+    host_retained: float | None = None
     cached_by_source: dict[str, float] = field(default_factory=dict)  # engine counters by tier
     last_error: str | None = None
     # Calls this router finished on the replica (monotonic), and the value when the last
@@ -148,7 +159,7 @@ class Replica:
         return EndpointView(
             self.name, self.url, self.healthy, self.models, self.inflight,
             self.running_now(), self.waiting, self.kv_usage, self.breaker.state,
-            self.breaker.allows(),
+            self.breaker.allows(), self.host_occupancy,
         )  # fmt: skip
 
     def running_now(self) -> float | None:
@@ -164,6 +175,7 @@ class Replica:
             "name": self.name, "url": self.url, "source": self.source, "healthy": self.healthy,
             "models": sorted(self.models), "inflight": self.inflight, "running": self.running,
             "waiting": self.waiting, "kv_usage": self.kv_usage, "breaker": self.breaker.state,
+            "host_occupancy": self.host_occupancy, "host_retained": self.host_retained,
             "last_error": self.last_error,
         }  # fmt: skip
 
@@ -272,8 +284,9 @@ class ReplicaSet:
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """Sum the gauges the router needs over all label sets (one engine may list several),
-    and the cached-prompt-token counters as ``cached:<source>`` keys (``cached:all`` only when
-    the engine does not split them by tier).
+    the cached-prompt-token counters as ``cached:<source>`` keys (``cached:all`` only when
+    the engine does not split them by tier), and the engine plugin's host-tier shares (their
+    largest).
 
     Parsed with prometheus_client's exposition parser (labels, escapes and timestamps are its
     business); a malformed exposition yields what was parsed before the error.
@@ -283,6 +296,10 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if not math.isfinite(sample.value):
+                    continue
+                share = VLLM_SHARES.get(sample.name)
+                if share is not None:
+                    out[share] = max(out.get(share, 0.0), sample.value)
                     continue
                 key = VLLM_GAUGES.get(sample.name)
                 if sample.name == CACHED_BY_SOURCE:
@@ -433,6 +450,7 @@ class ReplicaMonitor:
             return
         m = parse_vllm_metrics(text)
         r.running, r.waiting, r.kv_usage = m.get("running"), m.get("waiting"), m.get("kv_usage")
+        r.host_occupancy, r.host_retained = m.get("host_occupancy"), m.get("host_retained")
         r.cached_by_source = {k[7:]: v for k, v in m.items() if k.startswith("cached:")}
         r.finished_at_scrape = mark
 

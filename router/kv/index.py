@@ -70,6 +70,7 @@ class ReplicaIndexState:
     stale: bool = False  # events were lost: the index may miss or keep blocks wrongly
     stale_reason: str | None = None
     events: int = 0
+    removed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # ever
 
 
 class BlockIndexError(ValueError):
@@ -221,6 +222,7 @@ class BlockIndex:
                     del d[k]
                 gone += 1
         st.blocks[TIERS[t]] -= gone
+        st.removed[TIERS[t]] += gone
         self.version += 1
         return gone
 
@@ -347,6 +349,11 @@ class BlockIndexView:
     def blocks(self, replica: str) -> dict[str, int]:
         st = self._ix.state(replica)
         return dict(st.blocks) if st else dict.fromkeys(TIERS, 0)
+
+    def removed(self, replica: str, medium: str) -> int:
+        """Blocks ever removed from ``replica``'s ``medium`` (BlockRemoved events)."""
+        st = self._ix.state(replica)
+        return st.removed[medium] if st else 0
 
 
 class NaiveBlockIndex:

@@ -40,6 +40,7 @@ import logging
 import statistics
 import time
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -113,6 +114,38 @@ class _AnalysisLane:
         self.stats = {"waited": 0, "not_waited": 0, "late": 0, "dropped": 0}
 
 
+class TierChurn:
+    """Blocks removed per second from each replica's host tier, over the last ``window_s``:
+    samples of the index's running count of ``BlockRemoved`` (medium CPU), one per second
+    at most, taken when a view is made (a decision is about to read it)."""
+
+    def __init__(self, window_s: float = 60.0, min_span_s: float = 5.0):
+        self.window_s = window_s
+        self.min_span_s = min_span_s
+        self._samples: dict[str, deque[tuple[float, int]]] = {}
+
+    def sample(self, replica: str, now: float, removed: int) -> None:
+        dq = self._samples.get(replica)
+        if dq is None:
+            dq = self._samples[replica] = deque()
+        if dq and removed < dq[-1][1]:
+            dq.clear()  # the replica's index state was rebuilt: start over
+        if not dq or now - dq[-1][0] >= 1.0:
+            dq.append((now, removed))
+        while len(dq) > 2 and now - dq[1][0] >= self.window_s:
+            dq.popleft()
+
+    def rate(self, replica: str) -> float | None:
+        """Removals per second over the window; None until it spans ``min_span_s``."""
+        dq = self._samples.get(replica)
+        if not dq or dq[-1][0] - dq[0][0] < self.min_span_s:
+            return None
+        return (dq[-1][1] - dq[0][1]) / (dq[-1][0] - dq[0][0])
+
+    def forget(self, replica: str) -> None:
+        self._samples.pop(replica, None)
+
+
 class KVState:
     """See the module docstring. One per router process."""
 
@@ -168,6 +201,7 @@ class KVState:
         self._gone: dict[str, None] = {}  # removed by discovery and not back (insertion order)
         self._leaving: dict[str, float] = {}  # removed by discovery, not forgotten yet: since
         self._lane: _AnalysisLane | None = None  # started by the first analysis in a loop
+        self.host_churn = TierChurn()
 
     # ---- lifetime (the caller pairs these in an aiohttp cleanup context) --------------------
 
@@ -262,6 +296,7 @@ class KVState:
         for rid in [k for k, v in self.routed.items() if v[0] == name]:
             del self.routed[rid]
         self.stats.pop(name, None)
+        self.host_churn.forget(name)
         self.calibrators.pop(name, None)
         self._profiles.pop(name, None)  # re-sets the approximate capacity if it comes back
         for fp in self.sessions.values():
@@ -656,4 +691,9 @@ class KVState:
 
     def view(self) -> KVView:
         self.expire_removed()
+        now = self.clock()
+        for r in self.index.replicas():
+            st = self.index.state(r)
+            if st is not None and st.removed["CPU"]:
+                self.host_churn.sample(r, now, st.removed["CPU"])
         return KVView(self)

@@ -2,8 +2,9 @@
 
 Owns: what KV-aware scorers may read — prefix matches by tier (the exact block index for
 replicas whose event stream is fresh, approximate mode for the rest), replica profiles and
-calibration, GPU blocks in use, per-replica call statistics, session footprints, and the cost
-model's inputs for a replica (:meth:`KVView.replica_load`, :meth:`KVView.call_shape`). Nothing
+calibration, GPU blocks in use, per-replica call statistics, session footprints, how long the
+host tier keeps a chunk (:meth:`KVView.host_residence`), and the cost model's inputs for a
+replica (:meth:`KVView.replica_load`, :meth:`KVView.call_shape`). Nothing
 here mutates the layer. Like :class:`router.kv.index.BlockIndexView` it copies nothing: it is
 consistent for one synchronous scheduling pass, since the index, footprints and statistics
 change only when the event loop runs ingestion or an observer. Must not import aiohttp.
@@ -29,6 +30,8 @@ MIN_GAP_S = 0.1  # a measured mean gap of 0 s counts as this (back-to-back calls
 # to a call's cost, and one-call sessions (Mooncake-style traffic) would each be priced on
 # every decision until their TTL
 P_NEGLIGIBLE = 1e-6
+# a host tier this full is turning over (write-through fills it, LRU then evicts its oldest)
+HOST_FULL = 0.95
 
 
 class KVView:
@@ -189,7 +192,7 @@ class KVView:
             gap = prior if gap is None else max(gap, MIN_GAP_S)
             p = p_return_after(idle, gap, s.final)
             pinned = s.inflight > 0 or s.children_inflight > 0
-            warm.append(WarmSession(s.key, s.tokens, idle, p, pinned))
+            warm.append(WarmSession(s.key, s.tokens, idle, p, pinned, gap))
             if s.inflight == 0 and not s.final and p > P_NEGLIGIBLE:
                 # memoryless: the time to its return is exponential with the mean gap, however
                 # long it has been idle (agent gaps are heavy-tailed: AgentX median 3.84 s, p95
@@ -210,6 +213,26 @@ class KVView:
         c = int((match.cpu if match else 0) * ratio)
         s = int((match.storage if match else 0) * ratio)
         return CallShape(n_tokens, g, c, s, output_tokens)
+
+    def host_residence(self, e: EndpointView) -> float | None:
+        """How long a chunk stays in ``e``'s host tier after its last use while that tier is
+        full: its capacity over the blocks it loses per second (KV events, over the last
+        minute). Full: the engine plugin's occupancy gauge says so (at least
+        ``HOST_FULL``), or without it the index's count of the tier's blocks. None: no host
+        tier, not full, no evictions seen, or no event stream (approximate mode)."""
+        prof = self.profile(e.name)
+        if not prof.cpu_kv_blocks or self.source(e.name) != "events":
+            return None
+        ratio = self.block_size / prof.block_size  # index blocks -> profile blocks
+        occ = e.host_occupancy
+        if occ is None:
+            occ = self.index.blocks(e.name)["CPU"] * ratio / prof.cpu_kv_blocks
+        if occ < HOST_FULL:
+            return None
+        rate = self._st.host_churn.rate(e.name)
+        if not rate or rate <= 0.0:
+            return None
+        return prof.cpu_kv_blocks / (rate * ratio)
 
     def replica_load(self, e: EndpointView, exclude: str | None, prior_tokens: int) -> ReplicaLoad:
         """The cost model's load inputs for one replica, from the endpoint view and this view.
@@ -252,4 +275,5 @@ class KVView:
             prefill_scale=cal.prefill_scale,
             decode_scale=cal.decode_scale,
             ttft_offset_s=cal.ttft_offset_s,
+            host_residence_s=self.host_residence(e),
         )

@@ -146,6 +146,7 @@ class KVCost:
                     },
                     "source": view.source(e.name),
                     "free_gpu_blocks": load.free_gpu_blocks,
+                    "host_residence_s": load.host_residence_s,
                     "queued_prefill_tokens": load.queued_prefill_tokens,
                     "model_ttft_s": raw_queue + raw_fetch,
                     # one decode step in the batch this call joins (uncalibrated): what the

@@ -93,6 +93,10 @@ async def _scenario(st: KVState, http, url: str, hot: str, cold: str, replicas) 
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("the router never saw the replicas idle")
+    # the host tier's occupancy reaches the router on its scrape (the engine plugin's gauge)
+    async with http.get(url + "/admin/replicas", headers={"X-Admin-Key": "adm"}) as r:
+        occ = {x["url"]: x["host_occupancy"] for x in await r.json()}
+    assert occ[hot] > 0 and occ[cold] == 0, occ
 
     # 1) idle cluster: loading ~30 blocks from DRAM beats recomputing 2k tokens on `cold`
     hdr = {"x-claude-code-session-id": "s0", "X-Admin-Key": "adm"}

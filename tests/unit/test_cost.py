@@ -16,6 +16,7 @@ from costmodel.placement import (
     blocks_needed,
     decode_cost,
     eviction_harm,
+    host_survival,
     p_return_after,
     placement_cost,
     prefill_throughput,
@@ -172,6 +173,32 @@ def test_eviction_harm_uses_reload_when_a_host_tier_exists():
     with_host, _ = eviction_harm(OFF, call, load)
     without, _ = eviction_harm(H200, call, load)
     assert with_host < without / 20  # reloading from DRAM is far cheaper than recomputing
+
+
+def test_host_survival_follows_the_residence_time_and_the_gap():
+    assert host_survival(50.0, 10.0, None) == 1.0  # tier not full: nothing leaves it
+    assert host_survival(50.0, 10.0, 40.0) == 0.0  # turned over since the session's last call
+    assert host_survival(30.0, None, 40.0) == 1.0  # unknown gap: read as an early return
+    p = host_survival(30.0, 10.0, 40.0)  # 10 s left, mean gap 10 s: 1 - 1/e
+    assert p == pytest.approx(1 - math.exp(-1.0))
+    assert host_survival(30.0, 10.0, 400.0) > p > host_survival(30.0, 100.0, 40.0)
+
+
+def test_eviction_harm_prices_a_host_copy_the_tier_will_have_turned_over_as_recompute():
+    call = CallShape(CTX, expected_output_tokens=0)
+    s = WarmSession("s", CTX, 10.0, 1.0, mean_gap_s=30.0)
+    roomy, _ = eviction_harm(OFF, call, ReplicaLoad(free_gpu_blocks=0, warm=[s]))
+    gone, _ = eviction_harm(
+        OFF, call, ReplicaLoad(free_gpu_blocks=0, warm=[s], host_residence_s=5.0)
+    )
+    some, _ = eviction_harm(
+        OFF, call, ReplicaLoad(free_gpu_blocks=0, warm=[s], host_residence_s=40.0)
+    )
+    recompute, _ = eviction_harm(H200, call, ReplicaLoad(free_gpu_blocks=0, warm=[s]))
+    assert roomy < some < gone
+    assert gone == pytest.approx(recompute)  # same model: recompute is recompute
+    p = host_survival(10.0, 30.0, 40.0)
+    assert some == pytest.approx(p * roomy + (1 - p) * gone)
 
 
 @pytest.mark.parametrize(

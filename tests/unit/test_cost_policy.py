@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -327,6 +328,30 @@ def test_index_and_profile_block_sizes_may_differ():
     assert view.gpu_blocks_used("A") == 1000
     prof = st.profile("A")
     assert st.approx.capacity("A") == prof.gpu_kv_blocks * prof.block_size // 16
+
+
+def test_host_residence_is_a_full_host_tiers_capacity_over_its_eviction_rate():
+    clock = [1000.0]
+    st = KVState(KVConfig(block_size=BS, profile="h200-70b-fp8-offload"), clock=lambda: clock[0])
+    st.index.add_replica("A")
+    cap, a = PROF.cpu_kv_blocks, ep("A")
+    st.index.store("A", range(cap // 2), "CPU")
+    assert st.view().host_residence(a) is None  # half full: nothing leaves it
+    st.index.store("A", range(cap // 2, cap), "CPU")
+    assert st.view().host_residence(a) is None  # full, no eviction seen yet
+    for i in range(20):  # write-through at 100 blocks/s: as many evicted
+        clock[0] += 1.0
+        st.index.remove("A", range(i * 100, (i + 1) * 100), "CPU")
+        st.index.store("A", range(cap + i * 100, cap + (i + 1) * 100), "CPU")
+        view = st.view()
+    assert view.host_residence(a) == pytest.approx(cap / 100)
+    assert view.replica_load(a, None, N * BS).host_residence_s == pytest.approx(cap / 100)
+    # the engine plugin's gauge wins over the index's count (a tier reported half empty)
+    assert view.host_residence(dataclasses.replace(a, host_occupancy=0.5)) is None
+    assert view.host_residence(dataclasses.replace(a, host_occupancy=0.99)) is not None
+    # without the event stream the turnover is not known
+    st.index.mark_stale("A", "test")
+    assert st.view().host_residence(a) is None
 
 
 def test_a_session_without_gaps_returns_like_the_population():

@@ -213,6 +213,18 @@ vllm:num_requests_waiting{engine="0"} NaN-garbage
     assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.375}
 
 
+def test_parse_vllm_metrics_takes_the_host_tier_shares_largest_over_engines():
+    from engine_patches.offload import HOST_OCCUPANCY, HOST_RETAINED
+
+    text = f"""# TYPE {HOST_OCCUPANCY} gauge
+{HOST_OCCUPANCY}{{engine="0",model_name="tiny"}} 0.98
+{HOST_OCCUPANCY}{{engine="1",model_name="tiny"}} 0.5
+# TYPE {HOST_RETAINED} gauge
+{HOST_RETAINED}{{engine="0",model_name="tiny"}} 0.25
+"""
+    assert parse_vllm_metrics(text) == {"host_occupancy": 0.98, "host_retained": 0.25}
+
+
 # Recorded shape of `GET /apis/discovery.k8s.io/v1/namespaces/llm/endpointslices
 # ?labelSelector=kubernetes.io/service-name=vllm` (two slices, one IPv6).
 SLICES = json.loads("""
