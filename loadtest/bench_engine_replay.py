@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,6 +37,7 @@ from loadtest.traces import load_trace
 from loadtest.vllmbed import ReplicaConfig, VllmBed
 from router.app import build_app, start_site
 from router.config import RouterConfig
+from router.replicas import cached_by_source
 
 TRACE = (
     "synthetic:sessions=16,calls_median=6,calls_sigma=0.3,prefix_tokens=1200,"
@@ -47,17 +47,6 @@ TRACE = (
 )
 CONFIGS = ("vllm", "tiers", "tiers+hints")
 HOST_BYTES = 32 << 20  # 16384 tokens of the tiny model
-
-
-def by_source(text: str) -> dict[str, float]:
-    pat = re.compile(
-        r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)'
-    )
-    out: dict[str, float] = {}
-    for m in map(pat.match, text.splitlines()):
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
 
 
 async def run_config(name: str, trace_spec: str, concurrency: int, work: Path) -> dict[str, Any]:
@@ -91,7 +80,7 @@ async def run_config(name: str, trace_spec: str, concurrency: int, work: Path) -
             src: dict[str, float] = {}
             async with httpx.AsyncClient(timeout=30) as c:
                 for u in urls:
-                    for k, v in by_source((await c.get(u + "/metrics")).text).items():
+                    for k, v in cached_by_source((await c.get(u + "/metrics")).text).items():
                         src[k] = src.get(k, 0.0) + v
         finally:
             await runner.cleanup()

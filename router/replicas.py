@@ -315,6 +315,12 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def cached_by_source(text: str) -> dict[str, float]:
+    """The engine's cached prompt tokens by tier (``device``, ``host``, ``disk``, …) from a
+    ``/metrics`` exposition; ``{"all": n}`` when it does not split them."""
+    return {k[7:]: v for k, v in parse_vllm_metrics(text).items() if k.startswith("cached:")}
+
+
 # --- Kubernetes EndpointSlice discovery -------------------------------------------------
 
 

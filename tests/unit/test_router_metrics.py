@@ -17,7 +17,7 @@ from costmodel.calibration import Calibrator
 from router.kv.events import PublisherState, SubscriberStats
 from router.metrics import RouterMetrics
 from router.outcome import CallOutcome, Usage, usage_from_tail
-from router.replicas import Replica, ReplicaSet, parse_vllm_metrics
+from router.replicas import Replica, ReplicaSet, cached_by_source, parse_vllm_metrics
 from router.sessions import SessionIdentity
 
 
@@ -145,6 +145,7 @@ def test_cached_tokens_by_tier_from_the_replicas_metrics():
     }  # fmt: skip
     old = parse_vllm_metrics(VLLM_033.split("# TYPE vllm:prompt_tokens_cached_by_source")[0])
     assert old["cached:all"] == 700.0  # vLLM 0.32 does not split by tier
+    assert cached_by_source(VLLM_033) == {"device": 500.0, "host": 150.0, "disk": 50.0}
 
 
 def test_replica_collector_follows_the_live_set():

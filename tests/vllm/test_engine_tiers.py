@@ -19,6 +19,7 @@ import pytest
 from engine_patches import presets
 from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
 from router.kv.index import BlockIndex
+from router.replicas import cached_by_source
 from router.vllm.hashing import BlockHasher
 from router.vllm.kvevents import BlockStored
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
@@ -47,13 +48,6 @@ def tiered(tiny_model, tmp_path_factory):
             yield bed.replicas[0], events, disk
     finally:
         events.close()
-
-
-def cached_by_source(metrics: str) -> dict[str, float]:
-    pat = re.compile(
-        r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)'
-    )
-    return {m.group(1): float(m.group(2)) for m in map(pat.match, metrics.splitlines()) if m}
 
 
 def test_evicted_prefixes_come_back_from_host_then_disk_with_identical_logprobs(tiered):

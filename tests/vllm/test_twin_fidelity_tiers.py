@@ -38,10 +38,10 @@ from engine_patches.retention_rule import RetentionConfig
 from loadtest import tinymodel
 from loadtest.twin.engine import EnginePlugin
 from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
+from router.replicas import cached_by_source
 from router.vllm.kvevents import BlockRemoved, BlockStored
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES
 from tests.vllm.test_engine_plugin import install_plugin
-from tests.vllm.test_engine_tiers import cached_by_source
 from tests.vllm.test_twin_fidelity import TwinThread, _run, _session_sequence
 
 pytestmark = pytest.mark.timeout(300)
