@@ -284,7 +284,8 @@ def eviction_harm(
     sit earlier in the free queue). Bringing ``n`` tokens back costs min(reload from the host
     tier, recompute them at their position) if the host tier still holds them when the session
     returns (:func:`host_survival`: the host tier is written through, so they are there now
-    unless it turned over since the session's last call), and recompute if not.
+    unless it turned over since the session's last call), and if not min(reload from storage
+    if the profile has it — the host tier writes every chunk on to storage — recompute).
     """
     if load.free_gpu_blocks is None:
         return None, {}
@@ -303,10 +304,17 @@ def eviction_harm(
         evicted[s.key] = take
         n_tok = min(take * bs, s.tokens)
         recompute = scale * request_prefill_time(profile, n_tok, s.tokens - n_tok)
-        back = recompute
+        # what the host tier has lost is still on storage, if there is one (every chunk the
+        # host tier stores is written on to it); storage is not priced for turnover
+        lost = (
+            min(recompute, load_time(profile, take, "storage"))
+            if profile.storage_kv_blocks
+            else recompute
+        )
+        back = lost
         if profile.cpu_kv_blocks:
             p = host_survival(s.idle_s, s.mean_gap_s, load.host_residence_s)
-            back = p * min(recompute, load_time(profile, take, "cpu")) + (1.0 - p) * recompute
+            back = p * min(lost, load_time(profile, take, "cpu")) + (1.0 - p) * lost
         harm += max(0.0, min(1.0, s.p_return)) * back
     return harm, evicted
 

@@ -195,8 +195,14 @@ def test_eviction_harm_prices_a_host_copy_the_tier_will_have_turned_over_as_reco
         OFF, call, ReplicaLoad(free_gpu_blocks=0, warm=[s], host_residence_s=40.0)
     )
     recompute, _ = eviction_harm(H200, call, ReplicaLoad(free_gpu_blocks=0, warm=[s]))
-    assert roomy < some < gone
-    assert gone == pytest.approx(recompute)  # same model: recompute is recompute
+    assert roomy < some < gone < recompute
+    # what the host tier lost is reloaded from NVMe (every stored chunk is written on to it)
+    nvme = min(load_time(OFF, math.ceil(CTX / BS), "storage"), recompute)
+    assert gone == pytest.approx(nvme)
+    no_nvme = OFF.replace(storage_kv_blocks=0)
+    assert eviction_harm(
+        no_nvme, call, ReplicaLoad(free_gpu_blocks=0, warm=[s], host_residence_s=5.0)
+    )[0] == pytest.approx(recompute)  # same model: recompute is recompute
     p = host_survival(10.0, 30.0, 40.0)
     assert some == pytest.approx(p * roomy + (1 - p) * gone)
 
