@@ -350,11 +350,6 @@ class BlockIndexView:
         st = self._ix.state(replica)
         return dict(st.blocks) if st else dict.fromkeys(TIERS, 0)
 
-    def removed(self, replica: str, medium: str) -> int:
-        """Blocks ever removed from ``replica``'s ``medium`` (BlockRemoved events)."""
-        st = self._ix.state(replica)
-        return st.removed[medium] if st else 0
-
 
 class NaiveBlockIndex:
     """Reference implementation: a set per (replica, tier), a plain loop in ``match``."""
