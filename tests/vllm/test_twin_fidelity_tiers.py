@@ -7,8 +7,9 @@ policy, one chunk per 32-token block) in front of the bed's 256-block engine cac
 (five growing sessions, interleaved, one at a time, ``max_tokens=1``), whose working set
 overflows both tiers, so what each later call finds — in the engine's cache, in host memory,
 or nowhere — is decided by both tiers' eviction. Compared: per-request ``cached_tokens``, the
-split by source (``vllm:prompt_tokens_cached_by_source``), and the host tier's
-``BlockStored`` / ``BlockRemoved`` (``medium`` CPU) hashes, in order and in batches.
+split by source (``vllm:prompt_tokens_cached_by_source``) per request and over the run, and
+the host tier's ``BlockStored`` / ``BlockRemoved`` (``medium`` CPU) hashes, the removals in
+order (their batches are reported).
 
 Three times: with vLLM's LRU; with the plugin's ``AgentRetentionPolicy`` on both sides
 (``--retention``, share 0.5) while the calls carry hints — two sessions pause with a long
