@@ -16,6 +16,9 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
   blocks (768k tokens) per replica — a stress configuration, not a hardware profile, chosen
   so that the host tier overflows and its eviction order matters (in ``weka-dev-scarce`` it
   never fills: see docs/benchmarks.md);
+- ``weka-dev-squeezed-host``: ``weka-dev-squeezed`` with no NVMe tier, so what the host tier
+  drops is recomputed: the one workload here where the policies' hit ratios part (0.85–0.87
+  at 32 lanes, 0.57–0.67 at 48; docs/benchmarks.md);
 - ``weka-dev-scarce-8x``: the yardstick's offload profile on 8 replicas (32 GPUs);
 - ``agentx-long-hi``: the yardstick's long-context sessions (``AGENTX_LONG``) at 16–32 lanes
   on 4 replicas of ``h200-70b-fp8-tp4-1m-offload`` — past the line, looking for the load at
@@ -36,11 +39,17 @@ _OFF = "h200-70b-fp8-tp4-offload"
 WORKLOADS: dict[str, _W] = {
     "weka-dev-scarce": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 32, 48), (32,)),
     "weka-dev-squeezed": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 32, 48), (32,)),
+    "weka-dev-squeezed-host": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 32, 48), (32,)),
     "weka-dev-scarce-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (96, 128, 160), (128,)),
     "agentx-long-hi": (AGENTX_LONG, "h200-70b-fp8-tp4-1m-offload", 4, None, (16, 24, 32), (24,)),
 }
 OVERRIDES: dict[str, dict[str, Any]] = {
     "weka-dev-squeezed": {"gpu_kv_blocks": 12_000, "cpu_kv_blocks": 12_000},
+    "weka-dev-squeezed-host": {
+        "gpu_kv_blocks": 12_000,
+        "cpu_kv_blocks": 12_000,
+        "storage_kv_blocks": 0,
+    },
 }
 
 
