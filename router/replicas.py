@@ -315,10 +315,14 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def _by_source(parsed: Mapping[str, float]) -> dict[str, float]:
+    return {k[7:]: v for k, v in parsed.items() if k.startswith("cached:")}
+
+
 def cached_by_source(text: str) -> dict[str, float]:
     """The engine's cached prompt tokens by tier (``device``, ``host``, ``disk``, …) from a
     ``/metrics`` exposition; ``{"all": n}`` when it does not split them."""
-    return {k[7:]: v for k, v in parse_vllm_metrics(text).items() if k.startswith("cached:")}
+    return _by_source(parse_vllm_metrics(text))
 
 
 # --- Kubernetes EndpointSlice discovery -------------------------------------------------
@@ -457,7 +461,7 @@ class ReplicaMonitor:
         m = parse_vllm_metrics(text)
         r.running, r.waiting, r.kv_usage = m.get("running"), m.get("waiting"), m.get("kv_usage")
         r.host_occupancy, r.host_retained = m.get("host_occupancy"), m.get("host_retained")
-        r.cached_by_source = {k[7:]: v for k, v in m.items() if k.startswith("cached:")}
+        r.cached_by_source = _by_source(m)
         r.finished_at_scrape = mark
 
     async def health_loop(self) -> None:

@@ -2,13 +2,16 @@
 
 Not a ``bench_*`` module (``make bench`` skips it): a check of whether a workload puts the host
 tier under pressure at all — the peak host-tier occupancy over every replica and step, the
-blocks it evicted and the share of hit blocks it served — before paying for 3 seeds.
+blocks it evicted and the share of hit blocks it served — before paying for 3 seeds; then,
+per replica, the calls after warm-up, their hit ratio and TTFT p50 (where a policy left a
+replica thrashing).
 
-    python -m loadtest.bench.kv_pressure_probe WORKLOAD LANES POLICY[,POLICY...]
+    python -m loadtest.bench.kv_pressure_probe WORKLOAD LANES POLICY[,POLICY...] [SEED]
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +27,7 @@ from loadtest.twin import engine as twin_engine
 
 def main(argv: list[str]) -> int:
     wname, lanes, policies = argv[0], int(argv[1]), argv[2].split(",")
+    seed = int(argv[3]) if len(argv) > 3 else 0
     fname, pname, n_rep, gap, _levels, _quick = WORKLOADS[wname]
     prof = with_overrides(load_profile(pname), OVERRIDES.get(wname, {}))
     trace = load_trace(Path(TRACES) / fname, max_gap_s=gap)
@@ -40,17 +44,18 @@ def main(argv: list[str]) -> int:
         peak["blocks"] = 0
         router_pol, hints, plugin = policy_spec(pol)
         t0 = time.perf_counter()
-        s = simulate_trace(
+        res = simulate_trace(
             prof,
             n_rep,
             trace,
-            RouterPolicy(router_pol, prof, seed=0, engine_hints=hints),
+            RouterPolicy(router_pol, prof, seed=seed, engine_hints=hints),
             concurrency=lanes,
             duration_s=900.0,
-            seed=0,
+            seed=seed,
             stagger_s=STAGGER_S,
             plugin=plugin,
-        ).summary(warmup_s=WARMUP_S)
+        )
+        s = res.summary(warmup_s=WARMUP_S)
         hits = s["tier_hit_blocks"]
         print(
             f"{wname} c{lanes} {pol}: {s['throughput_tok_per_gpu_s']:.0f} tok/GPU-s, P90 "
@@ -60,6 +65,14 @@ def main(argv: list[str]) -> int:
             f"{prof.cpu_kv_blocks} blocks ({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
+        for i in range(n_rep):
+            rs = [r for r in res.records if r.replica == i and r.arrival >= WARMUP_S]
+            prompt = sum(r.prompt_tokens for r in rs)
+            if rs and prompt:
+                print(f"  replica {i}: {len(rs)} calls, hit "
+                      f"{sum(r.cached_tokens for r in rs) / prompt:.3f}, "
+                      f"{prompt / len(rs) / 1000:.0f}k prompt tokens per call, TTFT p50 "
+                      f"{statistics.median(r.ttft for r in rs):.1f} s")  # fmt: skip
     return 0
 
 

@@ -233,9 +233,6 @@ class TierLRU:
             return self.keys.popitem(last=False)[0]
         return None
 
-    def touch(self, key: int) -> None:
-        self.keys.move_to_end(key)
-
     def clear(self) -> None:
         self.keys.clear()
 
