@@ -5,6 +5,9 @@ Owns: a sliding window of (modelled, observed) pairs per replica and a robust fi
     observed TTFT ≈ offset + prefill_scale · modelled prefill-and-queue seconds
     observed ITL  ≈ decode_scale · modelled decode step seconds
 
+and of how much of the prefix the router expected cached the replica delivered
+(``hit_realization``: Σ min(cached, expected) / Σ expected over the window, in [0, 1]).
+
 by least squares with a soft-L1 loss, so a few outliers (a GC pause, a preempted request) do
 not drag the fit. Until ``min_samples`` pairs are in the window the model is used as is (scales
 1, offset 0). Fitted values are bounded (a scale in [0.2, 5], an offset in [0,
@@ -57,6 +60,10 @@ class Calibration:
     decode_scale: float = 1.0
     ttft_samples: int = 0
     itl_samples: int = 0
+    # the share of the matched prefix the engine reported cached (1: as matched, or too few
+    # samples); see :meth:`Calibrator.observe_hit`
+    hit_realization: float = 1.0
+    hit_samples: int = 0
 
 
 def _soft_l1(r: np.ndarray, f: float) -> tuple[float, np.ndarray, np.ndarray]:
@@ -261,6 +268,7 @@ class Calibrator:
         self.max_age_s = max_age_s
         self._ttft: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._itl: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._hit: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._ttft_fit: tuple[float, float] | None = (1.0, 0.0)
         self._itl_fit: float | None = 1.0
         self._cached: Calibration | None = Calibration()
@@ -275,6 +283,17 @@ class Calibrator:
             self._itl.append((modelled_s, observed_s, at))
             self._itl_fit = self._cached = None
 
+    def observe_hit(self, expected_tokens: float, cached_tokens: float, at: float = 0.0) -> None:
+        """A call the router placed expecting ``expected_tokens`` of its prompt cached (the
+        matched prefix) for which the engine reported ``cached_tokens``. A match can fail to
+        deliver when the blocks are evicted between the match and the engine's lookup at
+        scheduling — under KV pressure, while the call waits in a long queue — and the
+        router's index cannot see that coming. More cached than expected is counted as
+        expected: this measures the promises the index broke, not its misses."""
+        if expected_tokens > 0 and cached_tokens >= 0 and np.isfinite(cached_tokens):
+            self._hit.append((expected_tokens, min(cached_tokens, expected_tokens), at))
+            self._cached = None
+
     def _expire(self, now: float | None) -> None:
         if now is None or self.max_age_s is None:
             return
@@ -284,6 +303,9 @@ class Calibrator:
         while self._itl and now - self._itl[0][2] > self.max_age_s:
             self._itl.popleft()
             self._itl_fit = self._cached = None
+        while self._hit and now - self._hit[0][2] > self.max_age_s:
+            self._hit.popleft()
+            self._cached = None
 
     @staticmethod
     def _pairs(q: deque[tuple[float, float, float]]) -> tuple[np.ndarray, np.ndarray]:
@@ -302,5 +324,11 @@ class Calibrator:
             enough = len(self._itl) >= self.min_samples
             self._itl_fit = fit_scale(*self._pairs(self._itl)) if enough else 1.0
         ps, off = self._ttft_fit
-        self._cached = Calibration(ps, off, self._itl_fit, len(self._ttft), len(self._itl))
+        hit = 1.0
+        if len(self._hit) >= self.min_samples:
+            expected = sum(e for e, _, _ in self._hit)
+            hit = sum(c for _, c, _ in self._hit) / expected
+        self._cached = Calibration(
+            ps, off, self._itl_fit, len(self._ttft), len(self._itl), hit, len(self._hit)
+        )
         return self._cached

@@ -341,6 +341,19 @@ class KVState:
 
     # ---- the analyzer: tokens + block keys ----------------------------------------------------
 
+    def _count(self, ctx: Any, fp: SessionFootprint, call: KVCall, n_tokens: int) -> None:
+        """The call is in flight: its session's footprint is pinned (and its parent's, while
+        it waits on this child) until :meth:`observe` lowers the counts; the new tokens this
+        turn adds are what the session's next prefill is expected to be."""
+        n_tokens = int(ctx.prompt_tokens or n_tokens)
+        if fp.tokens:
+            fp.turn_tokens = max(n_tokens - fp.tokens, 0)
+        fp.inflight += 1
+        parent = ctx.identity.parent
+        if parent and parent in self.sessions:
+            self.sessions[parent].children_inflight += 1
+        call.counted = True
+
     def analyze(self, ctx: Any) -> Awaitable[None] | None:
         """:meth:`_analyze`, and for a call whose prompt text mostly repeats that of a call
         analysed but not yet placed (a cold burst sharing a prefix: subagents, many one-call
@@ -452,6 +465,8 @@ class KVState:
         ctx.analysis = call
         tokens, tokenizer = self.tokens, self.tokenizer
         if tokens is None or tokenizer is None:
+            if ctx.block_keys:  # keys given by the caller (the simulator): count it in flight
+                self._count(ctx, fp, call, len(ctx.block_keys) * self.cfg.block_size)
             return None
         if ctx.body:
             call.text_keys = text_keys(prompt_prefix_text(ctx.body, TEXT_LIMIT))
@@ -479,12 +494,7 @@ class KVState:
                 return
             ctx.block_keys = p.keys
             ctx.prompt_tokens = p.n_tokens
-            if fp.tokens:
-                fp.turn_tokens = max(p.n_tokens - fp.tokens, 0)
-            fp.inflight += 1
-            if ident.parent and ident.parent in self.sessions:
-                self.sessions[ident.parent].children_inflight += 1
-            call.counted = True
+            self._count(ctx, fp, call, p.n_tokens)
 
         try:
             loop = asyncio.get_running_loop()
@@ -569,6 +579,7 @@ class KVState:
         n_tok = int(ctx.prompt_tokens or len(keys or ()) * self.cfg.block_size or est)
         if n_tok > 0:  # a retry decides again: the entry follows the call to its new replica
             matched = int(decision.term(replica, "match_blocks") or 0) * self.cfg.block_size
+            matched = int(matched * self.calibration(replica).hit_realization)
             self.prefilling[ctx.request_id] = (replica, max(n_tok - matched, 0), self.clock())
             if len(self.prefilling) > PREFILLING_MAX or len(self.routed) > PREFILLING_MAX:
                 self._expire_prefilling()
@@ -633,6 +644,13 @@ class KVState:
                 matched = decision.term(replica, "match_blocks") if decision is not None else None
                 cached = (matched or 0) * self.cfg.block_size
             self.stats.setdefault(replica, ReplicaStat()).add(max(n_tok - int(cached), 0), n_tok)
+            if outcome.usage is not None and outcome.usage.cached_tokens is not None and outcome.ok:
+                matched = decision.term(replica, "match_blocks") if decision is not None else None
+                expected = min(int(matched or 0) * self.cfg.block_size, n_tok)
+                if expected > 0:
+                    self.calibrators.setdefault(replica, Calibrator()).observe_hit(
+                        expected, outcome.usage.cached_tokens, now
+                    )
             ttft = outcome.ttft_s
             if predicted is not None and ttft and outcome.ok:
                 # uncalibrated: the fit is absolute; in profile seconds: replica twins run

@@ -207,11 +207,20 @@ class KVView:
     def call_shape(self, replica: str, keys: list[int], n_tokens: int, match: TierDepth | None,
                    output_tokens: int) -> CallShape:  # fmt: skip
         """This call on ``replica``: prompt tokens and its matched prefix by tier, in the
-        profile's blocks (the index counts the router's ``block_size``)."""
+        profile's blocks (the index counts the router's ``block_size``), cut to the share of
+        matched prefixes the replica has lately delivered (its calibration's
+        ``hit_realization``): what it does not deliver is the match's tail — the slowest tier
+        first, then the tail of its GPU part — recomputed."""
         ratio = self.block_size / self.profile(replica).block_size
         g = int((match.gpu if match else 0) * ratio)
         c = int((match.cpu if match else 0) * ratio)
         s = int((match.storage if match else 0) * ratio)
+        real = self.calibration(replica).hit_realization
+        if real < 1.0 and g + c + s:
+            cut = (g + c + s) - int(real * (g + c + s))
+            s_cut = min(s, cut)
+            c_cut = min(c, cut - s_cut)
+            g, c, s = g - (cut - s_cut - c_cut), c - c_cut, s - s_cut
         return CallShape(n_tokens, g, c, s, output_tokens)
 
     def host_residence(self, e: EndpointView) -> float | None:

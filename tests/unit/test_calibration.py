@@ -202,3 +202,19 @@ def test_calibrator_refits_only_the_window_that_changed(monkeypatch):
     # the first TTFT and ITL samples (at 0) leave the window after 60 s: both refit
     c.current(now=60.5)
     assert calls == {"ttft": 3, "itl": 3}
+
+
+def test_hit_realization_is_the_share_of_the_matched_prefix_the_engine_delivered():
+    c = Calibrator(window=16, min_samples=4, max_age_s=60.0)
+    for i in range(3):
+        c.observe_hit(1000, 200, at=float(i))
+    assert c.current(now=3.0).hit_realization == 1.0  # too few samples: as matched
+    c.observe_hit(1000, 5000, at=3.0)  # more than matched counts as matched
+    cal = c.current(now=3.0)
+    assert cal.hit_samples == 4
+    assert cal.hit_realization == pytest.approx((3 * 200 + 1000) / 4000)
+    c.observe_hit(0, 0, at=4.0)  # nothing was expected: no sample
+    c.observe_hit(1000, float("nan"), at=4.0)
+    assert c.current(now=4.0).hit_samples == 4
+    # the samples expire: a replica nobody sends to is trusted again
+    assert c.current(now=100.0).hit_realization == 1.0

@@ -11,7 +11,7 @@ from costmodel.profiles import load_profile
 from router.kv.config import KVConfig
 from router.kv.sessions import ReplicaStat, SessionFootprint
 from router.kv.state import KVState
-from router.outcome import CallOutcome, usage_from_tail
+from router.outcome import CallOutcome, Usage, usage_from_tail
 from router.replicas import EndpointView
 from router.scheduling import RequestContext, Snapshot
 from router.scheduling.kv_cost import KVCost
@@ -283,7 +283,7 @@ def test_kv_config_from_env_and_mapping():
 def test_observer_learns_from_usage_and_releases_final_sessions():
     st = state()
     c = ctx_for(session="obs")
-    st.analyze(c)  # no tokenizer: only the footprint is opened
+    st.analyze(c)  # no tokenizer, keys given: the footprint is opened and counted in flight
     c.prompt_tokens = 10_000
     tail = (
         b'data: {"choices":[],"usage":{"prompt_tokens":10000,"completion_tokens":120,'
@@ -557,3 +557,48 @@ def test_a_call_in_flight_lends_its_prefix_only_where_both_fit():
     st.index.store("B", list(range(5_000_000, 5_000_000 + PROF.gpu_kv_blocks)))  # B is full
     _, s = _burst_behind_a_call_in_flight(st)
     assert s.terms["B"]["match_blocks"] == 0
+
+
+def test_a_call_whose_keys_are_given_is_in_flight_until_it_ends():
+    """The simulator gives block keys and has no tokenizer: its calls are counted in flight
+    as the live router counts its analysed calls, so a session with a call running is pinned
+    and not a paced agent between calls (before, every simulated session looked idle)."""
+    st = state()
+    st.sessions["t/p"] = SessionFootprint("t/p", "A", tokens=50_000, last_end=990.0, gaps=[5.0])
+    c = ctx_for(session="p")
+    st.analyze(c)
+    fp = st.sessions["t/p"]
+    assert fp.inflight == 1 and fp.turn_tokens == N * BS - 50_000
+    warm, reserved = st.view().warm_and_reserved("A", None)
+    assert [w.pinned for w in warm if w.key == "t/p"] == [True]
+    assert "t/p" not in {r.key for r in reserved}
+    st.observe(c, outcome(ttft_s=0.5, duration_s=2.0))
+    assert fp.inflight == 0
+    warm, reserved = st.view().warm_and_reserved("A", None)
+    assert [w.pinned for w in warm if w.key == "t/p"] == [False]
+    assert "t/p" in {r.key for r in reserved}
+
+
+def test_a_replica_that_breaks_its_matches_is_costed_on_what_it_delivers():
+    """A holds the whole prompt on GPU, B half of it. A wins — until A's last calls got a fifth
+    of the prefix its index promised (blocks evicted while they queued): then its match counts
+    for a fifth, cut from its tail, and B wins. The explain keeps the raw match, which is what
+    the next observation is measured against."""
+    st = state()
+    st.index.store("A", KEYS)
+    st.index.store("B", KEYS[: N // 2])
+    eps = [ep("A"), ep("B")]
+    assert pick(st, eps, ctx_for(session="x"))[0] == "A"
+    for i in range(8):
+        c = ctx_for(session=f"q{i}")
+        st.analyze(c)
+        dec = Decision(ep("A"), [], terms={"kv_cost": {"A": {"match_blocks": N}}})
+        usage = Usage(N * BS, 100, N * BS // 5)
+        done = CallOutcome("A", "200", ttft_s=1.0, duration_s=2.0, usage=usage, decision=dec)
+        st.observe(c, done)
+    assert st.calibration("A").hit_realization == pytest.approx(0.2)
+    winner, s = pick(st, eps, ctx_for(session="x"))
+    assert winner == "B"
+    assert s.terms["A"]["match_blocks"] == N
+    assert s.terms["A"]["tiers"] == {"gpu": N // 5, "cpu": 0, "storage": 0}
+    assert st.calibration("B").hit_realization == 1.0

@@ -74,11 +74,12 @@ def test_kv_cost_spreads_sessions_sharing_a_cached_prefix_by_decode_interference
     # without the interference term the other terms already push some sessions off the
     # prefix holder — the decode term (every call asks for the agents' 32k cap), the cold
     # prefills in flight there counted as queued work, and the reserved term's wait a cold
-    # prefill causes agents about to return there (13 / 11 / 8 on three replicas; 17 / 15 on
-    # two before that half of the term, 20 / 12 before the queued prefills) — but unevenly;
-    # with it every replica gets its share and the decoders stall less
-    assert max(piled.values()) >= 0.4 * 32
-    assert len(spread) == 4 and max(spread.values()) <= 0.3 * 32
+    # prefill causes agents about to return there (11 / 11 / 10 on three replicas since the
+    # simulated calls are counted in flight; 13 / 11 / 8 before; 17 / 15 on two before that
+    # half of the reserved term) — but one replica gets no session; with it every replica
+    # gets its share (11 / 7 / 7 / 7) and the decoders stall less
+    assert len(piled) <= 3
+    assert len(spread) == 4 and min(spread.values()) >= 0.2 * 32
     assert inter_on > 1.03 * inter_off
 
 
