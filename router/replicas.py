@@ -117,6 +117,7 @@ class EndpointView:
     breaker: str
     accepting: bool = True  # breaker closed, or a half-open probe slot is free
     host_occupancy: float | None = None  # share of the host KV tier holding data (plugin)
+    host_retained: float | None = None  # share held for paused sessions (plugin's retention)
 
     @property
     def load(self) -> float:
@@ -159,7 +160,7 @@ class Replica:
         return EndpointView(
             self.name, self.url, self.healthy, self.models, self.inflight,
             self.running_now(), self.waiting, self.kv_usage, self.breaker.state,
-            self.breaker.allows(), self.host_occupancy,
+            self.breaker.allows(), self.host_occupancy, self.host_retained,
         )  # fmt: skip
 
     def running_now(self) -> float | None:

@@ -9,7 +9,10 @@ for each call — the session identity, the session's record in the router's own
 (:class:`router.state.MemoryStore`, in simulated time), the endpoint views (running / waiting
 / KV usage from the simulated engines, the router's own in-flight count) and the KV layer
 (:class:`router.kv.state.KVState`, its block index fed by the engines' own KV events decoded
-with :mod:`router.vllm.kvevents`, the wire path, and its clock set to simulated time) — and
+with :mod:`router.vllm.kvevents`, the wire path, and its clock set to simulated time; each
+call counted in flight in its session's footprint from its analysis to its end, as the live
+router's analysis counts it — until 2026-12-02 the simulated calls were not, so every session
+looked idle between calls even while one ran: never pinned, always a paced agent) — and
 after each call it reports a :class:`router.outcome.CallOutcome` (replica, TTFT, duration,
 usage, the decision) to the call sequence's observers, as the proxy does. Must not import
 aiohttp, zmq, torch or vllm.

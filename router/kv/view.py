@@ -227,8 +227,11 @@ class KVView:
         """How long a chunk stays in ``e``'s host tier after its last use while that tier is
         full: its capacity over the blocks it loses per second (KV events, over the last
         minute). Full: the engine plugin's occupancy gauge says so (at least
-        ``HOST_FULL``), or without it the index's count of the tier's blocks. None: no host
-        tier, not full, no evictions seen, or no event stream (approximate mode)."""
+        ``HOST_FULL``), or without it the index's count of the tier's blocks. The chunks the
+        plugin's retention holds for paused sessions (its retained-share gauge) are skipped
+        by the eviction, so the others turn over in what is left: capacity × (1 − retained).
+        None: no host tier, not full, no evictions seen, or no event stream (approximate
+        mode)."""
         prof = self.profile(e.name)
         if not prof.cpu_kv_blocks or self.source(e.name) != "events":
             return None
@@ -241,7 +244,8 @@ class KVView:
         rate = self._st.host_churn.rate(e.name)
         if not rate or rate <= 0.0:
             return None
-        return prof.cpu_kv_blocks / (rate * ratio)
+        held = min(max(e.host_retained or 0.0, 0.0), 1.0)
+        return prof.cpu_kv_blocks * (1.0 - held) / (rate * ratio)
 
     def replica_load(self, e: EndpointView, exclude: str | None, prior_tokens: int) -> ReplicaLoad:
         """The cost model's load inputs for one replica, from the endpoint view and this view.

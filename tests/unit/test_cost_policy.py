@@ -349,6 +349,9 @@ def test_host_residence_is_a_full_host_tiers_capacity_over_its_eviction_rate():
     # the engine plugin's gauge wins over the index's count (a tier reported half empty)
     assert view.host_residence(dataclasses.replace(a, host_occupancy=0.5)) is None
     assert view.host_residence(dataclasses.replace(a, host_occupancy=0.99)) is not None
+    # a quarter of the tier held for paused sessions: the rest turns over in three quarters
+    held = dataclasses.replace(a, host_occupancy=0.99, host_retained=0.25)
+    assert view.host_residence(held) == pytest.approx(0.75 * cap / 100)
     # without the event stream the turnover is not known
     st.index.mark_stale("A", "test")
     assert st.view().host_residence(a) is None
