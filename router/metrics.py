@@ -372,8 +372,9 @@ class _StoreCollector:
 
 class _CalibrationCollector:
     """``kvroute_kv_calibration{replica, term}``: the cost model's fitted prefill scale, TTFT
-    offset (s) and decode scale per replica (1, 0, 1 until enough calls were seen), and the
-    samples behind each fit. A scale pinned at a bound (0.2 or 5) means the model and the
+    offset (s), decode scale and hit realization (the share of matched prefixes the engine
+    delivered) per replica (1, 0, 1, 1 until enough calls were seen), and the samples behind
+    each fit. A scale pinned at a bound (0.2 or 5) means the model and the
     replica disagree by more than any calibration should absorb: look at the replica."""
 
     def __init__(self, kv: Any):
@@ -383,12 +384,13 @@ class _CalibrationCollector:
         g = GaugeMetricFamily(
             "kvroute_kv_calibration",
             "Fitted observed/modelled time per replica: prefill_scale, ttft_offset_s, "
-            "decode_scale (the cost model's calibration)",
+            "decode_scale; hit_realization: share of matched prefixes the engine delivered "
+            "(the cost model's calibration)",
             labels=["replica", "term"],
         )
         n = GaugeMetricFamily(
             "kvroute_kv_calibration_samples",
-            "Observations in each replica's calibration window (ttft, itl)",
+            "Observations in each replica's calibration window (ttft, itl, hit)",
             labels=["replica", "kind"],
         )
         for name in sorted(self.kv.calibrators):
@@ -396,8 +398,10 @@ class _CalibrationCollector:
             g.add_metric([name, "prefill_scale"], c.prefill_scale)
             g.add_metric([name, "ttft_offset_s"], c.ttft_offset_s)
             g.add_metric([name, "decode_scale"], c.decode_scale)
+            g.add_metric([name, "hit_realization"], c.hit_realization)
             n.add_metric([name, "ttft"], float(c.ttft_samples))
             n.add_metric([name, "itl"], float(c.itl_samples))
+            n.add_metric([name, "hit"], float(c.hit_samples))
         yield g
         yield n
 

@@ -210,6 +210,13 @@ def test_calibration_collector_shows_each_replicas_fit():
     )
     assert value(m, "kvroute_kv_calibration", replica="r1", term="decode_scale") == 1.0
     assert value(m, "kvroute_kv_calibration_samples", replica="r1", kind="ttft") == 10.0
+    assert value(m, "kvroute_kv_calibration", replica="r1", term="hit_realization") == 1.0
+    for _ in range(8):  # a fifth of each matched prefix was still cached when the call ran
+        cal.observe_hit(1000, 200)
+    assert value(m, "kvroute_kv_calibration", replica="r1", term="hit_realization") == (
+        pytest.approx(0.2)
+    )
+    assert value(m, "kvroute_kv_calibration_samples", replica="r1", kind="hit") == 8.0
 
 
 def test_analysis_collector_counts_how_calls_fared():
