@@ -6,7 +6,10 @@ Algorithm, per candidate replica r (all in seconds, :func:`costmodel.placement.p
    fresh, else approximate mode (r's predicted cache from routing history) — giving the
    matched prefix split by tier (GPU / CPU / STORAGE) — deepened by the prompts this router
    has in flight to r (a burst sharing a prefix arrives before the first call's blocks are
-   stored; vLLM queues the later calls behind that prefill, then hits them);
+   stored; vLLM queues the later calls behind that prefill, then hits them) — and cut to the
+   share of its matched prefixes r has lately delivered (its calibration's
+   ``hit_realization``: under KV pressure a replica with a long queue evicts a waiting call's
+   prefix before it schedules it, which the index cannot see coming);
 2. cost(r) = queue + Σ min(load, recompute) over the prompt's segments + decode in r's batch
    + eviction harm (sessions whose warm KV this call would evict × their P(return) × the
    cost to bring it back; parents with children in flight are pinned, never evicted)
