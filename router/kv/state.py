@@ -646,7 +646,10 @@ class KVState:
             self.stats.setdefault(replica, ReplicaStat()).add(max(n_tok - int(cached), 0), n_tok)
             if outcome.usage is not None and outcome.usage.cached_tokens is not None and outcome.ok:
                 matched = decision.term(replica, "match_blocks") if decision is not None else None
-                expected = min(int(matched or 0) * self.cfg.block_size, n_tok)
+                # vLLM recomputes at least the last prompt token, so a fully matched prompt
+                # is served one block short: at most the blocks before the last token count
+                bs = self.cfg.block_size
+                expected = min(int(matched or 0) * bs, (n_tok - 1) // bs * bs)
                 if expected > 0:
                     self.calibrators.setdefault(replica, Calibrator()).observe_hit(
                         expected, outcome.usage.cached_tokens, now

@@ -599,7 +599,9 @@ def test_a_replica_that_breaks_its_matches_is_costed_on_what_it_delivers():
         usage = Usage(N * BS, 100, N * BS // 5)
         done = CallOutcome("A", "200", ttft_s=1.0, duration_s=2.0, usage=usage, decision=dec)
         st.observe(c, done)
-    assert st.calibration("A").hit_realization == pytest.approx(0.2)
+    # the whole prompt was matched: vLLM serves it at most one block short (it recomputes the
+    # last token), so that is what was expected of A
+    assert st.calibration("A").hit_realization == pytest.approx((N * BS // 5) / ((N - 1) * BS))
     winner, s = pick(st, eps, ctx_for(session="x"))
     assert winner == "B"
     assert s.terms["A"]["match_blocks"] == N
