@@ -104,10 +104,9 @@ except Exception as e:
     assert "ERROR" in refusals[0]
 
 
-async def test_cadence_holds_prefill_within_its_bound_under_overload(cadence_replica):
-    rep, trace = cadence_replica
+async def _overload(rep, trace, attempt: int) -> list[dict]:
+    """Two long decoders, then a burst of long prompts: the engine's cadence trace of it."""
     start = trace.stat().st_size if trace.exists() else 0
-
     async with httpx.AsyncClient(timeout=240) as http:
 
         async def complete(text: str, max_tokens: int) -> dict:
@@ -117,21 +116,36 @@ async def test_cadence_holds_prefill_within_its_bound_under_overload(cadence_rep
             assert r.status_code == 200, r.text
             return r.json()
 
+        seed = 900 + 100 * attempt  # fresh prompts each attempt: no prefix-cache hits
         decoders = [
-            asyncio.create_task(complete(unique_text(40, seed=900 + i), 2500)) for i in range(2)
+            asyncio.create_task(complete(unique_text(40, seed=seed + i), 2500)) for i in range(2)
         ]
         await asyncio.sleep(1.0)  # decoders are running
         # sustained overload: more prefill than the replica can take (18k tokens, 8k KV)
-        prefills = [complete(unique_text(1800, seed=910 + i), 4) for i in range(10)]
+        prefills = [complete(unique_text(1800, seed=seed + 10 + i), 4) for i in range(10)]
         done = await asyncio.gather(*prefills)
         assert all(d["usage"]["completion_tokens"] == 4 for d in done)  # nothing starved
         for d in await asyncio.gather(*decoders):
             assert d["usage"]["completion_tokens"] == 2500
-
     with trace.open() as f:
         f.seek(start)
-        steps = [json.loads(line) for line in f]
+        return [json.loads(line) for line in f]
+
+
+async def test_cadence_holds_prefill_within_its_bound_under_overload(cadence_replica):
+    rep, trace = cadence_replica
+    # The scenario needs the burst to reach the engine while both long decoders still run.
+    # On a 2-core machine the API server can be starved by the busy engine long enough that
+    # the burst arrives after the decoders ended (seen once in CI: 8 s late, every prompt then
+    # admitted as "no-decoder"); such an attempt tests nothing, so it is run again.
+    for attempt in range(3):
+        steps = await _overload(rep, trace, attempt)
+        if any(s["backlog"] >= 1800 and s["decodes"] >= 2 for s in steps):
+            break
     assert steps, "no cadence trace"
+    assert any(s["backlog"] >= 1800 and s["decodes"] >= 2 for s in steps), (
+        "the burst never met the running decoders in 3 attempts"
+    )
     # A held step runs decodes only.
     held = [s for s in steps if not s["admit"]]
     assert held and all(s["prefill_tokens"] == 0 and s["decodes"] > 0 for s in held)
