@@ -342,10 +342,10 @@ class KVState:
     # ---- the analyzer: tokens + block keys ----------------------------------------------------
 
     def _count(self, ctx: Any, fp: SessionFootprint, call: KVCall, n_tokens: int) -> None:
-        """The call is in flight: its session's footprint is pinned (and its parent's, while
-        it waits on this child) until :meth:`observe` lowers the counts; the new tokens this
-        turn adds are what the session's next prefill is expected to be."""
-        n_tokens = int(ctx.prompt_tokens or n_tokens)
+        """The call (of ``n_tokens`` prompt tokens) is in flight: its session's footprint is
+        pinned (and its parent's, while it waits on this child) until :meth:`observe` lowers
+        the counts; the new tokens this turn adds are what the session's next prefill is
+        expected to be."""
         if fp.tokens:
             fp.turn_tokens = max(n_tokens - fp.tokens, 0)
         fp.inflight += 1
@@ -466,7 +466,8 @@ class KVState:
         tokens, tokenizer = self.tokens, self.tokenizer
         if tokens is None or tokenizer is None:
             if ctx.block_keys:  # keys given by the caller (the simulator): count it in flight
-                self._count(ctx, fp, call, len(ctx.block_keys) * self.cfg.block_size)
+                n = ctx.prompt_tokens or len(ctx.block_keys) * self.cfg.block_size
+                self._count(ctx, fp, call, int(n))
             return None
         if ctx.body:
             call.text_keys = text_keys(prompt_prefix_text(ctx.body, TEXT_LIMIT))
@@ -639,21 +640,20 @@ class KVState:
         if keys and replica is not None:
             decision = outcome.decision
             predicted = decision.term(replica, "model_ttft_s") if decision is not None else None
-            cached = outcome.usage.cached_tokens if outcome.usage is not None else None
-            if cached is None:  # the engine did not say: what the scorer matched
-                matched = decision.term(replica, "match_blocks") if decision is not None else None
-                cached = (matched or 0) * self.cfg.block_size
+            bs = self.cfg.block_size
+            matched = (
+                int(decision.term(replica, "match_blocks") or 0) if decision is not None else 0
+            )
+            reported = outcome.usage.cached_tokens if outcome.usage is not None else None
+            cached = matched * bs if reported is None else reported  # engine's, else the match
             self.stats.setdefault(replica, ReplicaStat()).add(max(n_tok - int(cached), 0), n_tok)
-            if outcome.usage is not None and outcome.usage.cached_tokens is not None and outcome.ok:
-                matched = decision.term(replica, "match_blocks") if decision is not None else None
-                # vLLM recomputes at least the last prompt token, so a fully matched prompt
-                # is served one block short: at most the blocks before the last token count
-                bs = self.cfg.block_size
-                expected = min(int(matched or 0) * bs, (n_tok - 1) // bs * bs)
-                if expected > 0:
-                    self.calibrators.setdefault(replica, Calibrator()).observe_hit(
-                        expected, outcome.usage.cached_tokens, now
-                    )
+            # vLLM recomputes at least the last prompt token, so a fully matched prompt is
+            # served one block short: at most the blocks before the last token are expected
+            expected = min(matched * bs, (n_tok - 1) // bs * bs)
+            if reported is not None and outcome.ok and expected > 0:
+                self.calibrators.setdefault(replica, Calibrator()).observe_hit(
+                    expected, reported, now
+                )
             ttft = outcome.ttft_s
             if predicted is not None and ttft and outcome.ok:
                 # uncalibrated: the fit is absolute; in profile seconds: replica twins run
