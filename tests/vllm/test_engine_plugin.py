@@ -147,13 +147,14 @@ def _timing(steps: list[dict], sent: float) -> str:
 async def test_cadence_holds_prefill_within_its_bound_under_overload(cadence_replica):
     rep, trace = cadence_replica
     # The scenario needs the burst to reach the engine while both long decoders still run.
-    # Run alone, it does (the burst is in the engine 0.05 s after the send). In the full
+    # Run alone, it does (the burst is in the engine ~0.5 s after the send). In the full
     # `make test` on the 2026-12-02 machine it reached the engine only as the decoders ended,
     # in 3 of 3 attempts of 2 runs (8 s late, to within 0.05 s of their end; every prompt then
-    # admitted as "no-decoder"); the full suite on the next machine met it at the first attempt
-    # (+0.05 s). Cause not found (docs/engine.md). Such an attempt tests nothing: it is run
-    # again, and if the scenario never happens the test is an expected failure whose reason
-    # carries each attempt's timing — it is not passed. Whenever the scenario happens, every
+    # admitted as "no-decoder"); on the next machine the full suite met it at the first
+    # attempt (burst in the engine 0.05 s after the send). Cause not found (docs/engine.md).
+    # Such an attempt tests nothing: it is run again, and if the scenario never happens the
+    # test is an expected failure whose reason carries each attempt's timing — it is not
+    # passed. Whenever the scenario happens, every
     # assertion below holds.
     timings = []
     for attempt in range(3):
