@@ -154,8 +154,7 @@ async def test_cadence_holds_prefill_within_its_bound_under_overload(cadence_rep
     # attempt (burst in the engine 0.05 s after the send). Cause not found (docs/engine.md).
     # Such an attempt tests nothing: it is run again, and if the scenario never happens the
     # test is an expected failure whose reason carries each attempt's timing — it is not
-    # passed. Whenever the scenario happens, every
-    # assertion below holds.
+    # passed. Whenever the scenario happens, every assertion below holds.
     timings = []
     for attempt in range(3):
         steps, sent = await _overload(rep, trace, attempt)
