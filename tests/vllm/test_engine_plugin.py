@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CADENCE = presets.CadenceOptions(interval=4, max_defer_steps=6, max_defer_ms=2000.0,
                                  backlog_scale=1000.0)  # fmt: skip
 BUDGET = 512  # --max-num-batched-tokens: long prompts are prefilled in several chunks
+BURST_WORDS = 1800  # each long prompt of the burst (~1 token per word): > BUDGET
 
 
 def install_plugin() -> None:
@@ -125,7 +126,7 @@ async def _overload(rep, trace, attempt: int) -> tuple[list[dict], float]:
         await asyncio.sleep(1.0)  # decoders are running
         sent = time.monotonic()
         # sustained overload: more prefill than the replica can take (18k tokens, 8k KV)
-        prefills = [complete(unique_text(1800, seed=seed + 10 + i), 4) for i in range(10)]
+        prefills = [complete(unique_text(BURST_WORDS, seed=seed + 10 + i), 4) for i in range(10)]
         done = await asyncio.gather(*prefills)
         assert all(d["usage"]["completion_tokens"] == 4 for d in done)  # nothing starved
         for d in await asyncio.gather(*decoders):
@@ -137,7 +138,7 @@ async def _overload(rep, trace, attempt: int) -> tuple[list[dict], float]:
 
 def _timing(steps: list[dict], sent: float) -> str:
     """When the burst reached the engine against when it was sent and when the decoders ran."""
-    seen = next((s["t"] for s in steps if s["backlog"] >= 1800), None)
+    seen = next((s["t"] for s in steps if s["backlog"] >= BURST_WORDS), None)
     dec = [s["t"] for s in steps if s["decodes"] >= 1]
     arrived = f"{seen - sent:+.2f}" if seen is not None else "never"
     span = f"{dec[0] - sent:+.2f}..{dec[-1] - sent:+.2f}" if dec else "none"
@@ -159,7 +160,7 @@ async def test_cadence_holds_prefill_within_its_bound_under_overload(cadence_rep
     for attempt in range(3):
         steps, sent = await _overload(rep, trace, attempt)
         timings.append(_timing(steps, sent))
-        met = any(s["backlog"] >= 1800 and s["decodes"] >= 2 for s in steps)
+        met = any(s["backlog"] >= BURST_WORDS and s["decodes"] >= 2 for s in steps)
         if met:
             break
     assert steps, "no cadence trace"
