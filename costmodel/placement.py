@@ -89,7 +89,9 @@ class WarmSession:
     ``p_return``: probability it calls again (0 after its final call); ``tokens``: its cached
     context (the evicted part is its tail); ``pinned``: a parent waiting on children or a call
     in flight — never evicted, it only shrinks the free pool; ``mean_gap_s``: the mean of the
-    exponential time to its return (None: unknown).
+    exponential time to its return (None: unknown); ``hold_s``: how long after its last call's
+    end the replica's host tier holds its chunks whatever LRU would evict (a retention hint the
+    engine plugin honours, below its cap; 0: no hold).
     """
 
     key: str
@@ -98,6 +100,7 @@ class WarmSession:
     p_return: float
     pinned: bool = False
     mean_gap_s: float | None = None
+    hold_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +316,7 @@ def eviction_harm(
         )
         back = lost
         if profile.cpu_kv_blocks:
-            p = host_survival(s.idle_s, s.mean_gap_s, load.host_residence_s)
+            p = host_survival(s.idle_s, s.mean_gap_s, load.host_residence_s, s.hold_s)
             back = p * min(lost, load_time(profile, take, "cpu")) + (1.0 - p) * lost
         harm += max(0.0, min(1.0, s.p_return)) * back
     return harm, evicted
@@ -429,18 +432,22 @@ def placement_cost(
     )
 
 
-def host_survival(idle_s: float, mean_gap_s: float | None, residence_s: float | None) -> float:
+def host_survival(
+    idle_s: float, mean_gap_s: float | None, residence_s: float | None, hold_s: float = 0.0
+) -> float:
     """P(a session's host-tier copy is still there when it returns).
 
     Its chunks were last ranked when its last call ended (vLLM re-ranks a finished request's
     chunks), ``idle_s`` ago; under LRU a chunk survives while younger than the tier's
     residence time R. The session returns after a further Exp(``mean_gap_s``) (memoryless),
-    so P = 1 − exp(−(R − idle) / gap) while R > idle, else 0. ``residence_s`` None (the tier
-    is not full, or its turnover is unknown): 1. An unknown gap reads as an early return.
+    so P = 1 − exp(−(R − idle) / gap) while R > idle, else 0. A retention hold (``hold_s``
+    from the same end: the engine plugin skips held chunks when it evicts) keeps them at
+    least that long, so the horizon is max(R, hold). ``residence_s`` None (the tier is not
+    full, or its turnover is unknown): 1. An unknown gap reads as an early return.
     """
     if residence_s is None:
         return 1.0
-    left = residence_s - idle_s
+    left = max(residence_s, hold_s) - idle_s
     if left <= 0.0:
         return 0.0
     if mean_gap_s is None or mean_gap_s <= 0.0:

@@ -1,7 +1,8 @@
 """Retention hints for the engine plugin, from what the router knows about a session.
 
-Owns: :func:`retention_hint` (session record -> the ``kvroute`` hint) and :func:`with_hint`
-(the request body with the hint set). Pure: no I/O; never imports vllm or torch.
+Owns: :func:`retention_hint` (session record -> the ``kvroute`` hint), :func:`call_hint` (the
+hint a call carries, if any) and :func:`with_hint` (the request body with the hint set). Pure:
+no I/O; never imports vllm or torch.
 
 The engine plugin's host tier (``engine_patches.retention``, docs/engine.md) keeps a paused
 session's KV ahead of cold blocks. It reads ``kv_transfer_params.kvroute = {session, state,
@@ -53,14 +54,22 @@ def retention_hint(
     return hint
 
 
-def hinted_body(
-    route: str, body: Mapping[str, Any], identity: SessionIdentity,
-    record: SessionRecord | None, enabled: bool,
-) -> bytes | None:  # fmt: skip
-    """The body to send upstream instead of the client's bytes, or None to send them as is."""
+def call_hint(
+    route: str, identity: SessionIdentity, record: SessionRecord | None, enabled: bool
+) -> dict[str, Any] | None:
+    """The hint this call carries upstream (None: hints off, a route vLLM gives no
+    ``kv_transfer_params``, or no session). The KV layer keeps it (``RequestContext.hint``)
+    to price the session's host-tier copy as held (:mod:`router.kv.state`)."""
+    if not enabled or route not in HINTED_ROUTES:
+        return None
+    return retention_hint(identity, record)
+
+
+def hinted_body(route: str, body: Mapping[str, Any], hint: dict[str, Any] | None) -> bytes | None:
+    """The body to send upstream instead of the client's bytes, or None to send them as is:
+    ``hint`` set (from :func:`call_hint`), or a client-set ``kvroute`` hint stripped."""
     if route not in HINTED_ROUTES:
         return None
-    hint = retention_hint(identity, record) if enabled else None
     if hint is None and "kv_transfer_params" not in body:
         return None
     return with_hint(body, hint)

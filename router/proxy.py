@@ -23,7 +23,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.errors import error_response, sse_error_event
-from router.hints import hinted_body
+from router.hints import call_hint, hinted_body
 from router.keys import CALLS, CLIENT, CONFIG, METRICS, REPLICAS, STORE
 from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_tail
 from router.scheduling import RequestContext
@@ -141,7 +141,8 @@ async def forward(
     # are an allow-list and the front door refused dot segments before routing)
     query = request.rel_url.raw_query_string
     path = route + ("?" + query if query else "")
-    hinted = hinted_body(route, ctx.body, ctx.identity, record, cfg.engine_hints)
+    ctx.hint = call_hint(route, ctx.identity, record, cfg.engine_hints)
+    hinted = hinted_body(route, ctx.body, ctx.hint)
     if hinted is not None:
         raw = hinted  # retention hint set, or a client-set kvroute hint stripped
     tried: set[str] = set()

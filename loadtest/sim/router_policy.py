@@ -48,7 +48,7 @@ import orjson
 from costmodel.profiles import ReplicaProfile
 from loadtest.sim.simulator import CallRecord, CallView, ReplicaView
 from router.call import CallSequence
-from router.hints import hinted_body
+from router.hints import call_hint, hinted_body
 from router.kv.config import KVConfig
 from router.kv.state import KVState
 from router.outcome import CallOutcome, Usage
@@ -80,7 +80,7 @@ class RouterPolicy:
         # the engines' running / waiting / KV usage as a live router sees them: read from
         # /metrics every metrics_interval_s (1 s by default), not at every decision (0: exact)
         self.scrape_interval_s = scrape_interval_s
-        self._scraped: dict[int, tuple[float, ...]] = {}
+        self._scraped: dict[int, tuple[Any, ...]] = {}
         self._scrape_tick = -1
         self._params: dict[tuple[str, int], Any] = {}
         self.pipeline = build_pipeline(policy, seed=seed)
@@ -139,7 +139,8 @@ class RouterPolicy:
             EndpointView(name=self.names[r.index], url=self.names[r.index], healthy=True,
                          models=frozenset({MODEL}), inflight=self.inflight.get(r.index, 0),
                          running=load[r.index][0], waiting=load[r.index][1],
-                         kv_usage=load[r.index][2], breaker="closed")
+                         kv_usage=load[r.index][2], host_retained=load[r.index][3],
+                         breaker="closed")
             for r in replicas
         )  # fmt: skip
         decision = self.calls.decide(ctx, endpoints, rec.copy())
@@ -149,18 +150,20 @@ class RouterPolicy:
         self.inflight[i] = self.inflight.get(i, 0) + 1
         self._ctx[(call.session_id, call.call_index)] = (ctx, decision)
         if self.engine_hints:
-            body = hinted_body(ctx.route, ctx.body, ident, rec, True)
+            ctx.hint = call_hint(ctx.route, ident, rec, True)
+            body = hinted_body(ctx.route, ctx.body, ctx.hint)
             if body is not None:
                 params = orjson.loads(body).get("kv_transfer_params")
                 self._params[(call.session_id, call.call_index)] = params
         return i
 
-    def _engine_load(self, replicas: Sequence[ReplicaView]) -> dict[int, tuple[float, ...]]:
-        """(running, waiting, KV usage) per replica: the engines' figures now, or with a
-        scrape interval as of the last scrape (every replica at t = k × interval; a replica
-        first seen after it is read at once)."""
-        exact: dict[int, tuple[float, ...]] = {
-            r.index: (float(r.num_running), float(r.num_waiting), r.kv_usage) for r in replicas
+    def _engine_load(self, replicas: Sequence[ReplicaView]) -> dict[int, tuple[Any, ...]]:
+        """(running, waiting, KV usage, host tier's retained share) per replica: the engines'
+        figures now, or with a scrape interval as of the last scrape (every replica at t = k ×
+        interval; a replica first seen after it is read at once)."""
+        exact: dict[int, tuple[Any, ...]] = {
+            r.index: (float(r.num_running), float(r.num_waiting), r.kv_usage, r.host_retained)
+            for r in replicas
         }
         if not self.scrape_interval_s:
             return exact

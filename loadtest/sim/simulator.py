@@ -220,6 +220,15 @@ class ReplicaView:
         return self._eng.kv_usage()
 
     @property
+    def host_retained(self) -> float | None:
+        """Share of the host tier held for paused sessions: the engine plugin's gauge
+        (``vllm:kv_offload_cpu_retained_perc``); None without the plugin's retention."""
+        cpu = self._eng.cpu
+        if cpu is None or cpu.table is None or cpu.capacity <= 0:
+            return None
+        return cpu.held_blocks(self._eng.now) / cpu.capacity
+
+    @property
     def profile(self) -> ReplicaProfile:
         return self._eng.profile
 

@@ -38,12 +38,22 @@ class KVConfig:
     analysis_behind_s: float = 0.05  # most other calls' cold analysis a call waits behind
     analysis_queue: int = 64  # analyses waiting for the thread; beyond that: not analyzed
     analysis_process: bool = True  # long encodes in a worker process (the GIL), see tokens.py
+    # the engines' retention settings (`kvroute engine flags --retention`, RetentionConfig in
+    # engine_patches/retention_rule.py): with `engine_hints` on, a session hinted as paused
+    # is priced as kept in the host tier for min(return_s x slack, ttl) after its call
+    retention_ttl_s: float = 600.0
+    retention_return_slack: float = 1.5
+    retention_share: float = 0.5  # held chunks never exceed this share of a host tier
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be positive")
+        if self.retention_ttl_s < 0 or self.retention_return_slack < 0:
+            raise ValueError("retention_ttl_s and retention_return_slack must be >= 0")
+        if not 0.0 <= self.retention_share <= 1.0:
+            raise ValueError("retention_share must be within [0, 1]")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> KVConfig:

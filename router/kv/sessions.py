@@ -27,6 +27,9 @@ class SessionFootprint:
     inflight: int = 0
     children_inflight: int = 0
     final: bool = False
+    # how long after ``last_end`` the host tier holds its chunks: the retention hint its last
+    # call carried (tool-pause / waiting-on-children), as the engine plugin bounds it; 0: none
+    hold_s: float = 0.0
 
     def mean_gap(self) -> float | None:
         return sum(self.gaps) / len(self.gaps) if self.gaps else None

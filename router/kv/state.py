@@ -41,7 +41,7 @@ import statistics
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +61,8 @@ from router.vllm.hashing import BlockHasher
 from router.vllm.tokenizer import ModelTokenizer
 
 log = logging.getLogger("kvroute.kv")
+
+HOLDING = ("tool-pause", "waiting-on-children")  # hint states the engine plugin holds for
 
 MAX_GONE = 1024  # removed replicas remembered (late call outcomes there are not recorded)
 PREFILLING_MAX = 100_000  # calls tracked as awaiting their first byte, before old ones expire
@@ -678,8 +680,21 @@ class KVState:
             o = self.output_ewma
             self.output_ewma = out_tokens if o is None else 0.95 * o + 0.05 * out_tokens
         fp.last_end = now
+        fp.hold_s = self.hold_for(ctx.hint)
         if ident.final:
             self.release(ident.key)
+
+    def hold_for(self, hint: Any) -> float:
+        """Seconds the engine plugin holds a session's host-tier chunks after the call that
+        carried ``hint`` (``engine_patches.retention_rule``: ``min(return_s × slack, ttl)``,
+        the TTL without ``return_s``; 0 for ``running`` / ``done`` or no hint)."""
+        if not isinstance(hint, Mapping) or hint.get("state") not in HOLDING:
+            return 0.0
+        cfg = self.cfg
+        ret = hint.get("return_s")
+        if isinstance(ret, int | float) and ret >= 0:
+            return min(float(ret) * cfg.retention_return_slack, cfg.retention_ttl_s)
+        return cfg.retention_ttl_s
 
     def release(self, key: str) -> None:
         """A session ended: forget its footprint and its incremental-tokenizer state (on the

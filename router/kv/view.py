@@ -32,6 +32,10 @@ MIN_GAP_S = 0.1  # a measured mean gap of 0 s counts as this (back-to-back calls
 P_NEGLIGIBLE = 1e-6
 # a host tier this full is turning over (write-through fills it, LRU then evicts its oldest)
 HOST_FULL = 0.95
+# holds this close to the retention cap (kv ``retention_share``) are not relied on: at the cap
+# the engine plugin drops the protection of the sessions that paused earliest — the ones an
+# eviction reaches first — so a hint there is honoured as plain LRU
+HOLD_CAP_MARGIN = 0.9
 
 
 class KVView:
@@ -165,10 +169,12 @@ class KVView:
         return est, out
 
     def warm_and_reserved(
-        self, replica: str, exclude: str | None
+        self, replica: str, exclude: str | None, holds: bool = False
     ) -> tuple[list[WarmSession], list[Reservation]]:
         """Sessions whose KV sits on ``replica`` (evictable or pinned) and paced agents
-        between calls that will come back to it."""
+        between calls that will come back to it. ``holds``: the replica's host tier honours
+        retention hints now (:meth:`holds_honoured`), so a session its last call hinted as
+        paused carries that hold (``WarmSession.hold_s``)."""
         warm: list[WarmSession] = []
         res: list[Reservation] = []
         # a session that has not shown a gap yet is expected to behave like the others: with
@@ -192,7 +198,8 @@ class KVView:
             gap = prior if gap is None else max(gap, MIN_GAP_S)
             p = p_return_after(idle, gap, s.final)
             pinned = s.inflight > 0 or s.children_inflight > 0
-            warm.append(WarmSession(s.key, s.tokens, idle, p, pinned, gap))
+            hold = s.hold_s if holds else 0.0
+            warm.append(WarmSession(s.key, s.tokens, idle, p, pinned, gap, hold))
             if s.inflight == 0 and not s.final and p > P_NEGLIGIBLE:
                 # memoryless: the time to its return is exponential with the mean gap, however
                 # long it has been idle (agent gaps are heavy-tailed: AgentX median 3.84 s, p95
@@ -247,6 +254,15 @@ class KVView:
         held = min(max(e.host_retained or 0.0, 0.0), 1.0)
         return prof.cpu_kv_blocks * (1.0 - held) / (rate * ratio)
 
+    def holds_honoured(self, e: EndpointView) -> bool:
+        """Whether ``e``'s host tier keeps hinted sessions' chunks now: the engine plugin's
+        retained-share gauge is there (its retention runs) and below ``HOLD_CAP_MARGIN`` of the
+        cap. Without the gauge no hold is assumed (a hint to an engine without the plugin's
+        retention is ignored by it)."""
+        held = e.host_retained
+        cap = self._st.cfg.retention_share
+        return held is not None and cap > 0 and held < HOLD_CAP_MARGIN * cap
+
     def replica_load(self, e: EndpointView, exclude: str | None, prior_tokens: int) -> ReplicaLoad:
         """The cost model's load inputs for one replica, from the endpoint view and this view.
 
@@ -275,7 +291,7 @@ class KVView:
         dctx = batch * context
         used = self.gpu_blocks_used(e.name)
         free = None if used is None else max(prof.gpu_kv_blocks - used, 0)
-        warm, reserved = self.warm_and_reserved(e.name, exclude)
+        warm, reserved = self.warm_and_reserved(e.name, exclude, self.holds_honoured(e))
         cal = self.calibration(e.name)
         return ReplicaLoad(
             queued_prefill_tokens=queued,

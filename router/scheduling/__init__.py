@@ -62,6 +62,7 @@ class RequestContext:
     extra: dict[str, Any] = field(default_factory=dict)  # out-of-tree plugins' scratch
     excluded: frozenset[str] = frozenset()  # replicas already tried for this request
     observed: bool = False  # the observers have been told how this request ended
+    hint: Mapping[str, Any] | None = None  # the retention hint sent upstream (router.hints)
     _prefix: str | None = None
 
     def prompt_prefix(self, chars: int = 2048) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -205,6 +206,30 @@ def test_eviction_harm_prices_a_host_copy_the_tier_will_have_turned_over_as_reco
     )[0] == pytest.approx(recompute)  # same model: recompute is recompute
     p = host_survival(10.0, 30.0, 40.0)
     assert some == pytest.approx(p * roomy + (1 - p) * gone)
+
+
+def test_a_retention_hold_keeps_the_host_copy_past_the_tiers_turnover():
+    # the tier turns over in 40 s; a hold of 90 s from the session's last call keeps its
+    # chunks out of the eviction, so the horizon is the hold
+    assert host_survival(50.0, 10.0, 40.0, hold_s=90.0) == pytest.approx(1 - math.exp(-4.0))
+    assert host_survival(50.0, 10.0, 40.0, hold_s=45.0) == 0.0  # the hold ran out too
+    assert host_survival(30.0, 10.0, 40.0, hold_s=5.0) == host_survival(30.0, 10.0, 40.0)
+    # in the harm: a held session costs a host reload, an unheld one what LRU leaves of it
+    call = CallShape(CTX, expected_output_tokens=0)
+    no_nvme = OFF.replace(storage_kv_blocks=0)
+    unheld = WarmSession("s", CTX, 20.0, 1.0, mean_gap_s=30.0)
+    held = dataclasses.replace(unheld, hold_s=300.0)
+
+    def harm(s):
+        load = ReplicaLoad(free_gpu_blocks=0, warm=[s], host_residence_s=10.0)
+        return eviction_harm(no_nvme, call, load)[0]
+
+    roomy = eviction_harm(no_nvme, call, ReplicaLoad(free_gpu_blocks=0, warm=[unheld]))[0]
+    recompute = eviction_harm(H200, call, ReplicaLoad(free_gpu_blocks=0, warm=[unheld]))[0]
+    assert harm(unheld) == pytest.approx(recompute)  # turned over: recomputed on return
+    p = 1 - math.exp(-(300.0 - 20.0) / 30.0)
+    assert harm(held) == pytest.approx(p * roomy + (1 - p) * recompute)
+    assert harm(held) < recompute / 20
 
 
 @pytest.mark.parametrize(

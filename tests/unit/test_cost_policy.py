@@ -607,3 +607,55 @@ def test_a_replica_that_breaks_its_matches_is_costed_on_what_it_delivers():
     assert s.terms["A"]["match_blocks"] == N
     assert s.terms["A"]["tiers"] == {"gpu": N // 5, "cpu": 0, "storage": 0}
     assert st.calibration("B").hit_realization == 1.0
+
+
+def test_a_hinted_pause_is_priced_as_held_in_the_host_tier_while_the_engine_honours_it():
+    """With engine hints on, the call's hint (``ctx.hint``) gives the session's footprint the
+    engine plugin's hold (min(return_s × slack, ttl)); the view hands it to the cost model only
+    while the replica's retained-share gauge is there and below the cap."""
+    clock = [1000.0]
+    st = KVState(KVConfig(block_size=BS, profile="h200-70b-fp8-offload"), clock=lambda: clock[0])
+    st.index.add_replica("A")
+
+    def held(**gauges):
+        e = dataclasses.replace(ep("A"), **gauges)
+        load = st.view().replica_load(e, None, N * BS)
+        return {w.key: w.hold_s for w in load.warm}
+
+    paused = ctx_for(session="paused")
+    paused.hint = {"session": "t/paused", "state": "tool-pause", "return_s": 20.0}
+    no_gap = ctx_for(session="first")  # no gap yet: the engine holds for its TTL
+    no_gap.hint = {"session": "t/first", "state": "tool-pause"}
+    done = ctx_for(session="done")
+    done.hint = {"session": "t/done", "state": "done"}
+    plain = ctx_for(session="plain")  # hints off: no hint on the call
+    for c in (paused, no_gap, done, plain):
+        st.analyze(c)
+        st.observe(c, outcome(duration_s=1.0))
+    assert st.sessions["t/paused"].hold_s == pytest.approx(30.0)  # 20 s × slack 1.5
+    assert st.sessions["t/first"].hold_s == pytest.approx(600.0)
+    assert st.sessions["t/done"].hold_s == 0.0 and st.sessions["t/plain"].hold_s == 0.0
+    got = held(host_retained=0.2)
+    assert got == {"t/paused": 30.0, "t/first": 600.0, "t/done": 0.0, "t/plain": 0.0}
+    # at the cap the plugin drops the earliest paused sessions' protection: not relied on
+    assert set(held(host_retained=0.48).values()) == {0.0}
+    # no gauge: no sign that the engine's retention runs, so no hold is assumed
+    assert set(held().values()) == {0.0}
+    # the next call of the session without a hint (hints turned off) ends the hold
+    again = ctx_for(session="paused")
+    st.analyze(again)
+    st.observe(again, outcome(duration_s=1.0))
+    assert st.sessions["t/paused"].hold_s == 0.0
+
+
+def test_retention_settings_default_to_the_engine_plugins():
+    from engine_patches.presets import EngineOptions
+    from engine_patches.retention_rule import RetentionConfig
+
+    eng, cfg, opts = RetentionConfig(), KVConfig(), EngineOptions()
+    assert (cfg.retention_ttl_s, cfg.retention_return_slack, cfg.retention_share) == (
+        eng.ttl_s, eng.return_slack, eng.max_share,
+    )  # fmt: skip
+    assert (opts.retention_ttl_s, opts.retention_share) == (eng.ttl_s, eng.max_share)
+    with pytest.raises(ValueError, match="retention_share"):
+        KVConfig(retention_share=1.5)

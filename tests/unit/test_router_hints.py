@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from router.hints import hinted_body, retention_hint, with_hint
+from router.hints import call_hint, hinted_body, retention_hint, with_hint
 from router.sessions import SessionIdentity
 from router.state import SessionRecord
 
@@ -46,9 +46,14 @@ def test_a_client_cannot_set_its_own_hint():
 def test_hinted_body_only_rewrites_when_needed():
     rec = SessionRecord(key="t1/s1", tenant="t1")
     plain = {"model": "m", "messages": []}
-    assert hinted_body("/v1/chat/completions", plain, ident(), rec, enabled=False) is None
-    assert hinted_body("/v1/messages", plain, ident(), rec, enabled=True) is None
-    got = orjson.loads(hinted_body("/v1/chat/completions", plain, ident(), rec, enabled=True))
+    chat = "/v1/chat/completions"
+    assert call_hint(chat, ident(), rec, enabled=False) is None
+    assert call_hint("/v1/messages", ident(), rec, enabled=True) is None  # no kv_transfer_params
+    assert hinted_body(chat, plain, call_hint(chat, ident(), rec, enabled=False)) is None
+    assert hinted_body("/v1/messages", plain, {"session": "t1/s1"}) is None
+    hint = call_hint(chat, ident(), rec, enabled=True)
+    assert hint == retention_hint(ident(), rec)
+    got = orjson.loads(hinted_body(chat, plain, hint))
     assert got["kv_transfer_params"]["kvroute"]["state"] == "tool-pause"
     spoof = {**plain, "kv_transfer_params": {"kvroute": {"session": "x"}}}
-    assert orjson.loads(hinted_body("/v1/completions", spoof, ident(), rec, enabled=False)) == plain
+    assert orjson.loads(hinted_body("/v1/completions", spoof, None)) == plain

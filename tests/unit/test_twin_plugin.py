@@ -147,12 +147,18 @@ def test_retention_events_keep_the_index_exact_and_hints_reach_the_engines():
         assert len(rep.engine.cpu) <= rep.engine.cpu.capacity
     owners = {rep.engine.cpu.table.owner(k) for rep in sim.replicas for k in rep.engine.cpu.keys}
     assert {o for o in owners if o} and all(o is None or o.startswith("sim/") for o in owners)
-    # without engine_hints the router sends none: nothing is claimed
+    # the router keeps the hold each session's last hint asked for (priced by the cost model
+    # while the engine's retained-share gauge, which the simulated router reads, is under cap)
+    holds = [fp.hold_s for fp in pol.kv.sessions.values()]
+    assert holds and all(0 < h <= RetentionConfig().ttl_s for h in holds)
+    assert all(v.host_retained is not None for v in sim.views)
+    # without engine_hints the router sends none: nothing is claimed, nothing is held
     pol = RouterPolicy("kv_cost", off)
     sim = Simulator(off, 3, pol, plugin=EnginePlugin(retention=RetentionConfig()))
     sim.run(synthetic_agentx(12, 300, seed=4), until=900)
     assert not any(rep.engine.cpu.table.owner(k) for rep in sim.replicas
                    for k in rep.engine.cpu.keys)  # fmt: skip
+    assert not any(fp.hold_s for fp in pol.kv.sessions.values())
 
 
 def test_retention_needs_a_host_tier():

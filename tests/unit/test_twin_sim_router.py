@@ -91,7 +91,7 @@ def test_the_simulated_router_can_read_engine_load_through_scrapes():
     pol = RouterPolicy("least_load", P70, scrape_interval_s=1.0)
 
     def view(running):
-        return [NS(index=0, num_running=running, num_waiting=0, kv_usage=0.1)]
+        return [NS(index=0, num_running=running, num_waiting=0, kv_usage=0.1, host_retained=None)]
 
     pol.now = 0.2
     assert pol._engine_load(view(1))[0][0] == 1.0
