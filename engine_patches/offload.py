@@ -155,6 +155,10 @@ class HostCopyWorker:
 # Router-facing signals, next to vLLM's own kv_offload_* series on /metrics.
 HOST_OCCUPANCY = "vllm:kv_offload_cpu_cache_occupancy_perc"
 HOST_RETAINED = "vllm:kv_offload_cpu_retained_perc"
+# the cadence scheduler's pending prefill work (engine_patches.scheduler), which vLLM's
+# SchedulerStats has no field for; shipped with the host tier's stats (the same EngineCore
+# process), so it is on /metrics when both the cadence and a host tier are on
+PENDING_PREFILL = "vllm:num_pending_prefill_tokens"
 
 
 def _host_tier_manager(manager: Any) -> Any:
@@ -165,12 +169,18 @@ def _host_tier_manager(manager: Any) -> Any:
 
 
 def _add_signals(cpu: Any) -> None:
-    """Add host-tier occupancy (and the retained share) to the CPU manager's stats, which vLLM
-    ships to the API server's /metrics with its own offload metrics."""
+    """Add host-tier occupancy (and the retained share, and the cadence scheduler's pending
+    prefill tokens) to the CPU manager's stats, which vLLM ships to the API server's /metrics
+    with its own offload metrics."""
+    from engine_patches.scheduler import pending_prefill_tokens
+
     inner = cpu.get_stats
 
     def get_stats() -> Any:
         stats = inner()
+        pending = pending_prefill_tokens()
+        if stats is not None and pending is not None:
+            stats.set_gauge(PENDING_PREFILL, pending)
         n = getattr(cpu, "_num_chunks", 0)
         if stats is not None and n > 0:
             used = cpu._num_allocated_chunks - len(cpu._free_list)
@@ -257,6 +267,12 @@ def _build(name: str) -> type:
             documentation=(
                 "Fraction of host-tier KV chunks held for paused agent sessions "
                 "(kvroute retention policy)."
+            )
+        )
+        defs[PENDING_PREFILL] = OffloadingGaugeMetadata(
+            documentation=(
+                "Prompt tokens still to prefill: running prefill chunks and waiting requests "
+                "(kvroute cadence scheduler)."
             )
         )
         return defs

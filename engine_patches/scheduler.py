@@ -33,6 +33,19 @@ logger = logging.getLogger("vllm.kvroute.scheduler")
 # Built lazily by __getattr__ below (so this module imports without vLLM).
 SCHEDULER_CLASSES = ("CadenceAsyncScheduler", "CadenceScheduler")
 
+# Prompt tokens this engine process still has to prefill after its last scheduled step
+# (running prefill chunks and waiting requests, counted before a waiting request's prefix-cache
+# lookup, less what the step schedules): written by the cadence scheduler, read in the same
+# EngineCore process by the host tier's stats (engine_patches.offload), which ship it to
+# /metrics as vllm:num_pending_prefill_tokens.
+_pending_prefill: list[int | None] = [None]
+
+
+def pending_prefill_tokens() -> int | None:
+    """This process's pending prefill tokens after its scheduler's last step (None: no cadence
+    scheduler has stepped here)."""
+    return _pending_prefill[0]
+
 
 class CadenceMixin:
     """The cadence, mixed into vLLM's ``Scheduler`` / ``AsyncScheduler``."""
@@ -135,6 +148,8 @@ class CadenceMixin:
         prefill_tokens = sum(
             min(n, left[rid]) for rid, n in out.num_scheduled_tokens.items() if rid in left
         )
+        # what this step leaves to prefill: the gauge after the engine's last prefill step is 0
+        _pending_prefill[0] = max(sum(left.values()) - prefill_tokens, 0)
         if cad.config.guard != "vllm":
             cad.observe(prefill_tokens)
         if self._kvroute_trace is not None and out.total_num_scheduled_tokens > 0:

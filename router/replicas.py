@@ -44,6 +44,8 @@ VLLM_GAUGES = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
+    # the engine plugin's cadence scheduler (and the twin): prompt tokens still to prefill
+    "vllm:num_pending_prefill_tokens": "pending_prefill",
 }
 # cached prompt tokens by tier (vLLM >= 0.33, label ``source``: device, host, disk, ...), else
 # the undivided total (re-exported as source "all")
@@ -118,6 +120,7 @@ class EndpointView:
     accepting: bool = True  # breaker closed, or a half-open probe slot is free
     host_occupancy: float | None = None  # share of the host KV tier holding data (plugin)
     host_retained: float | None = None  # share held for paused sessions (plugin's retention)
+    pending_prefill: float | None = None  # prompt tokens still to prefill (plugin's cadence)
 
     @property
     def load(self) -> float:
@@ -142,6 +145,7 @@ class Replica:
     # paused sessions (None: not exported)
     host_occupancy: float | None = None
     host_retained: float | None = None
+    pending_prefill: float | None = None  # the plugin's / twin's pending prefill tokens
     cached_by_source: dict[str, float] = field(default_factory=dict)  # engine counters by tier
     last_error: str | None = None
     # Calls this router finished on the replica (monotonic), and the value when the last
@@ -160,7 +164,7 @@ class Replica:
         return EndpointView(
             self.name, self.url, self.healthy, self.models, self.inflight,
             self.running_now(), self.waiting, self.kv_usage, self.breaker.state,
-            self.breaker.allows(), self.host_occupancy, self.host_retained,
+            self.breaker.allows(), self.host_occupancy, self.host_retained, self.pending_prefill,
         )  # fmt: skip
 
     def running_now(self) -> float | None:
@@ -177,7 +181,7 @@ class Replica:
             "models": sorted(self.models), "inflight": self.inflight, "running": self.running,
             "waiting": self.waiting, "kv_usage": self.kv_usage, "breaker": self.breaker.state,
             "host_occupancy": self.host_occupancy, "host_retained": self.host_retained,
-            "last_error": self.last_error,
+            "pending_prefill": self.pending_prefill, "last_error": self.last_error,
         }  # fmt: skip
 
 
@@ -462,6 +466,7 @@ class ReplicaMonitor:
         m = parse_vllm_metrics(text)
         r.running, r.waiting, r.kv_usage = m.get("running"), m.get("waiting"), m.get("kv_usage")
         r.host_occupancy, r.host_retained = m.get("host_occupancy"), m.get("host_retained")
+        r.pending_prefill = m.get("pending_prefill")
         r.cached_by_source = _by_source(m)
         r.finished_at_scrape = mark
 

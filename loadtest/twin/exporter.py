@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-# the engine plugin's host-tier gauge names (that module imports vLLM only inside functions)
-from engine_patches.offload import HOST_OCCUPANCY, HOST_RETAINED
+# the engine plugin's gauge names (that module imports vLLM only inside functions)
+from engine_patches.offload import HOST_OCCUPANCY, HOST_RETAINED, PENDING_PREFILL
 
 if TYPE_CHECKING:
     from loadtest.twin.replica import TwinReplica
 
-# Pending prefill work: the bounded cadence's backlog. Real vLLM (0.32/0.33) exports no such
-# series (its SchedulerStats has no field for it); the name follows vLLM's style.
-PENDING_PREFILL = "vllm:num_pending_prefill_tokens"
+# Pending prefill work (PENDING_PREFILL): always exported here. Real vLLM (0.32/0.33) has no
+# such series (its SchedulerStats has no field for it); the engine plugin exports it when the
+# cadence scheduler and a host tier are both on (engine_patches/offload.py).
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip

@@ -214,15 +214,21 @@ vllm:num_requests_waiting{engine="0"} NaN-garbage
 
 
 def test_parse_vllm_metrics_takes_the_host_tier_shares_largest_over_engines():
-    from engine_patches.offload import HOST_OCCUPANCY, HOST_RETAINED
+    from engine_patches.offload import HOST_OCCUPANCY, HOST_RETAINED, PENDING_PREFILL
 
     text = f"""# TYPE {HOST_OCCUPANCY} gauge
 {HOST_OCCUPANCY}{{engine="0",model_name="tiny"}} 0.98
 {HOST_OCCUPANCY}{{engine="1",model_name="tiny"}} 0.5
 # TYPE {HOST_RETAINED} gauge
 {HOST_RETAINED}{{engine="0",model_name="tiny"}} 0.25
+# TYPE {PENDING_PREFILL} gauge
+{PENDING_PREFILL}{{engine="0",model_name="tiny"}} 3000
+{PENDING_PREFILL}{{engine="1",model_name="tiny"}} 500
 """
-    assert parse_vllm_metrics(text) == {"host_occupancy": 0.98, "host_retained": 0.25}
+    # shares: the largest engine's; pending prefill tokens: the replica's total
+    assert parse_vllm_metrics(text) == {
+        "host_occupancy": 0.98, "host_retained": 0.25, "pending_prefill": 3500.0,
+    }  # fmt: skip
 
 
 # Recorded shape of `GET /apis/discovery.k8s.io/v1/namespaces/llm/endpointslices
