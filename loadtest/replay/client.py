@@ -35,7 +35,10 @@ def session_headers(
         h = {"x-claude-code-session-id": session}
         if agent != "main":
             h["x-claude-code-agent-id"] = agent
-            h["x-claude-code-parent-agent-id"] = parent_agent or "main"
+            # a child of the main agent names no parent agent (the main agent has no agent
+            # id: the router files it as the session itself); a nested one names its parent
+            if parent_agent not in (None, "main"):
+                h["x-claude-code-parent-agent-id"] = parent_agent
         return h
     if convention == "codex":  # Codex has no subagent lineage: one id per session
         return {"session_id": session}

@@ -25,7 +25,11 @@ whose engines read the hint as vLLM with the engine plugin does (``Simulator(plu
 
 What the router sees is what it would see from an agent: the body carries the fixed
 ``max_tokens`` cap Claude Code and OpenCode send (``AGENT_MAX_TOKENS``), never the call's
-recorded output length (only the simulated engine knows that), and no last-call flag.
+recorded output length (only the simulated engine knows that), and no last-call flag; a
+subagent's calls carry its lineage (its own session, the root session as its parent: what
+Claude Code's agent headers give the live router — until 2026-12-02 the simulated router got
+no parent, so parents were never pinned while their subagents ran and no hint said
+``waiting-on-children``).
 
 Differences from a live router: no tokenization (the simulator's block keys go straight into
 ``ctx.block_keys``), no HTTP bodies (``body`` holds a synthetic prompt whose text is the
@@ -56,7 +60,7 @@ from router.replicas import EndpointView
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision
 from router.scheduling.registry import build_pipeline
-from router.sessions import SessionIdentity
+from router.sessions import SEP, SessionIdentity
 from router.state import MemoryStore
 from router.vllm.kvevents import decode_event
 
@@ -117,10 +121,14 @@ class RouterPolicy:
         self.now = call.now
         for r in replicas:
             self._name(r.index)
+        # a subagent is its own session whose parent is the session that spawned it, as the
+        # live router files Claude Code's / OpenCode's subagent headers (the replay's
+        # session_headers); the simulator names the root session as every subagent's parent
+        parent = f"{self.tenant}{SEP}{call.parent_session}" if call.parent_session else None
         ident = SessionIdentity(
             tenant=self.tenant,
             session=call.session_id,
-            parent=None,
+            parent=parent,
             agent=None,
             final=False,  # no agent convention the replays use sends a last-call flag
             source="sim",

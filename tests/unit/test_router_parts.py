@@ -383,3 +383,22 @@ def test_non_streamed_calls_have_no_first_byte_deadline_unless_set():
     assert cfg.first_byte_deadline_s(streamed=False) == 0.0
     assert RouterConfig(unstreamed_first_byte_timeout_s=None).first_byte_deadline_s(False) == 30.0
     assert RouterConfig(unstreamed_first_byte_timeout_s=120).first_byte_deadline_s(False) == 120
+
+
+@pytest.mark.parametrize("convention", ["claude", "opencode"])
+def test_the_replays_subagent_headers_name_the_parent_the_router_knows(convention):
+    """A subagent's headers, as the replay sends them, give the router a parent key equal to
+    its parent agent's own key (the lineage kv_cost pins and hints on): for a child of the
+    main agent and for a nested one."""
+    from loadtest.replay.client import session_headers
+
+    def key(agent, parent=None):
+        ident = identify(session_headers(convention, "S", agent, parent), {}, tenant="t")
+        return ident.key, ident.parent
+
+    main, no_parent = key("main")
+    assert no_parent is None
+    child, child_parent = key("explore-1", "main")
+    assert child_parent == main and child != main
+    nested, nested_parent = key("grep-2", "explore-1")
+    assert nested_parent == child and nested not in (main, child)

@@ -334,3 +334,40 @@ def test_warmup_excludes_early_calls_and_sessions_are_timed():
     assert full["session_p50_s"] > 0 and full["session_p90_s"] >= full["session_p50_s"]
     spans = sorted(e - s for s, e in res.session_spans)
     assert len(spans) == res.sessions_done and full["session_p50_s"] == np.percentile(spans, 50)
+
+
+def test_the_simulated_router_files_subagents_under_their_parent_as_the_live_router_does():
+    """A subagent's calls reach the router's pipeline as their own session with the root
+    session as parent (what Claude Code's agent headers give the live router): the KV layer
+    finds the parent's footprint and pins it while a child runs, and the session table's
+    lineage makes the parent's later hint ``waiting-on-children``."""
+    from loadtest.sim.router_policy import RouterPolicy
+
+    feed = trace_workload(dag_trace(), 64, concurrency=1, duration_s=None)
+    pol = RouterPolicy("kv_cost", P70, engine_hints=True)
+    pinned, hints = [], {}
+    analyze = pol.calls.analyze
+
+    def watch(ctx):
+        out = analyze(ctx)
+        if ctx.identity.parent is not None:
+            parent = pol.kv.sessions.get(ctx.identity.parent)
+            pinned.append(parent is not None and parent.children_inflight > 0)
+        return out
+
+    pol.calls.analyze = watch
+    kv_params = pol.kv_transfer_params
+
+    def keep(call):
+        p = kv_params(call)
+        hints[(call.session_id, call.call_index)] = (p or {}).get("kvroute", {}).get("state")
+        return p
+
+    pol.kv_transfer_params = keep
+    ds = feed.instance(0)
+    res = Simulator(P70, 2, pol).run([ds])
+    assert len(res.records) == 5
+    assert pinned == [True, True, True]  # a/0, a/1, b/0: the parent found and pinned
+    root = ds.id
+    assert hints[(root, 0)] == "tool-pause"  # the spawn was not known before main/0
+    assert hints[(root, 1)] == "waiting-on-children"
