@@ -69,7 +69,9 @@ class DecisionLog:
             "session": ctx.identity.key,
             "session_replica": decision.session_replica,
             "winner": decision.endpoint.name,
-            "analysed": bool(ctx.block_keys),
+            # the prompt analysis landed before the pick (a prompt shorter than one block has
+            # no block keys but is analysed: ``[]``, not ``None``)
+            "analysed": ctx.block_keys is not None,
             "prompt_tokens": ctx.prompt_tokens,
             "excluded": sorted(ctx.excluded),
             "candidates": cands,

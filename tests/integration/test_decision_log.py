@@ -56,6 +56,30 @@ async def test_every_placement_is_logged_with_its_session_and_cost_terms(tmp_pat
     assert second["analysed"] and second["prompt_tokens"] > 600
 
 
+def test_a_call_placed_before_its_analysis_is_logged_as_not_analysed(tmp_path):
+    """``analysed`` says whether the prompt analysis landed before the pick, not whether the
+    prompt had a full block: a one-word prompt is analysed (no block keys: ``[]``), a call
+    placed on what is known before its tokens is not (``None``)."""
+    from router.decisionlog import DecisionLog
+    from router.replicas import EndpointView
+    from router.scheduling import RequestContext
+    from router.scheduling.pipeline import Decision
+    from router.sessions import SessionIdentity
+
+    log = DecisionLog(str(tmp_path / "d.jsonl"))
+    ident = SessionIdentity("t", "s", None, None, False, "test")
+    ep = EndpointView("r0", "r0", True, frozenset({"m"}), 0, 0.0, 0.0, 0.1, "closed")
+    for keys, n in (([], 3), (None, None), ([7, 8], 64)):
+        ctx = RequestContext("r", "/v1/completions", "m", ident, {})
+        ctx.block_keys, ctx.prompt_tokens = keys, n
+        log(ctx, Decision(ep, [(ep, 1.0)]))
+    log.close()
+    lines = [orjson.loads(x) for x in (tmp_path / "d.jsonl").read_bytes().splitlines()]
+    assert [(x["analysed"], x["prompt_tokens"]) for x in lines] == [
+        (True, 3), (False, None), (True, 64),
+    ]  # fmt: skip
+
+
 def test_an_unwritable_decision_log_is_a_configuration_error(tmp_path, capsys):
     import argparse
 
