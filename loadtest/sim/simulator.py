@@ -224,9 +224,7 @@ class ReplicaView:
         """Share of the host tier held for paused sessions: the engine plugin's gauge
         (``vllm:kv_offload_cpu_retained_perc``); None without the plugin's retention."""
         cpu = self._eng.cpu
-        if cpu is None or cpu.table is None or cpu.capacity <= 0:
-            return None
-        return cpu.held_blocks(self._eng.now) / cpu.capacity
+        return None if cpu is None else cpu.retained_share(self._eng.now)
 
     @property
     def profile(self) -> ReplicaProfile:

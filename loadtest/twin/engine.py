@@ -411,6 +411,13 @@ class HostTier:
     def held_blocks(self, now: float) -> int:
         return sum(self.table.held(now).values()) if self.table is not None else 0
 
+    def retained_share(self, now: float) -> float | None:
+        """The engine plugin's retained-share gauge (``vllm:kv_offload_cpu_retained_perc``):
+        held blocks over capacity; None without retention."""
+        if self.table is None or self.capacity <= 0:
+            return None
+        return self.held_blocks(now) / self.capacity
+
     def clear(self) -> None:
         self.keys.clear()
         self.pending.clear()

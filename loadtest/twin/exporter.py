@@ -132,9 +132,10 @@ class TwinMetrics:
             # the engine plugin's host-tier signals (engine_patches/offload.py)
             gauge(HOST_OCCUPANCY, "Share of host-tier KV chunks holding data.",
                   len(cpu) / cpu.capacity)  # fmt: skip
-            if cpu.table is not None:
+            retained = cpu.retained_share(eng.now)
+            if retained is not None:
                 gauge(HOST_RETAINED, "Share of host-tier KV chunks held for paused sessions.",
-                      cpu.held_blocks(eng.now) / cpu.capacity)  # fmt: skip
+                      retained)  # fmt: skip
         info = (
             f',block_size="{p.block_size}",num_gpu_blocks="{p.gpu_kv_blocks}",'
             f'num_cpu_blocks="{p.cpu_kv_blocks}",enable_prefix_caching="True",'

@@ -650,12 +650,14 @@ def test_a_hinted_pause_is_priced_as_held_in_the_host_tier_while_the_engine_hono
 
 def test_retention_settings_default_to_the_engine_plugins():
     from engine_patches.presets import EngineOptions
-    from engine_patches.retention_rule import RetentionConfig
+    from engine_patches.retention_rule import HOLDING, RetentionConfig
+    from router.kv.state import HOLDING as ROUTER_HOLDING
 
     eng, cfg, opts = RetentionConfig(), KVConfig(), EngineOptions()
     assert (cfg.retention_ttl_s, cfg.retention_return_slack, cfg.retention_share) == (
         eng.ttl_s, eng.return_slack, eng.max_share,
     )  # fmt: skip
     assert (opts.retention_ttl_s, opts.retention_share) == (eng.ttl_s, eng.max_share)
+    assert ROUTER_HOLDING == HOLDING  # router/ keeps its own copy: it does not import the plugin
     with pytest.raises(ValueError, match="retention_share"):
         KVConfig(retention_share=1.5)
