@@ -20,7 +20,11 @@ candidate causes of a routing loss that a client can see:
 * **what drove kvroute's moves** — from the point's ``decisions.jsonl`` (the router's
   decision log, :mod:`router.decisionlog`, which ``kvroute bench`` turns on for kvroute
   targets): for each call placed off its session's replica, the cost term that favoured the
-  winner most (sticky replica's term minus the winner's), counted by term.
+  winner most (sticky replica's term minus the winner's), counted by term;
+* **how far the P90 interactivity can be trusted** — the point's P90 interactivity (1 / P90
+  TPOT, calls after the run's warm-up) with a 90% bootstrap interval from resampling its own
+  calls (:func:`interactivity_interval`). A ~150-call point's P90 is its ~15th-slowest call;
+  two routers whose intervals overlap are not told apart by that point.
 
 Times are the records' run-clock seconds scaled to modelled seconds by the point's speedup.
 Must not import the router.
@@ -35,6 +39,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from costmodel.placement import CostTerms
 from loadtest.replay.records import CallRecord, read_jsonl
@@ -153,9 +159,34 @@ def decision_measures(lines: list[dict[str, Any]], scorer: str = "kv_cost") -> d
     return {"decided_moves": moves, "move_drivers": dict(drivers)}
 
 
+def interactivity_interval(
+    calls: list[CallRecord],
+    speedup: float = 1.0,
+    warmup_s: float = 0.0,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """P90 interactivity (tok/s per user, modelled time) of a point's calls that started after
+    ``warmup_s`` modelled seconds, as ``loadtest.metrics`` computes it (calls with ≥ 2 output
+    tokens), with the 5th and 95th percentiles of the same statistic over ``resamples``
+    bootstrap resamples of those calls."""
+    w = warmup_s / speedup  # run clock
+    kept = [c for c in calls if c.ok and c.tpot_s and c.completion_tokens >= 2 and c.t_start >= w]
+    tpot = np.array([(c.tpot_s or 0.0) * speedup for c in kept])
+    if len(tpot) == 0:
+        return {}
+    rng = np.random.default_rng(seed)
+    boot = np.percentile(rng.choice(tpot, (resamples, len(tpot))), 90, axis=1)
+    lo, hi = np.percentile(1.0 / boot, [5, 95])
+    return {"p90_interactivity": float(1.0 / np.percentile(tpot, 90)),
+            "p90_interactivity_lo": float(lo), "p90_interactivity_hi": float(hi),
+            "tpot_calls": len(tpot)}  # fmt: skip
+
+
 def sweep_measures(out: Path) -> list[dict[str, Any]]:
     """Per point of a ``kvroute bench`` output folder, its measurements."""
     res = json.loads((out / "results.json").read_text())
+    warmup_s = float((res.get("config") or {}).get("warmup_s") or 0.0)
     rows = []
     for p in res["points"]:
         if not p.get("summary") or not p.get("dir"):
@@ -163,7 +194,10 @@ def sweep_measures(out: Path) -> list[dict[str, Any]]:
         f = out / p["dir"] / "calls.jsonl"
         if not f.exists():
             continue
-        m = point_measures(read_jsonl(f, CallRecord), float(p["summary"].get("speedup", 1.0)))
+        calls = read_jsonl(f, CallRecord)
+        speedup = float(p["summary"].get("speedup", 1.0))
+        m = point_measures(calls, speedup)
+        m.update(interactivity_interval(calls, speedup, warmup_s))
         log = f.with_name("decisions.jsonl")
         if log.exists():
             m.update(decision_measures([json.loads(x) for x in log.read_text().splitlines()]))
@@ -184,6 +218,7 @@ COLUMNS = (
     ("ttft_p90_stayed_s", "{:.1f}"),
     ("ttft_p90_cold_s", "{:.1f}"),
     ("occupancy_max_over_min", "{:.2f}"),
+    ("p90_interactivity", "{:.1f}"),
 )
 
 
@@ -218,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rows = [r for o in a.out for r in sweep_measures(Path(o))]
     print(markdown(rows))
+    print("\nP90 interactivity per point, with its 90% bootstrap interval over the point's calls:")
+    for r in rows:
+        if "p90_interactivity" in r:
+            print(f"- {r['target']} c={r['concurrency']} seed {r['seed']}: "
+                  f"{r['p90_interactivity']:.1f} [{r['p90_interactivity_lo']:.1f}–"
+                  f"{r['p90_interactivity_hi']:.1f}] tok/s ({r['tpot_calls']} calls)")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=str))
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadtest.replay.records import CallRecord
-from loadtest.report.diagnose import point_measures
+from loadtest.report.diagnose import interactivity_interval, point_measures
 
 
 def call(session, t0, t1, replica, prompt=1000, cached=0, ttft=0.5, agent="main"):
@@ -58,3 +58,27 @@ def test_moves_in_the_decision_log_are_attributed_to_the_term_that_drove_them():
     m = decision_measures(lines)
     assert m["decided_moves"] == 3
     assert m["move_drivers"] == {"queue_s": 1, "reserved_s": 1, "interference_s": 1}
+
+
+def test_interactivity_interval_leaves_out_warmup_and_widens_with_a_heavy_tail():
+    def dec(t0, tpot, n=100):
+        c = call("s", t0, t0 + 1.0, "r0")
+        c.tpot_s, c.completion_tokens = tpot, n
+        return c
+
+    # 10 warm-up calls with a terrible TPOT, then 100 calls at 10 ms and a tail at 30 ms.
+    warm = [dec(float(i), 1.0) for i in range(10)]
+    steady = [dec(20.0 + i, 0.010) for i in range(90)] + [dec(120.0 + i, 0.030) for i in range(10)]
+    one_token = [dec(300.0, 5.0, n=1)]  # no TPOT for a one-token answer
+    m = interactivity_interval(warm + steady + one_token, speedup=1.0, warmup_s=15.0)
+    assert m["tpot_calls"] == 100
+    assert 1 / 0.030 <= m["p90_interactivity"] <= 1 / 0.010
+    assert m["p90_interactivity_lo"] <= m["p90_interactivity"] <= m["p90_interactivity_hi"]
+    # the P90 sits on the edge of the 10-call tail: resampling moves it across the tail
+    assert m["p90_interactivity_hi"] - m["p90_interactivity_lo"] > 20.0
+    # without the tail every resample gives the same P90: the interval closes
+    flat = interactivity_interval(steady[:90], warmup_s=15.0)
+    assert abs(flat["p90_interactivity_hi"] - flat["p90_interactivity_lo"]) < 1e-6
+    # the warm-up is in run-clock seconds scaled by the speedup, as the summary's
+    assert interactivity_interval(warm + steady, speedup=10.0, warmup_s=15.0)["tpot_calls"] == 108
+    assert interactivity_interval([], warmup_s=0.0) == {}
