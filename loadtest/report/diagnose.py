@@ -168,8 +168,9 @@ def interactivity_interval(
 ) -> dict[str, Any]:
     """P90 interactivity (tok/s per user, modelled time) of a point's calls that started after
     ``warmup_s`` modelled seconds, as ``loadtest.metrics`` computes it (calls with ≥ 2 output
-    tokens), with the 5th and 95th percentiles of the same statistic over ``resamples``
-    bootstrap resamples of those calls."""
+    tokens; a zero TPOT, which no real stream has, is left out so 1 / P90 stays finite), with
+    the 5th and 95th percentiles of the same statistic over ``resamples`` bootstrap resamples
+    of those calls."""
     w = warmup_s / speedup  # run clock
     kept = [c for c in calls if c.ok and c.tpot_s and c.completion_tokens >= 2 and c.t_start >= w]
     tpot = np.array([(c.tpot_s or 0.0) * speedup for c in kept])
