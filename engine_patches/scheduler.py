@@ -33,11 +33,14 @@ logger = logging.getLogger("vllm.kvroute.scheduler")
 # Built lazily by __getattr__ below (so this module imports without vLLM).
 SCHEDULER_CLASSES = ("CadenceAsyncScheduler", "CadenceScheduler")
 
-# Prompt tokens this engine process still has to prefill after its last scheduled step
-# (running prefill chunks and waiting requests, counted before a waiting request's prefix-cache
-# lookup, less what the step schedules): written by the cadence scheduler, read in the same
-# EngineCore process by the host tier's stats (engine_patches.offload), which ship it to
-# /metrics as vllm:num_pending_prefill_tokens.
+# Prompt tokens this engine process still has to compute after its last scheduled step
+# (running prefill chunks, and waiting requests less the prefix the GPU prefix cache already
+# holds for them, less what the step schedules): written by the cadence scheduler, read in the
+# same EngineCore process by the host tier's stats (engine_patches.offload), which ship it to
+# /metrics as vllm:num_pending_prefill_tokens. A waiting request's hit is looked up once, when
+# the scheduler first sees it waiting (vLLM's own lookup runs only when it is admitted, and
+# would count in its prefix-cache metrics); blocks a connector will load from a lower tier
+# still count as pending (they are not in the GPU prefix cache).
 _pending_prefill: list[int | None] = [None]
 
 
@@ -62,6 +65,9 @@ class CadenceMixin:
     max_num_running_reqs: int
     prefill_capacity_bound: bool
     local_prefill_interval: int
+    kv_cache_manager: Any
+    _kvroute_hits: dict[str, int]
+    _kvroute_hit_lookup: bool
 
     def _kvroute_init(self) -> None:
         from engine_patches import versions
@@ -71,6 +77,8 @@ class CadenceMixin:
         cfg = CadenceConfig.from_additional_config(vcfg.additional_config)
         self._kvroute_trace = None
         self._kvroute_step = 0
+        self._kvroute_hits = {}
+        self._kvroute_hit_lookup = True
         if vcfg.parallel_config.data_parallel_size > 1:
             logger.warning(
                 "kvroute cadence: data_parallel_size=%d, leaving vLLM's DP cadence in charge",
@@ -122,6 +130,52 @@ class CadenceMixin:
         ]
         return out
 
+    def _kvroute_gpu_hit(self, r: Any) -> int:
+        """Prompt tokens of waiting request ``r`` that the GPU prefix cache holds now, as
+        vLLM's admission would find them (``find_longest_cache_hit`` up to ``num_tokens − 1``:
+        a pure look-up, no stats, no LRU touch). 0 once a look-up has failed on this version."""
+        if not self._kvroute_hit_lookup or r.num_computed_tokens > 0:
+            return 0
+        mgr = self.kv_cache_manager
+        try:
+            if not mgr.prefix_cache_lookup_enabled(r):
+                return 0
+            found = mgr.coordinator.find_longest_cache_hit(r.block_hashes, r.num_tokens - 1)
+            return max(int(found[1]), 0)
+        except Exception as e:  # another vLLM's coordinator: count waiting prompts in full
+            logger.warning(
+                "kvroute: no prefix-cache look-up for the pending-prefill gauge on this vLLM "
+                "(%r); waiting requests count in full",
+                e,
+            )
+            self._kvroute_hit_lookup = False
+            return 0
+
+    def _kvroute_gauge(self) -> int:
+        """Prompt tokens left to compute after this step (read after ``schedule()``, which has
+        advanced every scheduled request's ``num_computed_tokens``): running requests still in
+        prefill, and waiting ones less their cached prefix (looked up once per request); a
+        request loading from a lower tier (``WAITING_FOR_REMOTE_KVS``) is not counted."""
+        from vllm.v1.request import RequestStatus
+
+        queued = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        total = sum(n for r in self.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
+        hits = self._kvroute_hits
+        seen: set[str] = set()
+        for q in (self.kv_holding_waiting, self.waiting):
+            for r in q:
+                if r.status not in queued:
+                    continue
+                rid = r.request_id
+                seen.add(rid)
+                h = hits.get(rid)
+                if h is None:
+                    h = hits[rid] = self._kvroute_gpu_hit(r)
+                total += max(r.num_tokens - r.num_computed_tokens - h, 0)
+        for rid in [k for k in hits if k not in seen]:
+            del hits[rid]  # admitted, finished or aborted: its look-up is spent
+        return total
+
     def schedule(self, throttle_prefills: bool = False) -> Any:
         cad = self._kvroute_cadence
         if cad is None:
@@ -149,7 +203,7 @@ class CadenceMixin:
             min(n, left[rid]) for rid, n in out.num_scheduled_tokens.items() if rid in left
         )
         # what this step leaves to prefill: the gauge after the engine's last prefill step is 0
-        _pending_prefill[0] = max(sum(left.values()) - prefill_tokens, 0)
+        _pending_prefill[0] = self._kvroute_gauge()
         if cad.config.guard != "vllm":
             cad.observe(prefill_tokens)
         if self._kvroute_trace is not None and out.total_num_scheduled_tokens > 0:
@@ -162,6 +216,8 @@ class CadenceMixin:
                 "prefill_tokens": prefill_tokens,
                 "decodes": sum(1 for rid in out.num_scheduled_tokens if rid not in left),
                 "held": {p.req_id: cad.held(p.req_id) for p in pending if p.eligible},
+                "waiting": len(self._kvroute_hits),
+                "pending_prefill": _pending_prefill[0],
             }
             self._kvroute_trace.write(json.dumps(rec) + "\n")
         return out

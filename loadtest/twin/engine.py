@@ -110,6 +110,7 @@ class Request:
         "digests",
         "finish_time",
         "first_token_time",
+        "gauge_hit",
         "hint",
         "host_lo",
         "host_next",
@@ -165,6 +166,9 @@ class Request:
         self.output_ids: list[int] = []
         self.status = WAITING
         self.cached_tokens: int | None = None  # prompt tokens hit at first scheduling
+        # GPU-cached prompt tokens the pending-prefill gauge found while it waits (None: not
+        # looked up since it last entered the waiting queue)
+        self.gauge_hit: int | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.queued_time: float | None = None  # first scheduled
@@ -897,6 +901,7 @@ class Engine:
         req.blocks = gpu + new
         req.n_cached = n_gpu
         req.num_computed = n_gpu * bs
+        req.gauge_hit = None
         self.tier_hit_blocks["gpu"] += n_gpu
         if req.cached_tokens is None:
             req.cached_tokens = hit
@@ -1237,11 +1242,21 @@ class Engine:
         return out
 
     def pending_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute: running prefill chunks and waiting requests (the
-        cadence's backlog; real vLLM's ``SchedulerStats`` has no such field)."""
-        return sum(r.num_tokens - r.num_computed for r in self.running
-                   if r.num_tokens - r.num_computed > 1) + sum(
-            r.num_tokens - r.num_computed for r in self.waiting)  # fmt: skip
+        """Prompt tokens still to compute, as the engine plugin's
+        ``vllm:num_pending_prefill_tokens`` counts them: running prefill chunks, and waiting
+        requests (not loading from a lower tier) less the prefix the GPU cache holds for them,
+        looked up once while they wait (real vLLM's ``SchedulerStats`` has no such field)."""
+        total = sum(r.num_tokens - r.num_computed for r in self.running
+                    if r.num_tokens - r.num_computed > 1)  # fmt: skip
+        bs = self.block_size
+        for r in self.waiting:
+            if r.status == LOADING:
+                continue
+            if r.gauge_hit is None:
+                limit = (r.num_tokens - 1) // bs
+                r.gauge_hit = len(self.pool.match(self._keys_upto(r, limit), limit)) * bs
+            total += max(r.num_tokens - r.num_computed - r.gauge_hit, 0)
+        return total
 
     def decode_only_steps(self, n: int) -> None:
         """``n`` steps that ran decodes only were taken outside :meth:`schedule` (the

@@ -16,9 +16,10 @@ from engine_patches.offload import HOST_OCCUPANCY, HOST_RETAINED, PENDING_PREFIL
 if TYPE_CHECKING:
     from loadtest.twin.replica import TwinReplica
 
-# Pending prefill work (PENDING_PREFILL): always exported here. Real vLLM (0.32/0.33) has no
-# such series (its SchedulerStats has no field for it); the engine plugin exports it when the
-# cadence scheduler and a host tier are both on (engine_patches/offload.py).
+# Pending prefill work (PENDING_PREFILL): exported, as by the engine plugin, only where the
+# plugin's cadence scheduler and a host tier are both on (engine_patches/offload.py ships it
+# with the host tier's stats). Real vLLM (0.32/0.33) has no such series, so a router in front of
+# plain twins reads no more than it would in front of plain vLLM.
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -121,13 +122,14 @@ class TwinMetrics:
             "Cumulative number of preemption from the engine.",
             eng.preemptions,
         )
-        gauge(
-            PENDING_PREFILL,
-            "Prompt tokens still to compute: running prefill chunks and waiting requests "
-            "(kvroute twin; vLLM has no such field).",
-            eng.pending_prefill_tokens(),
-        )
         cpu = eng.cpu
+        if eng.cadence is not None and cpu is not None:
+            gauge(
+                PENDING_PREFILL,
+                "Prompt tokens still to compute: running prefill chunks and waiting requests "
+                "net of their cached prefix (engine plugin; vLLM has no such field).",
+                eng.pending_prefill_tokens(),
+            )
         if cpu is not None and cpu.capacity > 0:
             # the engine plugin's host-tier signals (engine_patches/offload.py)
             gauge(HOST_OCCUPANCY, "Share of host-tier KV chunks holding data.",

@@ -1,5 +1,6 @@
 """The HTTP twin with the engine plugin's rules: hints read from request bodies as vLLM gets
-them, and the plugin's host-tier gauges (plus a pending-prefill gauge) on /metrics."""
+them, and the plugin's host-tier gauges on /metrics, with its pending-prefill gauge where the
+plugin's cadence runs too (as on real vLLM)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import httpx
 import pytest
 
 from costmodel.profiles import load_profile
+from engine_patches.cadence import CadenceConfig
 from engine_patches.retention_rule import RetentionConfig
 from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
@@ -49,7 +51,7 @@ async def test_a_hinted_body_holds_the_session_on_the_host_tier_and_the_gauges_s
         m0 = (await h.get(url + "/metrics")).text
         assert gauge(m0, "vllm:kv_offload_cpu_cache_occupancy_perc") == 0.0
         assert gauge(m0, "vllm:kv_offload_cpu_retained_perc") == 0.0
-        assert gauge(m0, "vllm:num_pending_prefill_tokens") == 0.0
+        assert "vllm:num_pending_prefill_tokens" not in m0  # no cadence: not exported
         paused = text(600, 1)
         await complete(paused, {"session": "t/s-1", "state": "tool-pause", "return_s": 30})
         for seed in range(2, 8):  # unhinted prompts that push it out of the engine's cache
@@ -66,11 +68,18 @@ async def test_a_hinted_body_holds_the_session_on_the_host_tier_and_the_gauges_s
         assert cpu.table.held(c.replicas[0].engine.now + 1.0) == {"t/s-1": round(held * 64)}
 
 
-async def test_a_plain_twin_exports_occupancy_and_pending_prefill_but_no_retained_share():
+async def test_the_pending_prefill_gauge_is_exported_where_the_plugins_cadence_runs():
+    plugin = EnginePlugin(cadence=CadenceConfig())
+    async with start_cluster(1, PROFILE, plugin=plugin) as c, httpx.AsyncClient(timeout=30) as h:
+        m = (await h.get(c.urls[0] + "/metrics")).text
+        assert gauge(m, "vllm:num_pending_prefill_tokens") == 0.0
+
+
+async def test_a_plain_twin_exports_occupancy_but_no_retained_share_nor_pending_prefill():
     async with start_cluster(1, PROFILE) as c, httpx.AsyncClient(timeout=30) as h:
         m = (await h.get(c.urls[0] + "/metrics")).text
         assert gauge(m, "vllm:kv_offload_cpu_cache_occupancy_perc") == 0.0
-        assert gauge(m, "vllm:num_pending_prefill_tokens") == 0.0
+        assert "vllm:num_pending_prefill_tokens" not in m  # plain vLLM has no such series
         assert "vllm:kv_offload_cpu_retained_perc" not in m
         # a malformed hint is ignored, never an error (as the plugin's parse_hint)
         r = await h.post(c.urls[0] + "/v1/completions", json={

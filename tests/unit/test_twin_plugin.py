@@ -266,3 +266,22 @@ def test_decoded_events_of_a_retaining_tier_are_vllm_cpu_events():
     cpu = [ev for ev in evs if getattr(ev, "medium", None) == "CPU"]
     assert cpu and all(getattr(ev, "block_size", 0) == 0 for ev in cpu
                        if type(ev).__name__ == "BlockStored")  # fmt: skip
+
+
+def test_the_pending_prefill_gauge_counts_a_waiting_prompt_net_of_its_cached_prefix():
+    """As the plugin's ``vllm:num_pending_prefill_tokens``: a cold prompt in chunked prefill
+    counts what it has left, a waiting prompt whose prefix the GPU holds counts only its tail
+    (an agent's next call is mostly cached), a cold waiting one counts in full."""
+    e = cadence_engine(interval=1, max_defer_steps=16, max_defer_ms=1e9, backlog_scale=1e9)
+    warm_keys = keys(40)
+    t = drive(e, [call("warm-1", warm_keys)])  # cached now
+    e.add(call("cold", keys(40)))  # 40 blocks + 1 token: several 256-token chunks
+    t = drive_steps(e, 1, t)
+    running_left = sum(r.num_tokens - r.num_computed for r in e.running)
+    assert running_left > 256
+    assert e.pending_prefill_tokens() == running_left
+    e.add(call("warm-2", warm_keys))  # waits behind the chunks; 40 of its 40 blocks cached
+    e.add(call("new", keys(10)))
+    assert e.pending_prefill_tokens() == running_left + 1 + (10 * BS + 1)
+    drive(e, (), t)
+    assert e.pending_prefill_tokens() == 0

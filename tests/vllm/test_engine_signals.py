@@ -2,13 +2,15 @@
 a host tier on, ``vllm:num_pending_prefill_tokens`` (``engine_patches.offload``) is on
 /metrics (vLLM's SchedulerStats has no field for it; it rides with the host tier's stats),
 reads the prompt tokens still to prefill while a burst of long prompts is chunked through a
-small token budget, and falls back to 0 when they are done. The router's scrape parses it
+small token budget, and falls back to 0 when they are done; a waiting prompt whose prefix the
+GPU prefix cache holds counts only its uncached tail. The router's scrape parses it
 (``EndpointView.pending_prefill``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -24,23 +26,29 @@ pytestmark = pytest.mark.timeout(300)
 
 BUDGET = 64  # --max-num-batched-tokens: a 1,500-token prompt takes ~24 steps to prefill
 PROMPT_WORDS = 1500
+COLD_WORDS = 2500
 BURST = 3
 
 
 @pytest.fixture(scope="module")
-def signalling(tiny_model):
+def signalling(tiny_model, tmp_path_factory):
     install_plugin()
+    trace = tmp_path_factory.mktemp("signals") / "steps.jsonl"
     words = presets.flags(presets.EngineOptions(host_tier_bytes=16 << 20))  # default cadence
+    i = words.index("--additional-config")
+    extra = json.loads(words[i + 1])
+    extra["kvroute"]["cadence"]["trace_path"] = str(trace)
+    words[i + 1] = json.dumps(extra)
     cfg = ReplicaConfig(
         name="sig", model_dir=tiny_model, block_size=BLOCK_SIZE, kv_cache_bytes=KV_BYTES, cpu=0,
         extra_args=[*words, "--max-num-batched-tokens", str(BUDGET)],
     )  # fmt: skip
     with VllmBed([cfg]) as bed:
-        yield bed.replicas[0]
+        yield bed.replicas[0], trace
 
 
 async def test_pending_prefill_tokens_reach_metrics_and_drain(signalling):
-    rep = signalling
+    rep, _ = signalling
     async with httpx.AsyncClient(timeout=120) as http:
 
         async def pending() -> float | None:
@@ -71,3 +79,53 @@ async def test_pending_prefill_tokens_reach_metrics_and_drain(signalling):
         assert max(seen) <= total  # never more than the burst's prompts
         await ask("one more step", 1)  # the stats of a step after the burst reach /metrics
         assert await pending() == 0.0
+
+
+async def test_a_waiting_prompt_counts_net_of_its_cached_prefix(signalling):
+    """Warm prompts queued behind cold chunked prefills add their uncached tails to the gauge,
+    not their whole prompts: the gauge counts compute, and an agent's next call is mostly
+    cached (the count before its prefix-cache look-up would read each warm prompt in full).
+    Read per step from the cadence's step trace (the gauge it leaves after each step), since
+    /metrics on two shared cores lags the engine by more than a step."""
+    rep, trace = signalling
+    async with httpx.AsyncClient(timeout=120) as http:
+
+        async def ask(text: str, max_tokens: int) -> dict:
+            body = {"model": "tiny", "prompt": text, "max_tokens": max_tokens}
+            r = await http.post(rep.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        warm = unique_text(PROMPT_WORDS, seed=1600)
+        await ask(warm, 1)  # its prefix is in the GPU prefix cache now
+        start = trace.stat().st_size
+        # 2 x 2,500 cold tokens (~80 steps of 64) and the warm prefix fit the 256-block pool
+        colds = [asyncio.create_task(ask(unique_text(COLD_WORDS, seed=1601 + i), 4))
+                 for i in range(2)]  # fmt: skip
+
+        def steps() -> list[dict]:
+            with trace.open() as f:
+                f.seek(start)
+                return [json.loads(ln) for ln in f.read().splitlines()]
+
+        t0 = time.monotonic()
+        while not any(s["prefill_tokens"] > 0 for s in steps()):  # the cold prefill is running
+            assert time.monotonic() - t0 < 60 and not colds[1].done(), "no cold prefill seen"
+            await asyncio.sleep(0.005)
+        done = await asyncio.gather(*[ask(warm, 4) for _ in range(BURST)])
+        cold_tokens = sum(c["usage"]["prompt_tokens"] for c in await asyncio.gather(*colds))
+    warm_tokens = done[0]["usage"]["prompt_tokens"]
+    # the warm calls hit (all but the last block recomputed at most) ...
+    assert all(
+        d["usage"]["prompt_tokens_details"]["cached_tokens"] >= warm_tokens - 2 * BLOCK_SIZE
+        for d in done
+    ), done
+    # ... they waited behind the cold prefill ...
+    queued = [s for s in steps() if s["waiting"] == BURST]
+    assert queued, "the warm calls never waited"
+    # ... and the gauge counted their uncached tails, not their prompts: never more than the
+    # cold prompts and the tails, while the colds had so much left that the warm prompts
+    # counted in full would have broken that bound
+    bound = cold_tokens + BURST * 2 * BLOCK_SIZE
+    assert all(s["pending_prefill"] <= bound for s in queued), queued
+    assert max(s["pending_prefill"] for s in queued) > bound - BURST * warm_tokens, queued
