@@ -121,6 +121,7 @@ class EndpointView:
     host_occupancy: float | None = None  # share of the host KV tier holding data (plugin)
     host_retained: float | None = None  # share held for paused sessions (plugin's retention)
     pending_prefill: float | None = None  # prompt tokens still to prefill (plugin's cadence)
+    pending_prefill_age_s: float | None = None  # seconds since the scrape that read it
 
     @property
     def load(self) -> float:
@@ -146,6 +147,7 @@ class Replica:
     host_occupancy: float | None = None
     host_retained: float | None = None
     pending_prefill: float | None = None  # the plugin's / twin's pending prefill tokens
+    scraped_at: float | None = None  # time.monotonic() when the last good scrape was sent
     cached_by_source: dict[str, float] = field(default_factory=dict)  # engine counters by tier
     last_error: str | None = None
     # Calls this router finished on the replica (monotonic), and the value when the last
@@ -165,6 +167,7 @@ class Replica:
             self.name, self.url, self.healthy, self.models, self.inflight,
             self.running_now(), self.waiting, self.kv_usage, self.breaker.state,
             self.breaker.allows(), self.host_occupancy, self.host_retained, self.pending_prefill,
+            None if self.scraped_at is None else time.monotonic() - self.scraped_at,
         )  # fmt: skip
 
     def running_now(self) -> float | None:
@@ -453,7 +456,7 @@ class ReplicaMonitor:
         self.health_rounds += 1
 
     async def scrape_one(self, r: Replica) -> None:
-        mark = r.finished
+        mark, sent = r.finished, time.monotonic()
         try:
             async with self.session.get(
                 r.url + "/metrics", timeout=self._probe_timeout, headers=self.headers_for(r)
@@ -468,7 +471,7 @@ class ReplicaMonitor:
         r.host_occupancy, r.host_retained = m.get("host_occupancy"), m.get("host_retained")
         r.pending_prefill = m.get("pending_prefill")
         r.cached_by_source = _by_source(m)
-        r.finished_at_scrape = mark
+        r.finished_at_scrape, r.scraped_at = mark, sent
 
     async def health_loop(self) -> None:
         while True:

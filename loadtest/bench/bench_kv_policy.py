@@ -127,7 +127,14 @@ VARIANTS: dict[str, tuple[str, bool, EnginePlugin]] = {
     "kv_cost+hints": ("kv_cost", True, EnginePlugin(retention=RetentionConfig())),
     "kv_cost+hints+cadence": ("kv_cost", True,
                               EnginePlugin(retention=RetentionConfig(), cadence=CadenceConfig())),
+    "kv_cost+hints+cadence+gauge": ("kv_cost", True,
+                                    EnginePlugin(retention=RetentionConfig(),
+                                                 cadence=CadenceConfig())),
 }  # fmt: skip
+# the router's KV settings a variant changes (KVConfig fields)
+KV_SETTINGS: dict[str, dict[str, Any]] = {
+    "kv_cost+hints+cadence+gauge": {"pending_prefill_gauge": True},
+}
 
 
 def policy_spec(name: str) -> tuple[str, bool, EnginePlugin]:
@@ -179,7 +186,8 @@ def run_workloads(
                 runs = [
                     simulate_trace(prof, n_rep, trace,
                                    RouterPolicy(router_pol, prof, seed=s, engine_hints=hints,
-                                                scrape_interval_s=scrape),
+                                                scrape_interval_s=scrape,
+                                                kv_settings=KV_SETTINGS.get(pol)),
                                    concurrency=n, duration_s=duration, seed=s,
                                    stagger_s=STAGGER_S, plugin=plugin).summary(warmup_s=WARMUP_S)
                     for s in seeds

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from costmodel.profiles import load_profile, with_overrides
-from loadtest.bench.bench_kv_policy import STAGGER_S, TRACES, WARMUP_S, policy_spec
+from loadtest.bench.bench_kv_policy import KV_SETTINGS, STAGGER_S, TRACES, WARMUP_S, policy_spec
 from loadtest.bench.bench_kv_pressure import OVERRIDES, WORKLOADS
 from loadtest.sim.router_policy import RouterPolicy
 from loadtest.sim.trace import simulate_trace
@@ -48,7 +48,9 @@ def main(argv: list[str]) -> int:
             prof,
             n_rep,
             trace,
-            RouterPolicy(router_pol, prof, seed=seed, engine_hints=hints),
+            RouterPolicy(
+                router_pol, prof, seed=seed, engine_hints=hints, kv_settings=KV_SETTINGS.get(pol)
+            ),
             concurrency=lanes,
             duration_s=900.0,
             seed=seed,

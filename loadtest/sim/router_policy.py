@@ -39,12 +39,15 @@ the end of the step that produced them (no network delay), and sessions never ex
 the table during a run. The engines' load (running, waiting, KV usage) is exact at every
 decision unless ``scrape_interval_s`` is set, which reads it as a live router does — from a
 ``/metrics`` scrape every that many seconds (``metrics_interval_s``, 1 s by default);
-:mod:`loadtest.bench.bench_sim_vs_real` sets it.
+:mod:`loadtest.bench.bench_sim_vs_real` sets it. The engine plugin's pending-prefill gauge is
+in that load where the engine runs the plugin's cadence and a host tier, as on real vLLM; the
+router reads it with ``kv_settings={"pending_prefill_gauge": True}`` (any
+:class:`router.kv.config.KVConfig` field can be set there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -77,6 +80,7 @@ class RouterPolicy:
     def __init__(
         self, policy: str, profile: ReplicaProfile, *, seed: int = 0, tenant: str = "sim",
         engine_hints: bool = False, scrape_interval_s: float = 0.0,
+        kv_settings: Mapping[str, Any] | None = None,
     ):  # fmt: skip
         if scrape_interval_s < 0:
             raise ValueError("scrape_interval_s must be >= 0")
@@ -86,13 +90,15 @@ class RouterPolicy:
         self.scrape_interval_s = scrape_interval_s
         self._scraped: dict[int, tuple[Any, ...]] = {}
         self._scrape_tick = -1
+        self._scraped_at = 0.0
         self._params: dict[tuple[str, int], Any] = {}
         self.pipeline = build_pipeline(policy, seed=seed)
         self.profile = profile
         self.now = 0.0
         self.kv = KVState(
-            KVConfig(block_size=profile.block_size), clock=lambda: self.now, profile=profile
-        )
+            KVConfig(**{"block_size": profile.block_size, **(kv_settings or {})}),
+            clock=lambda: self.now, profile=profile,
+        )  # fmt: skip
         self.calls = CallSequence(
             self.pipeline,
             analyzer=self.kv.analyze,
@@ -143,11 +149,14 @@ class RouterPolicy:
         self.calls.analyze(ctx)  # the KV layer's footprint (no tokenizer: keys are given)
         rec = self.store.touch(ident, call.now)
         load = self._engine_load(replicas)
+        age = self.now - self._scraped_at if self.scrape_interval_s else 0.0
         endpoints = tuple(
             EndpointView(name=self.names[r.index], url=self.names[r.index], healthy=True,
                          models=frozenset({MODEL}), inflight=self.inflight.get(r.index, 0),
                          running=load[r.index][0], waiting=load[r.index][1],
                          kv_usage=load[r.index][2], host_retained=load[r.index][3],
+                         pending_prefill=load[r.index][4],
+                         pending_prefill_age_s=None if load[r.index][4] is None else age,
                          breaker="closed")
             for r in replicas
         )  # fmt: skip
@@ -166,18 +175,20 @@ class RouterPolicy:
         return i
 
     def _engine_load(self, replicas: Sequence[ReplicaView]) -> dict[int, tuple[Any, ...]]:
-        """(running, waiting, KV usage, host tier's retained share) per replica: the engines'
-        figures now, or with a scrape interval as of the last scrape (every replica at t = k ×
-        interval; a replica first seen after it is read at once)."""
+        """(running, waiting, KV usage, host tier's retained share, pending-prefill gauge) per
+        replica: the engines' figures now, or with a scrape interval as of the last scrape
+        (every replica at t = k × interval; a replica first seen after it is read at once)."""
         exact: dict[int, tuple[Any, ...]] = {
-            r.index: (float(r.num_running), float(r.num_waiting), r.kv_usage, r.host_retained)
+            r.index: (float(r.num_running), float(r.num_waiting), r.kv_usage, r.host_retained,
+                      r.pending_prefill_gauge)
             for r in replicas
-        }
+        }  # fmt: skip
         if not self.scrape_interval_s:
             return exact
         tick = int(self.now // self.scrape_interval_s)
         if tick != self._scrape_tick:
             self._scrape_tick = tick
+            self._scraped_at = tick * self.scrape_interval_s
             self._scraped = exact
         for i, v in exact.items():
             self._scraped.setdefault(i, v)

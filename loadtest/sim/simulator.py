@@ -227,6 +227,16 @@ class ReplicaView:
         return None if cpu is None else cpu.retained_share(self._eng.now)
 
     @property
+    def pending_prefill_gauge(self) -> float | None:
+        """The engine plugin's ``vllm:num_pending_prefill_tokens`` as a live router scrapes it:
+        exported only where the cadence scheduler and a host tier are both on, as on real vLLM
+        (:meth:`loadtest.twin.engine.Engine.pending_prefill_tokens`)."""
+        e = self._eng
+        if e.cadence is None or e.cpu is None:
+            return None
+        return float(e.pending_prefill_tokens())
+
+    @property
     def profile(self) -> ReplicaProfile:
         return self._eng.profile
 

@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}  # fmt: skip
+
 
 @dataclass
 class KVConfig:
@@ -44,6 +47,11 @@ class KVConfig:
     retention_ttl_s: float = 600.0
     retention_return_slack: float = 1.5
     retention_share: float = 0.5  # held chunks never exceed this share of a host tier
+    # kv_cost's queue term also reads the engine plugin's vllm:num_pending_prefill_tokens
+    # (the larger of it and this router's own count): off by default, it added nothing in a
+    # single router's simulations and cost throughput with a host tier (docs/kv-routing.md);
+    # for several routers in front of the same replicas, whose calls no one router sees
+    pending_prefill_gauge: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -81,6 +89,11 @@ class KVConfig:
                 vals[f.name] = int(raw)
             elif t.startswith("float"):
                 vals[f.name] = float(raw)
+            elif t.startswith("bool"):
+                flag = raw.strip().lower()
+                if flag not in _BOOLS:
+                    raise ValueError(f"KVROUTE_KV_{f.name.upper()}={raw!r}: not a boolean")
+                vals[f.name] = _BOOLS[flag]
             else:
                 vals[f.name] = raw
         return vals

@@ -611,6 +611,11 @@ class KVState:
                 out[replica] = (n + 1, t + tokens)
         return out
 
+    def prefill_sent_since(self, replica: str, t: float) -> int:
+        """Uncached prompt tokens of this router's calls sent to ``replica`` at or after ``t``
+        (this state's clock) that have not had their first byte yet."""
+        return sum(n for r, n, at in self.prefilling.values() if r == replica and at >= t)
+
     # ---- the observer: what happened ----------------------------------------------------------
 
     def observe(self, ctx: Any, outcome: CallOutcome) -> None:

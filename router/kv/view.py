@@ -15,7 +15,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from costmodel.calibration import Calibration
-from costmodel.placement import CallShape, ReplicaLoad, Reservation, WarmSession, p_return_after
+from costmodel.placement import (
+    CallShape,
+    ReplicaLoad,
+    Reservation,
+    WarmSession,
+    p_return_after,
+    prefill_throughput,
+)
 from costmodel.profiles import ReplicaProfile
 from router.kv.approx import TEXT_CHUNK
 from router.kv.index import BlockIndexView, TierDepth
@@ -36,6 +43,9 @@ HOST_FULL = 0.95
 # the engine plugin drops the protection of the sessions that paused earliest — the ones an
 # eviction reaches first — so a hint there is honoured as plain LRU
 HOLD_CAP_MARGIN = 0.9
+# a pending-prefill gauge scraped longer ago than this is not read (the scrape is failing):
+# the queue is then estimated from this router's own calls, as for a replica without the gauge
+GAUGE_MAX_AGE_S = 5.0
 
 
 class KVView:
@@ -270,10 +280,16 @@ class KVView:
         first byte yet, plus engine-waiting calls beyond those (another router's) sized by the
         replica's recent mean uncached tokens per call as observed by this router; before it
         has observed any, by ``prior_tokens`` (this call's prompt: a pending call counts as a
-        cold call this big). Running calls are sized by the recent mean prompt tokens held.
+        cold call this big). With ``KVConfig.pending_prefill_gauge`` on, and where the replica
+        exports the engine plugin's ``vllm:num_pending_prefill_tokens`` (scraped within
+        ``GAUGE_MAX_AGE_S``), the larger of that and the gauge — the engine's own count, other
+        routers' calls in it — less what the replica has prefilled since the scrape at its
+        calibrated prefill speed, plus the uncached tokens of this router's calls sent there
+        since. Running calls are sized by the recent mean prompt tokens held.
         """
         st = self.replica_stat(e.name)
         prof = self.profile(e.name)
+        cal = self.calibration(e.name)
         running = e.running if e.running is not None else None
         waiting = e.waiting if e.waiting is not None else None
         # calls that have not finished their prefill: waiting in the engine, or sent by this
@@ -287,12 +303,23 @@ class KVView:
         uncached = st.uncached_ewma if st is not None else float(prior_tokens)
         context = st.context_ewma if st is not None else float(prior_tokens)
         queued = float(ours_tokens) + max(engine - ours, 0.0) * uncached
+        gauge, age = e.pending_prefill, e.pending_prefill_age_s
+        if (
+            self._st.cfg.pending_prefill_gauge
+            and gauge is not None
+            and age is not None
+            and 0.0 <= age <= GAUGE_MAX_AGE_S
+        ):
+            drained = age * prefill_throughput(prof) / max(cal.prefill_scale, 1e-9)
+            seen = max(float(gauge) - drained, 0.0) + float(
+                self._st.prefill_sent_since(e.name, self.now - age)
+            )
+            queued = max(queued, seen)
         batch = max(int(running) if running is not None else 0, int(e.inflight) - int(pending))
         dctx = batch * context
         used = self.gpu_blocks_used(e.name)
         free = None if used is None else max(prof.gpu_kv_blocks - used, 0)
         warm, reserved = self.warm_and_reserved(e.name, exclude, self.holds_honoured(e))
-        cal = self.calibration(e.name)
         return ReplicaLoad(
             queued_prefill_tokens=queued,
             decode_batch=batch,

@@ -274,6 +274,13 @@ def test_kv_config_from_env_and_mapping():
         }
     )
     assert (cfg.block_size, cfg.profile, cfg.topics) == (32, "cpu-tiny", {"kv@a": "http://h:1"})
+    # booleans parse as booleans ("false" is not a true string), anything else is an error
+    env = {"KVROUTE_KV_PENDING_PREFILL_GAUGE": "on", "KVROUTE_KV_ANALYSIS_PROCESS": "False"}
+    flags = KVConfig.from_env(env)
+    assert flags is not None
+    assert (flags.pending_prefill_gauge, flags.analysis_process) == (True, False)
+    with pytest.raises(ValueError, match="not a boolean"):
+        KVConfig.from_env({"KVROUTE_KV_ANALYSIS_PROCESS": "maybe"})
     with pytest.raises(ValueError, match="unknown kv settings"):
         KVConfig.from_mapping({"blocksize": 3})
     with pytest.raises(ValueError, match="positive"):
@@ -436,6 +443,54 @@ def test_a_cold_prefill_in_flight_is_queued_work_until_its_first_byte():
     assert st.pending_prefill() == {"B": (1, N * BS)}
     st.observe(other, outcome(replica="B", status="502"))
     assert st.pending_prefill() == {}
+
+
+def test_the_engine_pending_prefill_gauge_adds_what_this_router_cannot_see():
+    """With ``pending_prefill_gauge`` on, where the replica exports the engine plugin's
+    pending-prefill gauge, the queue is the larger of this router's own count and the engine's
+    count as of the scrape, drained at the replica's prefill speed since, plus what this router
+    sent there after the scrape: another router's cold calls count on a replica this router
+    sent nothing, a gauge below this router's own count lowers nothing, and a stale gauge (the
+    scrape failing) is not read. Off (the default), the gauge is not read at all."""
+    from dataclasses import replace
+
+    from costmodel.placement import prefill_throughput
+
+    clock = [1000.0]
+
+    def state(on: bool) -> KVState:
+        cfg = KVConfig(block_size=BS, profile="h200-70b-fp8-offload", pending_prefill_gauge=on)
+        return KVState(cfg, clock=lambda: clock[0])
+
+    st, off = state(True), state(False)
+    thr = prefill_throughput(st.profile_of("A"))
+    for s in (st, off):
+        big = ctx_for(session="big")
+        big.request_id = "big-1"
+        s.decided(big, Decision(ep("A"), []))  # a 128k-token cold call, sent at t = 1000
+    clock[0] = 1002.0
+
+    def gauged(name, tokens, age, **kw):
+        return replace(ep(name, **kw), pending_prefill=tokens, pending_prefill_age_s=age)
+
+    def queued(s: KVState, e) -> float:
+        return s.view().replica_load(e, None, N * BS).queued_prefill_tokens
+
+    # A: the engine counts less than this router's own call (it has chunked part of it): the
+    # router's count stands, as it does without the gauge or with one 10 s old
+    for e in (gauged("A", 40_000.0, 0.5, inflight=1, running=1.0), ep("A", inflight=1),
+              gauged("A", 40_000.0, 10.0, inflight=1)):  # fmt: skip
+        assert queued(st, e) == N * BS
+    # B: another router's cold calls, nothing of this router's; the gauge shows them
+    b = gauged("B", 3 * thr, 1.0)
+    assert queued(st, b) == pytest.approx(2 * thr)
+    assert queued(off, b) == queued(st, ep("B")) == 0.0
+    assert queued(st, gauged("B", 3 * thr, 10.0)) == 0.0  # stale
+    # a call this router sends to B after that scrape adds its uncached tokens
+    more = ctx_for(session="more", keys=range(7_000_000, 7_000_000 + 100))
+    more.request_id = "more-1"
+    st.decided(more, Decision(ep("B"), []))
+    assert queued(st, b) == pytest.approx(2 * thr + 100 * BS)
 
 
 def test_a_call_placed_before_its_analysis_is_costed_on_what_is_known():

@@ -84,21 +84,27 @@ def test_kv_cost_spreads_sessions_sharing_a_cached_prefix_by_decode_interference
 
 
 def test_the_simulated_router_can_read_engine_load_through_scrapes():
-    """With ``scrape_interval_s`` the router's view of running / waiting / KV usage is the one
-    of the last scrape (every interval), as a live router's /metrics poll gives it."""
+    """With ``scrape_interval_s`` the router's view of running / waiting / KV usage and the
+    pending-prefill gauge is the one of the last scrape (every interval), as a live router's
+    /metrics poll gives it."""
     from types import SimpleNamespace as NS
 
     pol = RouterPolicy("least_load", P70, scrape_interval_s=1.0)
 
-    def view(running):
-        return [NS(index=0, num_running=running, num_waiting=0, kv_usage=0.1, host_retained=None)]
+    def view(running, gauge=None):
+        return [NS(index=0, num_running=running, num_waiting=0, kv_usage=0.1, host_retained=None,
+                   pending_prefill_gauge=gauge)]  # fmt: skip
 
     pol.now = 0.2
-    assert pol._engine_load(view(1))[0][0] == 1.0
+    assert pol._engine_load(view(1, 900.0))[0][:1] + pol._engine_load(view(1))[0][4:] == (
+        1.0, 900.0)  # fmt: skip
     pol.now = 0.9  # same scrape interval: the old figure
     assert pol._engine_load(view(5))[0][0] == 1.0
+    assert pol._engine_load(view(5))[0][4] == 900.0
     pol.now = 1.05  # the next scrape
     assert pol._engine_load(view(5))[0][0] == 5.0
+    assert pol._engine_load(view(5))[0][4] is None
+    assert pol._scraped_at == 1.0
     exact = RouterPolicy("least_load", P70)
     exact.now = 0.9
     assert exact._engine_load(view(7))[0][0] == 7.0
