@@ -310,7 +310,8 @@ class KVView:
             and age is not None
             and 0.0 <= age <= GAUGE_MAX_AGE_S
         ):
-            drained = age * prefill_throughput(prof) / max(cal.prefill_scale, 1e-9)
+            model_s = age * self._st.cfg.time_scale  # the profile's seconds (twins run faster)
+            drained = model_s * prefill_throughput(prof) / max(cal.prefill_scale, 1e-9)
             seen = max(float(gauge) - drained, 0.0) + float(
                 self._st.prefill_sent_since(e.name, self.now - age)
             )

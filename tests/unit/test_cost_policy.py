@@ -491,6 +491,10 @@ def test_the_engine_pending_prefill_gauge_adds_what_this_router_cannot_see():
     more.request_id = "more-1"
     st.decided(more, Decision(ep("B"), []))
     assert queued(st, b) == pytest.approx(2 * thr + 100 * BS)
+    # in front of twins 3x faster than their profile, a second of wall time drains 3 seconds'
+    fast = KVState(KVConfig(block_size=BS, profile="h200-70b-fp8-offload", time_scale=3.0,
+                            pending_prefill_gauge=True), clock=lambda: clock[0])  # fmt: skip
+    assert queued(fast, gauged("B", 4 * thr, 1.0)) == pytest.approx(thr)
 
 
 def test_a_call_placed_before_its_analysis_is_costed_on_what_is_known():
