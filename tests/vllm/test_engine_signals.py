@@ -86,7 +86,9 @@ async def test_a_waiting_prompt_counts_net_of_its_cached_prefix(signalling):
     not their whole prompts: the gauge counts compute, and an agent's next call is mostly
     cached (the count before its prefix-cache look-up would read each warm prompt in full).
     Read per step from the cadence's step trace (the gauge it leaves after each step), since
-    /metrics on two shared cores lags the engine by more than a step."""
+    /metrics on two shared cores lags the engine by more than a step. The warm calls must
+    reach the engine while a cold prefill runs; a run where they came too late (seen once in
+    a full CI run, never alone) is retried with fresh prompts, up to 3 attempts."""
     rep, trace = signalling
     async with httpx.AsyncClient(timeout=120) as http:
 
@@ -96,36 +98,45 @@ async def test_a_waiting_prompt_counts_net_of_its_cached_prefix(signalling):
             assert r.status_code == 200, r.text
             return r.json()
 
-        warm = unique_text(PROMPT_WORDS, seed=1600)
-        await ask(warm, 1)  # its prefix is in the GPU prefix cache now
-        start = trace.stat().st_size
-        # 2 x 2,500 cold tokens (~80 steps of 64) and the warm prefix fit the 256-block pool
-        colds = [asyncio.create_task(ask(unique_text(COLD_WORDS, seed=1601 + i), 4))
-                 for i in range(2)]  # fmt: skip
+        async def attempt(k: int) -> tuple[list[dict], int, list[dict]]:
+            warm = unique_text(PROMPT_WORDS, seed=1600 + 10 * k)
+            await ask(warm, 1)  # its prefix is in the GPU prefix cache now
+            start = trace.stat().st_size
+            # 2 x 2,500 cold tokens (~80 steps of 64) and the warm prefix fit the 256-block pool
+            colds = [asyncio.create_task(ask(unique_text(COLD_WORDS, seed=1601 + 10 * k + i), 4))
+                     for i in range(2)]  # fmt: skip
 
-        def steps() -> list[dict]:
-            with trace.open() as f:
-                f.seek(start)
-                return [json.loads(ln) for ln in f.read().splitlines()]
+            def steps() -> list[dict]:
+                with trace.open() as f:
+                    f.seek(start)
+                    return [json.loads(ln) for ln in f.read().splitlines()]
 
-        t0 = time.monotonic()
-        while not any(s["prefill_tokens"] > 0 for s in steps()):  # the cold prefill is running
-            assert time.monotonic() - t0 < 60 and not colds[1].done(), "no cold prefill seen"
-            await asyncio.sleep(0.005)
-        done = await asyncio.gather(*[ask(warm, 4) for _ in range(BURST)])
-        cold_tokens = sum(c["usage"]["prompt_tokens"] for c in await asyncio.gather(*colds))
+            t0 = time.monotonic()
+            while not any(s["prefill_tokens"] > 0 for s in steps()):  # a cold prefill runs
+                assert time.monotonic() - t0 < 60 and not colds[1].done(), "no cold prefill"
+                await asyncio.sleep(0.005)
+            done = await asyncio.gather(*[ask(warm, 4) for _ in range(BURST)])
+            cold_tokens = sum(c["usage"]["prompt_tokens"] for c in await asyncio.gather(*colds))
+            return done, cold_tokens, steps()
+
+        tries = []
+        for k in range(3):
+            done, cold_tokens, trace_steps = await attempt(k)
+            # the steps where the warm calls waited (the second cold may be waiting too)
+            queued = [s for s in trace_steps if s["waiting"] >= BURST]
+            if queued:
+                break
+            tries.append([(s["waiting"], s["prefill_tokens"]) for s in trace_steps])
+        assert queued, ("the warm calls never waited behind a cold prefill", tries)
     warm_tokens = done[0]["usage"]["prompt_tokens"]
     # the warm calls hit (all but the last block recomputed at most) ...
     assert all(
         d["usage"]["prompt_tokens_details"]["cached_tokens"] >= warm_tokens - 2 * BLOCK_SIZE
         for d in done
     ), done
-    # ... they waited behind the cold prefill ...
-    queued = [s for s in steps() if s["waiting"] == BURST]
-    assert queued, "the warm calls never waited"
-    # ... and the gauge counted their uncached tails, not their prompts: never more than the
-    # cold prompts and the tails, while the colds had so much left that the warm prompts
-    # counted in full would have broken that bound
+    # ... and while they waited the gauge counted their uncached tails, not their prompts:
+    # never more than the cold prompts and the tails, while the colds had so much left that
+    # the warm prompts counted in full would have broken that bound
     bound = cold_tokens + BURST * 2 * BLOCK_SIZE
     assert all(s["pending_prefill"] <= bound for s in queued), queued
     assert max(s["pending_prefill"] for s in queued) > bound - BURST * warm_tokens, queued
