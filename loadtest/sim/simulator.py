@@ -230,11 +230,9 @@ class ReplicaView:
     def pending_prefill_gauge(self) -> float | None:
         """The engine plugin's ``vllm:num_pending_prefill_tokens`` as a live router scrapes it:
         exported only where the cadence scheduler and a host tier are both on, as on real vLLM
-        (:meth:`loadtest.twin.engine.Engine.pending_prefill_tokens`)."""
-        e = self._eng
-        if e.cadence is None or e.cpu is None:
-            return None
-        return float(e.pending_prefill_tokens())
+        (:meth:`loadtest.twin.engine.Engine.pending_prefill_gauge`)."""
+        g = self._eng.pending_prefill_gauge()
+        return None if g is None else float(g)
 
     @property
     def profile(self) -> ReplicaProfile:

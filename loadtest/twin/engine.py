@@ -1258,6 +1258,14 @@ class Engine:
             total += max(r.num_tokens - r.num_computed - r.gauge_hit, 0)
         return total
 
+    def pending_prefill_gauge(self) -> int | None:
+        """:meth:`pending_prefill_tokens` where the engine plugin exports it — its cadence and a
+        host tier both on (``engine_patches/offload.py`` ships it with the host tier's stats)
+        — else None, as on plain vLLM."""
+        if self.cadence is None or self.cpu is None:
+            return None
+        return self.pending_prefill_tokens()
+
     def decode_only_steps(self, n: int) -> None:
         """``n`` steps that ran decodes only were taken outside :meth:`schedule` (the
         simulator's bursts): the cadence counts them as steps without prefill."""

@@ -122,14 +122,15 @@ class TwinMetrics:
             "Cumulative number of preemption from the engine.",
             eng.preemptions,
         )
-        cpu = eng.cpu
-        if eng.cadence is not None and cpu is not None:
+        pending = eng.pending_prefill_gauge()
+        if pending is not None:
             gauge(
                 PENDING_PREFILL,
                 "Prompt tokens still to compute: running prefill chunks and waiting requests "
                 "net of their cached prefix (engine plugin; vLLM has no such field).",
-                eng.pending_prefill_tokens(),
+                pending,
             )
+        cpu = eng.cpu
         if cpu is not None and cpu.capacity > 0:
             # the engine plugin's host-tier signals (engine_patches/offload.py)
             gauge(HOST_OCCUPANCY, "Share of host-tier KV chunks holding data.",
