@@ -1227,12 +1227,17 @@ class Engine:
         if req.host_lo >= 0:
             self.cpu.finish(req.block_keys[req.host_lo : req.host_next], req.hint, now)
 
+    def _prefilling(self) -> list[tuple[Request, int]]:
+        """Running requests mid-prefill and the prompt tokens each has left (a request with
+        one token left is decoding: vLLM recomputes at least the last prompt token)."""
+        return [(r, r.num_tokens - r.num_computed) for r in self.running
+                if r.num_tokens - r.num_computed > 1]  # fmt: skip
+
     def pending_prefills(self) -> list[PendingPrefill]:
         """What the plugin's scheduler hands its cadence: running prefill chunks (eligible),
         then the waiting requests not loading, flagged eligible if one step's token budget and
         free seats would admit them (:func:`engine_patches.cadence.eligible_flags`)."""
-        out = [PendingPrefill(r.id, r.num_tokens - r.num_computed, True)
-               for r in self.running if r.num_tokens - r.num_computed > 1]  # fmt: skip
+        out = [PendingPrefill(r.id, left, True) for r, left in self._prefilling()]
         waiting = [r for r in self.waiting if r.status != LOADING]
         remaining = [max(0, r.num_tokens - r.num_computed) for r in waiting]
         seats = self.profile.max_num_seqs - len(self.running)
@@ -1246,8 +1251,7 @@ class Engine:
         ``vllm:num_pending_prefill_tokens`` counts them: running prefill chunks, and waiting
         requests (not loading from a lower tier) less the prefix the GPU cache holds for them,
         looked up once while they wait (real vLLM's ``SchedulerStats`` has no such field)."""
-        total = sum(r.num_tokens - r.num_computed for r in self.running
-                    if r.num_tokens - r.num_computed > 1)  # fmt: skip
+        total = sum(left for _, left in self._prefilling())
         bs = self.block_size
         for r in self.waiting:
             if r.status == LOADING:

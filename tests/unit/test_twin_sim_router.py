@@ -95,9 +95,11 @@ def test_the_simulated_router_can_read_engine_load_through_scrapes():
         return [NS(index=0, num_running=running, num_waiting=0, kv_usage=0.1, host_retained=None,
                    pending_prefill_gauge=gauge)]  # fmt: skip
 
-    pol.now = 0.2
-    assert pol._engine_load(view(1, 900.0))[0][:1] + pol._engine_load(view(1))[0][4:] == (
-        1.0, 900.0)  # fmt: skip
+    pol.now = 0.2  # the first read is a scrape: 1 running, the gauge at 900 tokens ...
+    running, _, _, _, gauge = pol._engine_load(view(1, 900.0))[0]
+    assert (running, gauge) == (1.0, 900.0)
+    # ... and a second read in the same interval still sees that gauge, not the engine's None
+    assert pol._engine_load(view(1))[0][4] == 900.0
     pol.now = 0.9  # same scrape interval: the old figure
     assert pol._engine_load(view(5))[0][0] == 1.0
     assert pol._engine_load(view(5))[0][4] == 900.0
