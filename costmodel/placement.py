@@ -34,11 +34,27 @@ it (the total then sums the known terms and lists the missing ones — never a m
                                                       share with this call's prefill chunks
                                                       run longer, then every step reads this
                                                       call's KV too, for each token it makes
+          + next_calls_s                              the session's next calls, which find
+                                                      its context where this call leaves it:
+                                                      the share the replica fails to deliver
+                                                      (1 − its hit realization) recomputed,
+                                                      with the stall that gives its decoders,
+                                                      × the calls expected to follow
 
-The first three terms are this call's own latency; the last four are what it costs others
-(sessions it evicts, agents that will return, calls waiting, calls decoding): minimising the
-sum places for the cluster, not just for the call. The interference term is what keeps
-interactivity (TPOT) even: without it a cached prefix pulls every session onto one replica.
+The first three terms are this call's own latency; the next four are what it costs others
+(sessions it evicts, agents that will return, calls waiting, calls decoding), and the last what
+it costs the session later: minimising the sum places for the cluster, not just for the call.
+The interference term is what keeps interactivity (TPOT) even: without it a cached prefix
+pulls every session onto one replica.
+
+The next-calls term is zero on a replica that delivers what it matches (realization 1), so it
+decides only against a replica that keeps breaking its matches — one whose working set no
+longer fits, where every call recomputes most of its prompt. Without it, a long session there
+stays put: moving it costs one cold prefill beside the warm replica's many decoders (a large
+interference term, paid once), while staying costs as much on every later call. It is off
+unless the call says how many calls follow (``CallShape.next_calls``; ``kv_cost`` sets it only
+with ``horizon_calls``): on the squeezed host tier it gained at 48 lanes and lost at 32
+(docs/benchmarks.md), so it is not the default.
 
 Segments: the matched prefix is ``gpu`` blocks (free), then ``cpu`` and ``storage`` blocks
 (each loaded or recomputed, whichever is faster), then the uncached tail (prefilled).
@@ -75,9 +91,14 @@ class CallShape:
     cpu_blocks: int = 0
     storage_blocks: int = 0
     expected_output_tokens: int | None = None
+    # calls this session is expected to make after this one (0: none, or not known)
+    next_calls: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.prompt_tokens, self.gpu_blocks, self.cpu_blocks, self.storage_blocks) < 0:
+        if (
+            min(self.prompt_tokens, self.gpu_blocks, self.cpu_blocks, self.storage_blocks) < 0
+            or self.next_calls < 0
+        ):
             raise ValueError(f"negative sizes in {self}")
 
 
@@ -133,6 +154,8 @@ class ReplicaLoad:
     # how long a chunk stays in the host tier after its last use (LRU turnover: capacity /
     # evictions per second) while that tier is full; None: not full, or not known
     host_residence_s: float | None = None
+    # calibration: the share of a matched prefix the replica has lately delivered, in [0, 1]
+    hit_realization: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +167,7 @@ class CostTerms:
     reserved_s: float | None
     congestion_s: float | None = None
     interference_s: float | None = None
+    next_calls_s: float = 0.0
     # detail (for explain)
     load_s: dict[str, float] = field(default_factory=dict)
     recompute_s: dict[str, float] = field(default_factory=dict)
@@ -159,6 +183,7 @@ class CostTerms:
         "reserved_s",
         "congestion_s",
         "interference_s",
+        "next_calls_s",
     )
 
     @property
@@ -386,6 +411,29 @@ def interference(
     return b * (stall + load.decode_scale * call.expected_output_tokens * max(grow, 0.0))
 
 
+def next_calls_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad) -> float:
+    """Seconds the session's next calls lose to where this call leaves its context: each finds
+    the context (prompt + expected output) on this replica, which delivers ``hit_realization``
+    of it; the rest — its tail — is recomputed there, and that prefill stalls the replica's
+    decoders as this call's does (:func:`interference`'s stall part). × ``next_calls``; 0 where
+    the replica delivers every match, or no call is expected to follow."""
+    real = min(max(load.hit_realization, 0.0), 1.0)
+    if call.next_calls <= 0.0 or real >= 1.0:
+        return 0.0
+    ctx = call.prompt_tokens + (call.expected_output_tokens or 0)
+    kept = int(real * ctx)
+    n = ctx - kept
+    if n <= 0:
+        return 0.0
+    scale = load.prefill_scale
+    per_call = scale * request_prefill_time(profile, n, kept)
+    b = load.decode_batch or 0
+    if b > 0 and load.decode_context_tokens is not None:
+        stall = prefill_stall_time(profile, n, kept, b, float(load.decode_context_tokens))
+        per_call += b * scale * stall
+    return call.next_calls * per_call
+
+
 def placement_cost(
     profile: ReplicaProfile,
     call: CallShape,
@@ -416,6 +464,7 @@ def placement_cost(
         else congestion_weight * compute * max(load.pending_calls, 0.0)
     )
     inter = interference(profile, call, load, computed)
+    nxt = next_calls_cost(profile, call, load)
     return CostTerms(
         queue_s=queue,
         fetch_or_recompute_s=fetch,
@@ -424,6 +473,7 @@ def placement_cost(
         reserved_s=reserved,
         congestion_s=congestion,
         interference_s=None if inter is None else interference_weight * inter,
+        next_calls_s=nxt,
         load_s=load_s,
         recompute_s=rec_s,
         chose=chose,

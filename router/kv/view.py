@@ -54,6 +54,7 @@ class KVView:
     __slots__ = (
         "_by_replica",
         "_prefill",
+        "_returned",
         "_st",
         "block_size",
         "expected_output_tokens",
@@ -70,6 +71,7 @@ class KVView:
         # sessions with KV by replica, bucketed once per pass (warm_and_reserved): scanning
         # every footprint once per candidate made a decision O(replicas x sessions)
         self._by_replica: dict[str, list[SessionFootprint]] | None = None
+        self._returned: float | None = None  # share of known sessions that called again
         # a session that has shown no output yet is expected to write what the others write
         ewma = st.output_ewma
         self.expected_output_tokens: int = (
@@ -178,6 +180,19 @@ class KVView:
                 out[fp.replica] = TierDepth(blocks, gpu=blocks)
         return est, out
 
+    def p_next_call(self, key: str) -> float:
+        """P(the session calls again after the call being placed), from what is seen: 1 for a
+        session that has called before (an agent loop: AgentX sessions run dozens of calls);
+        for a first call, the share of the sessions this layer knows that came back after
+        their first (one-call traffic, e.g. Mooncake conversations, reads ~0)."""
+        fp = self._st.sessions.get(key)
+        if fp is not None and fp.last_end is not None:
+            return 1.0
+        if self._returned is None:
+            known = [s for s in self._st.sessions.values() if s.last_end is not None]
+            self._returned = sum(1 for s in known if s.gaps) / len(known) if known else 0.0
+        return self._returned
+
     def warm_and_reserved(
         self, replica: str, exclude: str | None, holds: bool = False
     ) -> tuple[list[WarmSession], list[Reservation]]:
@@ -222,12 +237,13 @@ class KVView:
     # ---- the cost model's inputs -------------------------------------------------------------
 
     def call_shape(self, replica: str, keys: list[int], n_tokens: int, match: TierDepth | None,
-                   output_tokens: int) -> CallShape:  # fmt: skip
+                   output_tokens: int, next_calls: float = 0.0) -> CallShape:  # fmt: skip
         """This call on ``replica``: prompt tokens and its matched prefix by tier, in the
         profile's blocks (the index counts the router's ``block_size``), cut to the share of
         matched prefixes the replica has lately delivered (its calibration's
         ``hit_realization``): what it does not deliver is the match's tail — the slowest tier
-        first, then the tail of its GPU part — recomputed."""
+        first, then the tail of its GPU part — recomputed. ``next_calls``: the calls the
+        session is expected to make after this one."""
         ratio = self.block_size / self.profile(replica).block_size
         g = int((match.gpu if match else 0) * ratio)
         c = int((match.cpu if match else 0) * ratio)
@@ -238,7 +254,7 @@ class KVView:
             s_cut = min(s, cut)
             c_cut = min(c, cut - s_cut)
             g, c, s = g - (cut - s_cut - c_cut), c - c_cut, s - s_cut
-        return CallShape(n_tokens, g, c, s, output_tokens)
+        return CallShape(n_tokens, g, c, s, output_tokens, next_calls)
 
     def host_residence(self, e: EndpointView) -> float | None:
         """How long a chunk stays in ``e``'s host tier after its last use while that tier is
@@ -333,4 +349,5 @@ class KVView:
             decode_scale=cal.decode_scale,
             ttft_offset_s=cal.ttft_offset_s,
             host_residence_s=self.host_residence(e),
+            hit_realization=cal.hit_realization,
         )

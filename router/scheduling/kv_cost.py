@@ -18,7 +18,10 @@ Algorithm, per candidate replica r (all in seconds, :func:`costmodel.placement.p
    return before it is done (what keeps a cold prefill off a replica whose agents are due)
    + congestion (this call's prefill compute × calls already waiting on r)
    + interference (the requests decoding on r share their steps with this call's prefill
-   chunks, which run longer, then decode slower while its KV is read with theirs);
+   chunks, which run longer, then decode slower while its KV is read with theirs)
+   + next calls (opt-in, ``horizon_calls`` > 0: the session's next calls find its context on
+   r and recompute the share r fails to deliver, 1 − its hit realization, stalling r's
+   decoders as they go; × ``horizon_calls`` × P(the session calls again));
 3. session prior with hysteresis: the replica that holds the session (``snap.session.replica``)
    gets ``margin = hysteresis_s + hysteresis_frac · cost`` taken off, so the session moves
    only when another replica is cheaper by more than that;
@@ -50,6 +53,8 @@ by the client's ``max_tokens`` / ``max_completion_tokens`` when that is smaller.
 ``hysteresis_s`` (default 0.25),
 ``hysteresis_frac`` (0.1), ``overlap`` (1.0: tier loads hide behind compute),
 ``interference_weight`` (1.0; 0 turns the decode-interference term off),
+``horizon_calls`` (0: off; the calls after this one the next-calls term counts — measured
+on the squeezed host tier, it helps at 48 lanes and costs at 32, see docs/benchmarks.md),
 ``expected_output_tokens`` (None: the session's mean, else the KV layer's default).
 Without the KV layer (no ``kv:`` settings: no tokenizer, no events) the scorer is the
 ``session_affinity`` scorer (bounded-load consistent hashing, c = 1.25), so ``kv_cost`` — the
@@ -97,11 +102,13 @@ class KVCost:
         overlap: float = 1.0,
         expected_output_tokens: int | None = None,
         interference_weight: float = 1.0,
+        horizon_calls: float = 0.0,
     ):
         if hysteresis_s < 0 or not 0 <= hysteresis_frac < 1 or not 0 <= overlap <= 1:
             raise TypeError("hysteresis_s >= 0, 0 <= hysteresis_frac < 1, 0 <= overlap <= 1")
-        if interference_weight < 0:
-            raise TypeError("interference_weight >= 0")
+        if interference_weight < 0 or horizon_calls < 0:
+            raise TypeError("interference_weight >= 0, horizon_calls >= 0")
+        self.horizon_calls = horizon_calls
         self.interference_weight = interference_weight
         self.hysteresis_s = hysteresis_s
         self.hysteresis_frac = hysteresis_frac
@@ -125,11 +132,12 @@ class KVCost:
         out_tok = self.expected_output_tokens or expected_output(
             ctx, view, view.expected_output_tokens
         )
+        nxt = self.horizon_calls * view.p_next_call(ctx.identity.key) if self.horizon_calls else 0.0
         res = {}
         for e in endpoints:
             prof = view.profile(e.name)
             m = matches.get(e.name)
-            call = view.call_shape(e.name, keys, n_tok, m, out_tok)
+            call = view.call_shape(e.name, keys, n_tok, m, out_tok, nxt)
             load = view.replica_load(e, ctx.identity.key, n_tok)
             terms = placement_cost(
                 prof, call, load, overlap=self.overlap, interference_weight=self.interference_weight
@@ -195,9 +203,15 @@ def _kv_cost(
     overlap: float = 1.0,
     expected_output_tokens: int | None = None,
     interference_weight: float = 1.0,
+    horizon_calls: float = 0.0,
 ) -> KVCost:
     return KVCost(
-        hysteresis_s, hysteresis_frac, overlap, expected_output_tokens, interference_weight
+        hysteresis_s,
+        hysteresis_frac,
+        overlap,
+        expected_output_tokens,
+        interference_weight,
+        horizon_calls,
     )
 
 

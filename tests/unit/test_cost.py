@@ -18,6 +18,7 @@ from costmodel.placement import (
     decode_cost,
     eviction_harm,
     host_survival,
+    next_calls_cost,
     p_return_after,
     placement_cost,
     prefill_throughput,
@@ -26,7 +27,13 @@ from costmodel.placement import (
     segment_costs,
 )
 from costmodel.profiles import load_profile
-from costmodel.steptime import decode_step_time, load_time, request_prefill_time, step_time
+from costmodel.steptime import (
+    decode_step_time,
+    load_time,
+    prefill_stall_time,
+    request_prefill_time,
+    step_time,
+)
 
 H200 = load_profile("h200-70b-fp8")
 OFF = load_profile("h200-70b-fp8-offload")
@@ -407,6 +414,48 @@ def test_interference_steers_a_cached_prefix_away_from_a_busy_replica():
     assert sum(getattr(hot, k) for k in own) < sum(getattr(cold, k) for k in own)
     assert hot.total_s > cold.total_s
     assert placement_cost(TP4, call_hot, busy, interference_weight=0.0).total_s < cold.total_s
+
+
+@pytest.mark.parametrize(("real", "batch"), [(0.2, 0), (0.2, 6), (0.75, 15)])
+def test_next_calls_pay_for_the_share_the_replica_fails_to_deliver(real, batch):
+    # the context (prompt + output) stays where the call runs; each of the next calls gets the
+    # realized share back and recomputes the rest, stalling the decoders there as it goes
+    call = CallShape(100_000, expected_output_tokens=500, next_calls=3.0)
+    load = ReplicaLoad(
+        decode_batch=batch, decode_context_tokens=batch * 80_000, hit_realization=real,
+        prefill_scale=1.3,
+    )  # fmt: skip
+    kept = int(real * 100_500)
+    own = request_prefill_time(TP4, 100_500 - kept, kept)
+    stall = prefill_stall_time(TP4, 100_500 - kept, kept, batch, batch * 80_000) if batch else 0
+    expect = 3.0 * 1.3 * (own + batch * stall)
+    assert next_calls_cost(TP4, call, load) == pytest.approx(expect, rel=1e-9)
+    assert placement_cost(TP4, call, load).next_calls_s == pytest.approx(expect, rel=1e-9)
+
+
+def test_next_calls_cost_nothing_where_matches_hold_or_no_call_follows():
+    busy = ReplicaLoad(decode_batch=8, decode_context_tokens=800_000)
+    call = CallShape(100_000, expected_output_tokens=500, next_calls=3.0)
+    assert next_calls_cost(TP4, call, busy) == 0.0  # realization 1: every match delivered
+    last = CallShape(100_000, expected_output_tokens=500)  # no call expected to follow
+    assert next_calls_cost(TP4, last, dataclasses.replace(busy, hit_realization=0.1)) == 0.0
+    with pytest.raises(ValueError):
+        CallShape(100, next_calls=-1.0)
+
+
+def test_next_calls_move_a_long_session_off_a_replica_that_breaks_its_matches():
+    # the thrash of docs/benchmarks.md (weka-dev-squeezed-host, 48 lanes): a 120k-token session
+    # on a replica that delivers 20% of its matches and runs 5 decoders, against a warm one
+    # running 15. This call recomputes on either; moving stalls 15 decoders once, staying
+    # recomputes 80% again on every later call. The call alone stays; its next calls move it
+    matched = 120_000 // TP4.block_size // 5
+    call = CallShape(120_000, gpu_blocks=matched, expected_output_tokens=400)
+    moved = CallShape(120_000, expected_output_tokens=400)
+    thrash = ReplicaLoad(decode_batch=5, decode_context_tokens=500_000, hit_realization=0.2)
+    warm = ReplicaLoad(decode_batch=15, decode_context_tokens=1_500_000, hit_realization=0.98)
+    assert placement_cost(TP4, call, thrash).total_s < placement_cost(TP4, moved, warm).total_s
+    stay, move = (dataclasses.replace(c, next_calls=3.0) for c in (call, moved))
+    assert placement_cost(TP4, stay, thrash).total_s > placement_cost(TP4, move, warm).total_s
 
 
 def test_calibration_offset_is_bounded_and_samples_expire():

@@ -668,6 +668,39 @@ def test_a_replica_that_breaks_its_matches_is_costed_on_what_it_delivers():
     assert st.calibration("B").hit_realization == 1.0
 
 
+def test_next_calls_move_a_session_off_a_replica_that_breaks_its_matches():
+    """A delivered a fifth of what it matched (as above) and runs 2 decoders, B delivers all and
+    runs 12. The session on A recomputes most of its prompt on either; B's decoders keep it on
+    A — unless its next calls count (``horizon_calls``): on A they recompute four fifths again,
+    on B nothing. P(next call): 1 for a session that has called before; for a first call, the
+    share of the sessions seen that came back."""
+    st = state()
+    st.index.store("A", KEYS)
+    for i in range(8):
+        c = ctx_for(session=f"q{i}")
+        st.analyze(c)
+        dec = Decision(ep("A"), [], terms={"kv_cost": {"A": {"match_blocks": N}}})
+        usage = Usage(N * BS, 100, N * BS // 5)
+        st.observe(c, CallOutcome("A", "200", ttft_s=1.0, duration_s=2.0, usage=usage,
+                                  decision=dec))  # fmt: skip
+    assert st.view().p_next_call("t/new") == 0.0  # eight one-call sessions: none came back
+    for _ in range(2):
+        c = ctx_for(session="s")
+        st.analyze(c)
+        st.observe(c, outcome(duration_s=1.0))
+    view = st.view()
+    assert view.p_next_call("t/s") == 1.0 and view.p_next_call("t/new") == pytest.approx(1 / 9)
+    eps = [ep("A", inflight=2, running=2), ep("B", inflight=12, running=12)]
+    assert pick(st, eps, ctx_for(session="s"), sticky="A")[0] == "A"
+    winner, s = pick(st, eps, ctx_for(session="s"), sticky="A", scorer=KVCost(horizon_calls=3))
+    assert winner == "B"
+    assert s.terms["A"]["next_calls_s"] > 0 and s.terms["B"]["next_calls_s"] == 0.0
+    # the default prices no next call
+    assert pick(st, eps, ctx_for(session="s"))[1].terms["A"]["next_calls_s"] == 0.0
+    with pytest.raises(TypeError):
+        KVCost(horizon_calls=-1)
+
+
 def test_a_hinted_pause_is_priced_as_held_in_the_host_tier_while_the_engine_honours_it():
     """With engine hints on, the call's hint (``ctx.hint``) gives the session's footprint the
     engine plugin's hold (min(return_s × slack, ttl)); the view hands it to the cost model only
