@@ -105,6 +105,42 @@ def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
         proc.wait(timeout=5)
 
 
+def listening_inodes(port: int) -> set[str] | None:
+    """Inodes of the TCP sockets listening on ``port`` (IPv4 and IPv6, any address), from
+    ``/proc/net/tcp{,6}``; None where neither can be read (not Linux)."""
+    found: set[str] = set()
+    seen = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        seen = True
+        for row in rows:
+            f = row.split()
+            # local address "IP:PORT" in hex, state 0A = LISTEN, inode in column 10
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                found.add(f[9])
+    return found if seen else None
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """Inodes of the sockets process ``pid`` has open (empty if it cannot be read)."""
+    out: set[str] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(link[8:-1])
+    return out
+
+
 def processes_with_marker(bed_id: str) -> list[int]:
     """PIDs whose environment carries ``KVROUTE_BED_ID=bed_id`` (leak detection)."""
     needle = f"{BED_ENV}={bed_id}".encode()
@@ -169,6 +205,7 @@ class ManagedProcess:
 class VllmReplica(ManagedProcess):
     def __init__(self, cfg: ReplicaConfig, bed_id: str, workdir: Path, python: Path):
         self.cfg = cfg
+        self.bed_id = bed_id
         if cfg.port == 0:
             cfg.port = free_port()
         tmp = workdir / cfg.name
@@ -229,13 +266,32 @@ class VllmReplica(ManagedProcess):
     def topic(self) -> str:
         return f"kv@{self.cfg.name}"
 
+    def holds_port(self) -> bool:
+        """Whether a process of this bed holds the socket listening on the replica's port
+        (Linux ``/proc``; True where that cannot be read)."""
+        inodes = listening_inodes(self.cfg.port)
+        if inodes is None:
+            return True
+        return any(socket_inodes(pid) & inodes for pid in processes_with_marker(self.bed_id))
+
     def wait_ready(self, deadline: float) -> None:
+        """Until ``/health`` answers 200 from *this* replica: the port is picked free and
+        released before vLLM binds it, so another server binding a free port meanwhile can
+        hold it — its /health would pass, and vLLM would exit on EADDRINUSE unseen (what one
+        failure of the tiers fidelity test looked like: the "real" replica answered exactly as
+        the twin does and published no events). A 200 from a port whose listening socket no
+        process of this bed holds is refused."""
         with httpx.Client(timeout=2.0) as c:
             while time.monotonic() < deadline:
                 if not self.alive():
                     raise BedError(f"vLLM replica {self.cfg.name} exited:\n{self.log_tail()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if c.get(self.url + "/health").status_code == 200:
+                        if not self.holds_port():
+                            raise BedError(
+                                f"port {self.cfg.port} of vLLM replica {self.cfg.name} is "
+                                "served by another process (it bound the port first)"
+                            )
                         return
                 time.sleep(0.5)
         raise BedError(f"vLLM replica {self.cfg.name} not healthy in time:\n{self.log_tail()}")

@@ -18,7 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.vllmbed import BED_ENV, ManagedProcess, processes_with_marker
+from loadtest.vllmbed import (
+    BED_ENV,
+    BedError,
+    ManagedProcess,
+    ReplicaConfig,
+    VllmReplica,
+    processes_with_marker,
+)
 
 TREE = textwrap.dedent("""
     import os, signal, sys, time
@@ -95,3 +102,66 @@ def test_owner_interrupted_or_killed_leaves_nothing(tmp_path, sig):
     owner.send_signal(sig)
     owner.wait(timeout=10)
     assert _wait_gone(bed_id) == []
+
+
+HEALTH = textwrap.dedent("""
+    import sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def _replica(tmp_path: Path, argv: list[str] | None = None) -> VllmReplica:
+    """A bed replica whose process is a stand-in (a /health server on its port, or ``argv``)."""
+    r = VllmReplica(ReplicaConfig("stand-in", tmp_path), uuid.uuid4().hex, tmp_path,
+                    Path(sys.executable))  # fmt: skip
+    r.argv = argv or [sys.executable, "-c", HEALTH, str(r.cfg.port)]
+    r.env = {**os.environ, BED_ENV: r.bed_id}
+    return r
+
+
+def test_ready_means_the_replica_itself_answers_on_its_port(tmp_path):
+    r = _replica(tmp_path)
+    r.start()
+    try:
+        r.wait_ready(time.monotonic() + 10)  # its own /health, on a socket it holds
+        assert r.holds_port()
+    finally:
+        r.stop(grace_s=0.5)
+
+
+def test_another_server_on_the_replicas_port_is_refused_not_taken_for_it(tmp_path):
+    """The port is picked free and released before vLLM binds it: a server that binds it
+    meanwhile answers /health for the replica (the likely cause of one failure of the tiers
+    fidelity test: its "real" replica answered as the twin does and published no events). The
+    bed refuses that instead of reporting ready."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    r = _replica(tmp_path, [sys.executable, "-c", "import time; time.sleep(600)"])
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    squatter = HTTPServer(("127.0.0.1", r.cfg.port), Health)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    r.start()
+    try:
+        assert not r.holds_port()
+        with pytest.raises(BedError, match="served by another process"):
+            r.wait_ready(time.monotonic() + 10)
+    finally:
+        r.stop(grace_s=0.5)
+        squatter.shutdown()
+        squatter.server_close()

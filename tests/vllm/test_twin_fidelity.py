@@ -98,9 +98,11 @@ def real_and_twin():
         events_endpoint=collector.endpoint,
         cpu=1,
     )
+    # the twin first: VllmBed picks vLLM's port when it is built (free, then released), and a
+    # twin binding a free port after that could take it — its /health then passes for vLLM's
+    twin = TwinThread(collector.endpoint)
     bed = VllmBed([cfg])
     replica = bed.replicas[0]
-    twin = TwinThread(collector.endpoint)
     try:
         with bed:
             yield replica, twin, collector

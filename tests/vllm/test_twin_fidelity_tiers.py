@@ -81,12 +81,12 @@ def tiered_pair(request, tmp_path_factory):
         name="fidelity-tiers", model_dir=tinymodel.ensure(), block_size=BLOCK_SIZE,
         kv_cache_bytes=KV_BYTES, events_endpoint=collector.endpoint, cpu=1, extra_args=words,
     )  # fmt: skip
-    bed = VllmBed([cfg])
     plugin = EnginePlugin(retention=RetentionConfig(max_share=SHARE)) if retention else None
     prof = load_profile("cpu-tiny").replace(
         cpu_kv_blocks=HOST_BLOCKS, storage_kv_blocks=DISK_BLOCKS if disk else 0
     )
-    twin = TwinThread(collector.endpoint, prof, plugin)
+    twin = TwinThread(collector.endpoint, prof, plugin)  # before the bed picks vLLM's port
+    bed = VllmBed([cfg])
     try:
         with bed:
             yield bed.replicas[0], twin, collector, mode
