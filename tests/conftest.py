@@ -1,12 +1,23 @@
-"""Shared pytest set-up: tiers are markers given by folder (tests/<tier>/...)."""
+"""Shared pytest set-up: tiers are markers given by folder (tests/<tier>/...).
+
+Also: a test run started with SIGINT ignored (a background job of a non-interactive shell —
+``make test &`` in a script — ignores SIGINT, and ignored signals survive exec) would pass
+that on to every process the tests start, and the tests that stop a server or a bed owner
+with Ctrl-C (SIGINT) would wait for it in vain. So the run takes SIGINT back: its children
+then start with the default action.
+"""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 TIERS = ("unit", "integration", "vllm", "kernels")
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
