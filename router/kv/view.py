@@ -2,8 +2,9 @@
 
 Owns: what KV-aware scorers may read — prefix matches by tier (the exact block index for
 replicas whose event stream is fresh, approximate mode for the rest), replica profiles and
-calibration, GPU blocks in use, per-replica call statistics, session footprints, how long the
-host tier keeps a chunk (:meth:`KVView.host_residence`), and the cost model's inputs for a
+calibration, GPU blocks in use, per-replica call statistics, session footprints and whether a
+session is expected to call again (:meth:`KVView.p_next_call`), how long the host tier keeps a
+chunk (:meth:`KVView.host_residence`), and the cost model's inputs for a
 replica (:meth:`KVView.replica_load`, :meth:`KVView.call_shape`). Nothing
 here mutates the layer. Like :class:`router.kv.index.BlockIndexView` it copies nothing: it is
 consistent for one synchronous scheduling pass, since the index, footprints and statistics
