@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -320,20 +321,28 @@ async def test_each_replica_binds_its_own_port_with_a_wildcard_endpoint(http, to
 
 
 async def test_speedup_compresses_time_and_scales_back_to_model_time(http):
+    """A cold 3,000-token prompt's TTFT in wall seconds is its model TTFT / speedup, plus what
+    HTTP and tokenization take, which no speedup scales: at speedup 8 that is most of the
+    ~20 ms, and a one-off 90 ms stall of this shared machine once failed the ratio. So each
+    cluster gets a warm-up call, and the TTFT is the median of three cold prompts."""
     prof = load_profile("cpu-tiny")
-    p = text(3000, 7)
     model_ttft = prof.request_overhead_s + request_prefill_time(prof, 3000)
     measured = {}
     for speedup in (0.25, 8.0):
         async with start_cluster(1, prof, speedup=speedup) as c:
-            body = {"model": "tiny", "prompt": p, "max_tokens": 1, "stream": True}
-            t0 = time.perf_counter()
-            async with http.stream("POST", c.urls[0] + "/v1/completions", json=body) as r:
-                assert r.headers["x-twin-speedup"] == repr(speedup)
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        measured[speedup] = time.perf_counter() - t0
-                        break
+            await complete(http, c.urls[0], text(50, 1), max_tokens=1)  # connection, tokenizer
+            ttfts = []
+            for seed in (7, 8, 9):  # a fresh prompt each: nothing cached
+                body = {"model": "tiny", "prompt": text(3000, seed), "max_tokens": 1,
+                        "stream": True}  # fmt: skip
+                t0 = time.perf_counter()
+                async with http.stream("POST", c.urls[0] + "/v1/completions", json=body) as r:
+                    assert r.headers["x-twin-speedup"] == repr(speedup)
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            ttfts.append(time.perf_counter() - t0)
+                            break
+            measured[speedup] = statistics.median(ttfts)
     slow = measured[0.25] * 0.25  # scaled back to model seconds
     assert 0.8 * model_ttft < slow < 1.6 * model_ttft, (slow, model_ttft)
     assert measured[0.25] > 10 * measured[8.0]
