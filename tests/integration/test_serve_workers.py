@@ -136,7 +136,13 @@ async def test_sigterm_drains_every_worker_then_the_parent_exits(replica, serve)
         asyncio.create_task(fresh(s.url, "/v1/chat/completions", json={**CHAT, "stream": False}))
         for _ in range(6)
     ]
-    await asyncio.sleep(0.4)  # all six are at the replica
+    # wait until all six are at the replica: a call still in the backlog of a listener that
+    # the drain closes is reset (a fixed 0.4 s sleep lost that race once on a busy box)
+    for _ in range(100):
+        if len(replica.seen) >= 6:
+            break
+        await asyncio.sleep(0.02)
+    assert len(replica.seen) == 6
     s.proc.send_signal(signal.SIGTERM)
     results = await asyncio.gather(*calls)
     assert [st for st, _ in results] == [200] * 6
