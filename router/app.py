@@ -1,12 +1,13 @@
 """The router's aiohttp application: typed state on the app, paired start-up/clean-up.
 
 Owns: :func:`build_app` — routes, the call sequence (:class:`router.call.CallSequence`) and
-the cleanup contexts (HTTP client session, replica set and its monitors, session store, and
-the KV layer when one is given: ``build_app(cfg, kv=KVState(...))`` is the one place that
-installs it and subscribes it to the replica set) — plus :func:`start_site` and :func:`drain`,
-which the CLI and the tests share. The app's keys live in :mod:`router.keys`, handlers in
-:mod:`router.api`, the streaming proxy in :mod:`router.proxy`. Must not import torch, vllm or
-loadtest.
+the cleanup contexts (the proxied calls' upstream client and the probes' HTTP session, replica
+set and its monitors, session store, and the KV layer when one is given:
+``build_app(cfg, kv=KVState(...))`` is the one place that installs it and subscribes it to the
+replica set) — plus :func:`start_site` and :func:`drain`, which the CLI and the tests share.
+The app's keys live in :mod:`router.keys`, handlers in :mod:`router.api`, the streaming proxy
+in :mod:`router.proxy` and its upstream client in :mod:`router.upstream`. Must not import
+torch, vllm or loadtest.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from router.keys import (
     REPLICAS,
     RUNTIME,
     STORE,
+    UPSTREAM,
     Runtime,
 )
 from router.metrics import RouterMetrics
 from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
 from router.scheduling.registry import build_pipeline
 from router.state import RedisStore, make_store
+from router.upstream import Upstream
 
 if TYPE_CHECKING:
     from router.kv.state import KVState
@@ -64,7 +67,12 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     app[CLIENT] = aiohttp.ClientSession(
         connector=conn, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
     )
+    app[UPSTREAM] = Upstream(
+        app[CLIENT], limit=cfg.max_connections, limit_per_host=cfg.max_connections_per_replica,
+        connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
+    )  # fmt: skip
     yield
+    await app[UPSTREAM].close()
     await app[CLIENT].close()
 
 

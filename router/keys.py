@@ -20,6 +20,7 @@ from router.metrics import RouterMetrics
 from router.replicas import ReplicaMonitor, ReplicaSet
 from router.scheduling.pipeline import Pipeline
 from router.state import SessionStore
+from router.upstream import Upstream
 
 if TYPE_CHECKING:
     pass
@@ -51,6 +52,7 @@ MONITOR = web.AppKey("monitor", ReplicaMonitor)
 STORE = web.AppKey("store", SessionStore)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 CALLS = web.AppKey("calls", CallSequence)
-CLIENT = web.AppKey("client", aiohttp.ClientSession)
+CLIENT = web.AppKey("client", aiohttp.ClientSession)  # probes, https replicas
+UPSTREAM = web.AppKey("upstream", Upstream)  # proxied calls
 RUNTIME = web.AppKey("runtime", Runtime)
 KV = web.AppKey("kv", object)  # KVState | None: the KV layer, when installed

@@ -24,11 +24,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.errors import error_response, sse_error_event
 from router.hints import call_hint, hinted_body
-from router.keys import CALLS, CLIENT, CONFIG, METRICS, REPLICAS, STORE
+from router.keys import CALLS, CONFIG, METRICS, REPLICAS, STORE, UPSTREAM
 from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_tail
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
 from router.state import SessionRecord
+from router.upstream import UpstreamResponse
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -38,7 +39,8 @@ HOP_BY_HOP = frozenset({
 })  # fmt: skip
 # Never forwarded: the client's cookies and admin key are the router's business, and the body
 # goes upstream decoded (the HTTP parser undid any gzip/deflate), so its old label goes too.
-CLIENT_ONLY = frozenset({"cookie", "x-admin-key", "content-encoding"})
+# ``Expect``: the router has read the whole body already, so no replica is asked to continue.
+CLIENT_ONLY = frozenset({"cookie", "x-admin-key", "content-encoding", "expect"})
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 # vLLM's Responses stream opens with these two events at once, before prefill: a first byte
 # that is not the first token (TTFT and the end of prefill are measured after them)
@@ -241,10 +243,8 @@ async def _stream_from(
         # first_byte_timeout_s: a replica that sent no response head by then (frozen, stuck)
         # is left, and the call that has received nothing goes to another one
         async with deadline:
-            resp = await app[CLIENT].request(  # a redirect is the client's to follow
-                request.method, replica.url + path, data=raw, headers=headers,
-                allow_redirects=False,
-            )  # fmt: skip
+            # (a redirect is the client's to follow: neither client follows one)
+            resp = await app[UPSTREAM].request(request.method, replica.url, path, headers, raw)
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
         if deadline.expired():
@@ -276,16 +276,13 @@ async def _stream_from(
         nbytes = 0
         tail = b""
         status = str(resp.status)
-        it = resp.content.iter_any()
         idle = app[CONFIG].stream_idle_timeout_s
         while True:
             try:
                 # before the first chunk the wait is prefill (read_timeout_s); after it, a
                 # replica silent for stream_idle_timeout_s is frozen: end with an error event
                 async with asyncio.timeout(idle if first_at is not None and idle > 0 else None):
-                    chunk = await it.__anext__()
-            except StopAsyncIteration:
-                break
+                    chunk = await resp.next_chunk()
             except UPSTREAM_ERRORS as e:
                 replica.breaker.on_failure()
                 status = "upstream_error"
@@ -299,6 +296,8 @@ async def _stream_from(
                 else:
                     if request.transport is not None:  # truncated body: tell the client
                         request.transport.close()
+                break
+            if not chunk:  # the body is complete
                 break
             now = time.perf_counter()
             if first_at is None and not (ctx.route == "/v1/responses" and _response_head(chunk)):
@@ -341,7 +340,7 @@ async def _stream_from(
 async def _buffered(
     request: web.Request,
     ctx: RequestContext,
-    resp: aiohttp.ClientResponse,
+    resp: UpstreamResponse,
     name: str,
     t0: float,
     route_label: str,

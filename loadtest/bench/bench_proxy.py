@@ -19,6 +19,7 @@ Both routers run ``round_robin`` over the one backend; kvroute also runs its def
     python -m loadtest.benchmarks --only proxy [--quick]
     KVROUTE_BENCH_PROXY_MODES=json,json_resp python -m loadtest.bench.bench_proxy
     KVROUTE_BENCH_PROXY_WORKERS=2 ...     # adds kvroute round_robin with --workers 2
+    KVROUTE_BENCH_PROXY_BASELINE=DIR ...  # adds kvroute round_robin from another checkout
     python -m loadtest.bench.bench_proxy --backend PORT     # the backend alone
 """
 
@@ -150,10 +151,11 @@ def _wait_http(
     raise RuntimeError(f"{url} not ready in {timeout} s")
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], log: Path, cwd: str | None = None) -> subprocess.Popen[bytes]:
     with open(log, "wb") as f:
         return subprocess.Popen(
             argv,
+            cwd=cwd,
             stdout=f,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -288,10 +290,17 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         paths: dict[str, tuple[str, int | None]] = {"direct": (burl, None)}
         # KVROUTE_BENCH_PROXY_WORKERS=2: also kvroute round_robin with ``--workers 2``
         workers = int(os.environ.get("KVROUTE_BENCH_PROXY_WORKERS", "1"))
-        kv_paths = [("round_robin", 1), ("session_affinity", 1)]
+        kv_paths: list[tuple[str, int, str | None]] = [
+            ("round_robin", 1, None), ("session_affinity", 1, None)
+        ]  # fmt: skip
         if workers > 1:
-            kv_paths.append(("round_robin", workers))
-        for policy, nproc in kv_paths:
+            kv_paths.append(("round_robin", workers, None))
+        # KVROUTE_BENCH_PROXY_BASELINE=DIR: also kvroute round_robin served from another
+        # checkout (a before/after in one run, on the same machine load)
+        baseline = os.environ.get("KVROUTE_BENCH_PROXY_BASELINE")
+        if baseline:
+            kv_paths.append(("round_robin", 1, baseline))
+        for policy, nproc, tree in kv_paths:
             port = _free_port()
             p = _spawn(
                 [
@@ -311,12 +320,14 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                     "--workers",
                     str(nproc),
                 ],
-                work / f"kvroute-{policy}-w{nproc}.log",
+                work / f"kvroute-{policy}-w{nproc}{'-baseline' if tree else ''}.log",
+                cwd=tree,
             )
             procs.append(p)
             url = f"http://127.0.0.1:{port}"
             _wait_http(url + "/ready", proc=p)
-            paths[f"kvroute:{policy}" + (f":w{nproc}" if nproc > 1 else "")] = (url, p.pid)
+            name = f"kvroute:{policy}" + (f":w{nproc}" if nproc > 1 else "")
+            paths[name + (":baseline" if tree else "")] = (url, p.pid)
         sg = sglang_python()
         if sg is None:
             rows.append({"name": "sglang-router", "error": "not installed: run `make bench-peers`"})

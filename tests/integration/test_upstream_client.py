@@ -1,0 +1,336 @@
+"""The proxy's upstream client (router.upstream) against raw-socket servers that answer exactly
+the bytes each test writes: keep-alive reuse, the pool's bounds, a keep-alive race, answers
+delimited by length, chunks or the socket's close, backpressure, timeouts, malformed answers
+and cancellation (the replica sees the connection go)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from router.upstream import HIGH_WATER, BadResponse, ServerDisconnected, Upstream, UpstreamError
+
+pytestmark = pytest.mark.timeout(30)
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+class RawServer:
+    """Reads one request head + Content-Length body at a time and calls ``answer``."""
+
+    def __init__(self, answer: Callable[[RawServer, asyncio.StreamWriter, bytes], Any]):
+        self.answer = answer
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed = asyncio.Event()
+        self.server: asyncio.Server | None = None
+        self.reader: asyncio.StreamReader | None = None
+        self.url = ""
+
+    async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.reader = r
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                body = await r.readexactly(length)
+                self.requests.append(head + body)
+                again = await self.answer(self, w, head + body)
+                if again is False:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed.set()
+            w.close()
+
+    async def start(self) -> RawServer:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[Callable[..., Any]]:
+    made: list[RawServer] = []
+    sessions: list[aiohttp.ClientSession] = []
+    clients: list[Upstream] = []
+
+    async def make(answer: Callable[..., Any], **kw: Any) -> tuple[RawServer, Upstream]:
+        s = await RawServer(answer).start()
+        made.append(s)
+        sess = aiohttp.ClientSession()
+        sessions.append(sess)
+        opts: dict[str, Any] = dict(limit=0, limit_per_host=0, connect_timeout_s=5,
+                                    read_timeout_s=10)  # fmt: skip
+        opts.update(kw)
+        up = Upstream(sess, **opts)
+        clients.append(up)
+        return s, up
+
+    yield make
+    for up in clients:
+        await up.close()
+    for sess in sessions:
+        await sess.close()
+    for s in made:
+        if s.server is not None and s.server.is_serving():
+            await s.stop()
+
+
+async def answer_ok(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> None:
+    w.write(OK)
+    await w.drain()
+
+
+def hdrs(**kw: str) -> CIMultiDict[str]:
+    return CIMultiDict({"Content-Type": "application/json", **kw})
+
+
+async def test_the_request_goes_out_as_written_and_the_connection_is_reused(servers):
+    srv, up = await servers(answer_ok)
+    for _ in range(3):
+        r = await up.request("POST", srv.url + "/base", "/v1/x?a=1", hdrs(**{"X-A": "b"}), b"hi")
+        assert (r.status, r.reason, await r.read()) == (200, "OK", b"{}")
+        assert r.headers["content-type"] == "application/json" and r.content_length == 2
+        r.release()
+    assert srv.connections == 1 and len(srv.requests) == 3
+    head, _, body = srv.requests[0].partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /base/v1/x?a=1 HTTP/1.1"
+    port = srv.url.rsplit(":", 1)[1]
+    assert f"Host: 127.0.0.1:{port}".encode() in lines and b"Content-Length: 2" in lines
+    assert b"X-A: b" in lines and body == b"hi"
+
+
+async def test_a_header_with_a_line_break_is_refused_before_anything_is_sent(servers):
+    srv, up = await servers(answer_ok)
+    with pytest.raises(ValueError):
+        await up.request("POST", srv.url, "/v1/x", hdrs(**{"X-A": "b\r\nX-Evil: 1"}), b"")
+    assert srv.connections == 0
+
+
+async def test_the_per_replica_bound_holds_and_a_waiting_call_gets_the_freed_socket(servers):
+    gate = asyncio.Event()
+
+    async def slow(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> None:
+        await gate.wait()
+        w.write(OK)
+        await w.drain()
+
+    srv, up = await servers(slow, limit_per_host=2)
+
+    async def one() -> bytes:
+        r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+        try:
+            return await r.read()
+        finally:
+            r.release()
+
+    calls = [asyncio.create_task(one()) for _ in range(5)]
+    await asyncio.sleep(0.3)
+    assert srv.connections == 2 and len(srv.requests) == 2 and up.open == 2  # three wait
+    gate.set()
+    assert await asyncio.gather(*calls) == [b"{}"] * 5
+    assert srv.connections == 2 and up.open == 2  # the waiting calls reused the two sockets
+
+
+async def test_the_total_bound_frees_an_idle_socket_of_another_replica(servers):
+    a, up = await servers(answer_ok, limit=1)
+    b = await RawServer(answer_ok).start()
+    try:
+        r = await up.request("POST", a.url, "/v1/x", hdrs(), b"")
+        await r.read()
+        r.release()
+        assert up.idle_connections() == 1
+        r = await up.request("POST", b.url, "/v1/x", hdrs(), b"")  # a's idle socket gives way
+        assert await r.read() == b"{}"
+        r.release()
+        await asyncio.wait_for(a.closed.wait(), 5)
+        assert up.open == 1
+    finally:
+        await b.stop()
+
+
+async def test_an_idle_socket_the_replica_closed_is_not_an_answer(servers):
+    async def once(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> bool:
+        w.write(OK.replace(b"Content-Length: 2", b"Content-Length: 2\r\nKeep-Alive: timeout=5"))
+        await w.drain()
+        return False  # then close the keep-alive connection, as uvicorn does when idle
+
+    srv, up = await servers(once)
+    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+    await r.read()
+    r.release()
+    await asyncio.wait_for(srv.closed.wait(), 5)
+    await asyncio.sleep(0.05)  # the close reached the client: the idle socket is dropped
+    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+    assert await r.read() == b"{}" and srv.connections == 2
+
+
+async def test_a_keep_alive_race_is_sent_again_once_on_a_fresh_socket(servers):
+    async def first_then_drop(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> bool:
+        if len(s.requests) == 2:  # the second request, on the reused socket: close, no answer
+            return False
+        w.write(OK)
+        await w.drain()
+        return True
+
+    srv, up = await servers(first_then_drop)
+    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"a")
+    await r.read()
+    r.release()
+    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"b")
+    assert await r.read() == b"{}"
+    assert srv.connections == 2 and [q[-1:] for q in srv.requests] == [b"a", b"b", b"b"]
+
+
+async def test_a_fresh_socket_closed_without_an_answer_fails_once(servers):
+    async def drop(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> bool:
+        return False
+
+    srv, up = await servers(drop)
+    with pytest.raises(ServerDisconnected):
+        await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+    assert srv.connections == 1  # not sent again: a fresh socket's close is the replica's
+
+
+async def test_chunked_and_close_delimited_bodies(servers):
+    async def chunked(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> bool:
+        if b"close" in req:
+            w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+            return False
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")  # fmt: skip
+        await w.drain()
+        return True
+
+    srv, up = await servers(chunked)
+    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+    assert r.content_length is None and await r.read() == b"hello world"
+    r.release()
+    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"close")
+    assert await r.read() == b"until the end"
+    r.release()
+
+
+async def test_a_truncated_body_fails_and_the_socket_is_not_reused(servers):
+    async def short(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await w.drain()
+        return False
+
+    srv, up = await servers(short)
+    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+    with pytest.raises(UpstreamError):
+        await r.read()
+    r.release()
+    assert up.idle_connections() == 0 and up.open == 0
+
+
+async def test_a_malformed_answer_is_a_bad_response(servers):
+    async def junk(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> None:
+        w.write(b"SPDY/9 what\r\n\r\n")
+        await w.drain()
+
+    srv, up = await servers(junk)
+    with pytest.raises(BadResponse):
+        await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+    assert up.open == 0
+
+
+async def test_streamed_chunks_arrive_as_written_and_reading_pauses_for_a_slow_consumer(servers):
+    big = b"x" * (48 * HIGH_WATER)  # more than the loopback socket buffers hold
+    sent = asyncio.Event()
+
+    async def stream(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+        w.write(b"%x\r\n%s\r\n" % (6, b"first\n"))
+        await w.drain()
+        await asyncio.sleep(0.1)
+        w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+        await w.drain()  # returns only once the client has read most of it
+        sent.set()
+
+    srv, up = await servers(stream)
+    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+    assert await r.next_chunk() == b"first\n"
+    await asyncio.sleep(0.5)  # the consumer is slow: the client stops reading at the mark
+    assert not sent.is_set() and r._size <= HIGH_WATER + (1 << 18)  # type: ignore[attr-defined]
+    got = []
+    while chunk := await r.next_chunk():
+        got.append(chunk)
+    assert b"".join(got) == big and await r.next_chunk() == b""
+    r.release()
+    assert up.idle_connections() == 1
+
+
+async def test_read_timeout_covers_the_wait_for_the_head(servers):
+    async def silent(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> bool:
+        assert s.reader is not None
+        await s.reader.read()  # no answer; returns when the client closes the socket
+        return False
+
+    srv, up = await servers(silent, read_timeout_s=0.3)
+    with pytest.raises(TimeoutError):
+        await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+    await asyncio.wait_for(srv.closed.wait(), 5)  # and the socket is closed
+    assert up.open == 0
+
+
+async def test_cancelling_a_call_closes_its_socket_so_the_replica_sees_it_go(servers):
+    async def silent(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> bool:
+        assert s.reader is not None
+        await s.reader.read()  # no answer; returns when the client closes the socket
+        return False
+
+    srv, up = await servers(silent)
+    call = asyncio.create_task(up.request("POST", srv.url, "/v1/x", hdrs(), b""))
+    await asyncio.sleep(0.2)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await asyncio.wait_for(srv.closed.wait(), 1)
+    assert up.open == 0
+
+
+async def test_https_replicas_go_through_the_aiohttp_session(servers):
+    srv, up = await servers(answer_ok)
+    await srv.stop()  # nothing listens there now
+    with pytest.raises(OSError) as plain:
+        await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+    assert not isinstance(plain.value, aiohttp.ClientError)  # the lean client's own error
+    with pytest.raises(aiohttp.ClientConnectorError):  # aiohttp's: it carried the https call
+        await up.request("POST", srv.url.replace("http:", "https:"), "/v1/x", hdrs(), b"")
+
+
+async def test_idle_sockets_past_the_keep_alive_are_closed_in_every_pool(servers):
+    a, up = await servers(answer_ok, keepalive_s=0.2)
+    b = await RawServer(answer_ok).start()
+    try:
+        r = await up.request("POST", a.url, "/v1/x", hdrs(), b"")
+        await r.read()
+        r.release()
+        await asyncio.sleep(0.3)  # a's socket is past the keep-alive; nobody asks for a again
+        r = await up.request("POST", b.url, "/v1/x", hdrs(), b"")
+        await r.read()
+        r.release()  # b's socket goes idle: the sweep closes a's
+        await asyncio.wait_for(a.closed.wait(), 5)
+        assert up.idle_connections() == 1 and up.open == 1
+    finally:
+        await b.stop()
