@@ -12,8 +12,10 @@ reused last-in first-out, dropped after ``keepalive_s`` or when the replica clos
 connect and read timeouts (``read_timeout_s``: the longest silence, the wait for the response
 head included); response bodies read whole or chunk by chunk with backpressure (reading pauses
 while more than ``HIGH_WATER`` bytes wait for the consumer); abort by closing the connection,
-which makes vLLM abort the request. A request that finds a reused idle connection closed by
-the replica before any answer byte (a keep-alive race) is sent once more on a fresh one.
+which makes vLLM abort the request; informational (1xx) heads before the answer skipped. A
+request that finds a reused idle connection closed by the replica before any answer byte (a
+keep-alive race) is sent once more on a fresh one. Idle sockets past ``keepalive_s`` are closed
+in every pool by a sweep that runs when a socket goes idle, at most once per ``keepalive_s``.
 
 Plain ``http://`` replicas only: ``https://`` ones (and any method with a bodiless answer, such
 as HEAD) go through the aiohttp session, behind the same response interface. The health,
@@ -227,6 +229,7 @@ class _Conn(asyncio.Protocol):
         self.counted = True  # holds a slot of the pool's limits until dropped
         self.idle_since = 0.0
         self.reused = False
+        self.informational = False  # parsing a 1xx head that precedes the answer
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -276,15 +279,24 @@ class _Conn(asyncio.Protocol):
             self.resp._raw_headers.append((name.decode("utf-8", "surrogateescape"), v))
 
     def on_headers_complete(self) -> None:
-        if self.resp is not None:
-            self.resp._on_head(self.parser.get_status_code(), self.parser.should_keep_alive())
+        r = self.resp
+        if r is None:
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # informational (103 Early Hints, ...):
+            r._raw_headers, r._reason = [], []  # not the answer, which follows it
+            self.informational = True
+            return
+        r._on_head(status, self.parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
         if self.resp is not None:
             self.resp._on_body(body)
 
     def on_message_complete(self) -> None:
-        if self.resp is not None:
+        if self.informational:
+            self.informational = False
+        elif self.resp is not None:
             self.resp._on_done(self.parser.should_keep_alive())
 
     # the pool's side

@@ -334,3 +334,16 @@ async def test_idle_sockets_past_the_keep_alive_are_closed_in_every_pool(servers
         assert up.idle_connections() == 1 and up.open == 1
     finally:
         await b.stop()
+
+
+async def test_an_informational_head_before_the_answer_is_skipped(servers):
+    async def hints(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> None:
+        w.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n" + OK)
+        await w.drain()
+
+    srv, up = await servers(hints)
+    for _ in range(2):  # and the socket stays usable for the next call
+        r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
+        assert (r.status, await r.read()) == (200, b"{}") and "link" not in r.headers
+        r.release()
+    assert srv.connections == 1
