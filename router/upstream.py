@@ -37,8 +37,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 __all__ = ["BadResponse", "ServerDisconnected", "Upstream", "UpstreamError", "UpstreamResponse"]
 
-HIGH_WATER = 1 << 20  # buffered answer bytes at which reading pauses (streamed consumption)
-LOW_WATER = 256 << 10  # ... and resumes
+# buffered answer bytes at which reading pauses while the consumer streams; it resumes once
+# the consumer has taken what was buffered
+HIGH_WATER = 1 << 20
 _STALE_WINDOW_S = 1.0  # a reused connection that died this fast, answerless, was stale
 
 
