@@ -404,11 +404,23 @@ def interference(
         return 0.0
     ctx = float(load.decode_context_tokens)
     n = min(compute_tokens, call.prompt_tokens)
-    stall = load.prefill_scale * prefill_stall_time(profile, n, call.prompt_tokens - n, b, ctx)
+    stall = _decoder_stall(profile, load, n, call.prompt_tokens - n)
     grow = decode_step_time(profile, b + 1, int(ctx) + call.prompt_tokens) - decode_step_time(
         profile, b, int(ctx)
     )
     return b * (stall + load.decode_scale * call.expected_output_tokens * max(grow, 0.0))
+
+
+def _decoder_stall(
+    profile: ReplicaProfile, load: ReplicaLoad, new_tokens: int, cached_tokens: int
+) -> float:
+    """Seconds a prefill of ``new_tokens`` (after ``cached_tokens``) adds to each request
+    decoding on the replica, with its prefill calibration; 0 without a known decode batch."""
+    b = load.decode_batch or 0
+    if b <= 0 or load.decode_context_tokens is None:
+        return 0.0
+    ctx = float(load.decode_context_tokens)
+    return load.prefill_scale * prefill_stall_time(profile, new_tokens, cached_tokens, b, ctx)
 
 
 def next_calls_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad) -> float:
@@ -425,12 +437,8 @@ def next_calls_cost(profile: ReplicaProfile, call: CallShape, load: ReplicaLoad)
     n = ctx - kept
     if n <= 0:
         return 0.0
-    scale = load.prefill_scale
-    per_call = scale * request_prefill_time(profile, n, kept)
-    b = load.decode_batch or 0
-    if b > 0 and load.decode_context_tokens is not None:
-        stall = prefill_stall_time(profile, n, kept, b, float(load.decode_context_tokens))
-        per_call += b * scale * stall
+    per_call = load.prefill_scale * request_prefill_time(profile, n, kept)
+    per_call += (load.decode_batch or 0) * _decoder_stall(profile, load, n, kept)
     return call.next_calls * per_call
 
 
