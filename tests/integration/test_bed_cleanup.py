@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -141,27 +142,25 @@ def test_another_server_on_the_replicas_port_is_refused_not_taken_for_it(tmp_pat
     meanwhile answers /health for the replica (the likely cause of one failure of the tiers
     fidelity test: its "real" replica answered as the twin does and published no events). The
     bed refuses that instead of reporting ready."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
     r = _replica(tmp_path, [sys.executable, "-c", "import time; time.sleep(600)"])
-
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-
-    squatter = HTTPServer(("127.0.0.1", r.cfg.port), Health)
-    threading.Thread(target=squatter.serve_forever, daemon=True).start()
-    r.start()
+    # the squatter: the same /health stand-in, in a process outside the bed
+    squatter = subprocess.Popen([sys.executable, "-c", HEALTH, str(r.cfg.port)])
     try:
-        assert not r.holds_port()
-        with pytest.raises(BedError, match="served by another process"):
-            r.wait_ready(time.monotonic() + 10)
+        deadline = time.monotonic() + 10
+        while True:  # until it listens
+            try:
+                socket.create_connection(("127.0.0.1", r.cfg.port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the squatter never listened"
+                time.sleep(0.05)
+        r.start()
+        try:
+            assert not r.holds_port()
+            with pytest.raises(BedError, match="served by another process"):
+                r.wait_ready(time.monotonic() + 10)
+        finally:
+            r.stop(grace_s=0.5)
     finally:
-        r.stop(grace_s=0.5)
-        squatter.shutdown()
-        squatter.server_close()
+        squatter.kill()
+        squatter.wait()
