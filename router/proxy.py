@@ -237,17 +237,22 @@ async def _stream_from(
         headers = headers.copy()
         headers["Authorization"] = replica.auth
     first_byte = app[CONFIG].first_byte_deadline_s(ctx.body.get("stream") is True)
-    deadline = asyncio.timeout(first_byte if first_byte > 0 else None)
+    # (no timeout context at all when off: the default for non-streamed calls)
+    deadline = asyncio.timeout(first_byte) if first_byte > 0 else None
+    upstream = app[UPSTREAM]
     try:
-        # bounded by the session's sock_connect / sock_read (read_timeout_s) timeouts, and by
+        # bounded by the upstream client's connect / read (read_timeout_s) timeouts, and by
         # first_byte_timeout_s: a replica that sent no response head by then (frozen, stuck)
-        # is left, and the call that has received nothing goes to another one
-        async with deadline:
-            # (a redirect is the client's to follow: neither client follows one)
-            resp = await app[UPSTREAM].request(request.method, replica.url, path, headers, raw)
+        # is left, and the call that has received nothing goes to another one. (A redirect
+        # is the client's to follow: neither upstream client follows one.)
+        if deadline is None:
+            resp = await upstream.request(request.method, replica.url, path, headers, raw)
+        else:
+            async with deadline:
+                resp = await upstream.request(request.method, replica.url, path, headers, raw)
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
-        if deadline.expired():
+        if deadline is not None and deadline.expired():
             raise _RetryElsewhere("no_response", f"no response head in {first_byte:g} s",
                                   first_byte=True) from None  # fmt: skip
         raise _RetryElsewhere("no_response", f"{type(e).__name__}") from None
