@@ -76,6 +76,9 @@ class UpstreamResponse(Protocol):
         """Done with the answer: the connection goes back to the pool if it can be reused."""
 
 
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+
+
 def _expire(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError("the replica was silent for read_timeout_s"))
@@ -109,7 +112,7 @@ class _Response:
         self._read_timeout = read_timeout
         self.status = 0
         self.reason = ""
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.headers: CIMultiDictProxy[str] = _NO_HEADERS  # until the head is in
         self.content_length: int | None = None
         self._raw_headers: list[tuple[str, str]] = []
         self._reason: list[bytes] = []
@@ -194,10 +197,7 @@ class _Response:
             if self._exc is not None:
                 raise self._exc
             await self._wait()
-        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks = []
-        self._size = 0
-        return data
+        return self._take()
 
     async def next_chunk(self) -> bytes:
         while not self._chunks:
@@ -206,6 +206,10 @@ class _Response:
             if self._exc is not None:
                 raise self._exc
             await self._wait()
+        return self._take()
+
+    def _take(self) -> bytes:
+        """Everything buffered; reading resumes if it had paused."""
         data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks = []
         self._size = 0

@@ -101,6 +101,15 @@ def hdrs(**kw: str) -> CIMultiDict[str]:
     return CIMultiDict({"Content-Type": "application/json", **kw})
 
 
+async def fetch(up: Upstream, url: str, body: bytes = b"") -> bytes:
+    """One call through ``up``: its whole answer, the connection released."""
+    r = await up.request("POST", url, "/v1/x", hdrs(), body)
+    try:
+        return await r.read()
+    finally:
+        r.release()
+
+
 async def test_the_request_goes_out_as_written_and_the_connection_is_reused(servers):
     srv, up = await servers(answer_ok)
     for _ in range(3):
@@ -134,14 +143,7 @@ async def test_the_per_replica_bound_holds_and_a_waiting_call_gets_the_freed_soc
 
     srv, up = await servers(slow, limit_per_host=2)
 
-    async def one() -> bytes:
-        r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
-        try:
-            return await r.read()
-        finally:
-            r.release()
-
-    calls = [asyncio.create_task(one()) for _ in range(5)]
+    calls = [asyncio.create_task(fetch(up, srv.url)) for _ in range(5)]
     await asyncio.sleep(0.3)
     assert srv.connections == 2 and len(srv.requests) == 2 and up.open == 2  # three wait
     gate.set()
@@ -153,9 +155,7 @@ async def test_the_total_bound_frees_an_idle_socket_of_another_replica(servers):
     a, up = await servers(answer_ok, limit=1)
     b = await RawServer(answer_ok).start()
     try:
-        r = await up.request("POST", a.url, "/v1/x", hdrs(), b"")
-        await r.read()
-        r.release()
+        await fetch(up, a.url)
         assert up.idle_connections() == 1
         r = await up.request("POST", b.url, "/v1/x", hdrs(), b"")  # a's idle socket gives way
         assert await r.read() == b"{}"
@@ -173,9 +173,7 @@ async def test_an_idle_socket_the_replica_closed_is_not_an_answer(servers):
         return False  # then close the keep-alive connection, as uvicorn does when idle
 
     srv, up = await servers(once)
-    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
-    await r.read()
-    r.release()
+    await fetch(up, srv.url)
     await asyncio.wait_for(srv.closed.wait(), 5)
     await asyncio.sleep(0.05)  # the close reached the client: the idle socket is dropped
     r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"")
@@ -191,9 +189,7 @@ async def test_a_keep_alive_race_is_sent_again_once_on_a_fresh_socket(servers):
         return True
 
     srv, up = await servers(first_then_drop)
-    r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"a")
-    await r.read()
-    r.release()
+    await fetch(up, srv.url, b"a")
     r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"b")
     assert await r.read() == b"{}"
     assert srv.connections == 2 and [q[-1:] for q in srv.requests] == [b"a", b"b", b"b"]
@@ -323,13 +319,9 @@ async def test_idle_sockets_past_the_keep_alive_are_closed_in_every_pool(servers
     a, up = await servers(answer_ok, keepalive_s=0.2)
     b = await RawServer(answer_ok).start()
     try:
-        r = await up.request("POST", a.url, "/v1/x", hdrs(), b"")
-        await r.read()
-        r.release()
+        await fetch(up, a.url)
         await asyncio.sleep(0.3)  # a's socket is past the keep-alive; nobody asks for a again
-        r = await up.request("POST", b.url, "/v1/x", hdrs(), b"")
-        await r.read()
-        r.release()  # b's socket goes idle: the sweep closes a's
+        await fetch(up, b.url)  # b's socket goes idle: the sweep closes a's
         await asyncio.wait_for(a.closed.wait(), 5)
         assert up.idle_connections() == 1 and up.open == 1
     finally:
