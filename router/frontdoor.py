@@ -40,6 +40,9 @@ from router.errors import error_body, error_response, status_error_type, status_
 
 log = logging.getLogger("kvroute.frontdoor")
 
+# set on a request whose header values the server-level wrapper has checked already
+HEADERS_CHECKED = web.RequestKey("kvroute.headers_checked", bool)
+
 __all__ = ["FrontDoorRunner", "json_errors", "path_problem"]
 
 
@@ -172,6 +175,7 @@ def _outside_middlewares(handler: Any) -> Any:
 
     async def handle(request: web.BaseRequest) -> StreamResponse:
         problem = header_problem(request)
+        request[HEADERS_CHECKED] = True  # the app's middleware need not look again
         if problem is None:
             expect = request.headers.get("expect")
             if expect is not None and expect.lower() != "100-continue":
@@ -194,6 +198,9 @@ def _outside_middlewares(handler: Any) -> Any:
 def path_problem(raw_path: str) -> str | None:
     """Why a raw request path is refused (dot segments, encoded or not; encoded ``/`` or
     ``\\``; NUL; backslashes), or None. ``raw_path`` is the path as sent, without the query."""
+    plain = "%" not in raw_path and "." not in raw_path  # nothing to decode, no dot
+    if plain and "\\" not in raw_path and "\x00" not in raw_path:
+        return None  # the usual API path
     low = raw_path.lower()
     if "%2f" in low or "%5c" in low or "%00" in low:
         return "the path has an encoded separator"
@@ -219,7 +226,9 @@ def header_problem(request: web.BaseRequest) -> str | None:
 @web.middleware
 async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     route = request.path
-    problem = path_problem(request.rel_url.raw_path) or header_problem(request)
+    problem = path_problem(request.rel_url.raw_path) or (
+        None if HEADERS_CHECKED in request else header_problem(request)
+    )
     if problem is not None:
         return error_response(route, 400, problem)
     try:

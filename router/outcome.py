@@ -26,16 +26,54 @@ class Usage:
 
     @classmethod
     def from_json(cls, u: dict[str, Any]) -> Usage:
-        def num(v: Any) -> int | None:
-            return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
         details = u.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return cls(
-            prompt_tokens=num(u.get("prompt_tokens", u.get("input_tokens"))),
-            completion_tokens=num(u.get("completion_tokens")) or num(u.get("output_tokens")),
-            cached_tokens=num(cached),
+            _num(u.get("prompt_tokens", u.get("input_tokens"))),
+            _num(u.get("completion_tokens")) or _num(u.get("output_tokens")),
+            _num(cached),
         )
+
+
+def _num(v: Any) -> int | None:
+    """A token count from JSON: a number (not a bool), else None."""
+    return int(v) if type(v) is int or type(v) is float else None
+
+
+def usage_from_body(body: bytes) -> Usage | None:
+    """The ``usage`` object of a whole JSON answer (OpenAI, Anthropic, Responses), if present.
+
+    Only that object is parsed: the answer can be megabytes, and its usage sits after the
+    content (``usage_from_tail`` would miss it once the last field does not fit the tail).
+    The last ``"usage"`` key followed by an object wins; ``"usage"`` inside a longer string is
+    escaped (``\\"usage\\"``), so it does not match, and a string that is just ``"usage"`` is
+    passed over."""
+    end = len(body)
+    for _ in range(4):
+        i = body.rfind(b'"usage"', 0, end)
+        if i < 0:
+            return None
+        start = body.find(b"{", i + 7)
+        if start >= 0 and body[i + 7 : start].strip() == b":":
+            break
+        end = i
+    else:
+        return None
+    depth, k = 1, start + 1
+    while depth:  # to the brace that closes it (usage nests objects, holds no strings)
+        close = body.find(b"}", k)
+        if close < 0:
+            return None
+        opened = body.find(b"{", k, close)
+        if opened >= 0:
+            depth, k = depth + 1, opened + 1
+        else:
+            depth, k = depth - 1, close + 1
+    try:
+        u = orjson.loads(body[start:k])
+    except orjson.JSONDecodeError:
+        return None
+    return Usage.from_json(u) if isinstance(u, dict) else None
 
 
 def usage_from_tail(tail: bytes) -> Usage | None:

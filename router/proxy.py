@@ -25,7 +25,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.errors import error_response, sse_error_event
 from router.hints import call_hint, hinted_body
 from router.keys import CALLS, CONFIG, METRICS, REPLICAS, STORE, UPSTREAM
-from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_tail
+from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_body, usage_from_tail
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
 from router.state import SessionRecord
@@ -377,6 +377,6 @@ async def _buffered(
     metrics.requests_by(route_label, name, str(resp.status)).inc()
     app[CALLS].finish(ctx, CallOutcome(
         name, str(resp.status), ttft_s=first - t0, duration_s=first - t0,
-        usage=usage_from_tail(body[-4096:]), bytes=len(body), decision=decision,
+        usage=usage_from_body(body), bytes=len(body), decision=decision,
     ))  # fmt: skip
     return out

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 SEP = "/"
@@ -70,11 +70,12 @@ class SessionIdentity:
     agent: str | None
     final: bool
     source: str  # which convention produced it ("prefix" for the fallback)
+    # the session table key, ``tenant/session[#agent]`` (built once: read several times a call)
+    key: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> str:
+    def __post_init__(self) -> None:
         base = f"{self.tenant}{SEP}{self.session}"
-        return f"{base}#{self.agent}" if self.agent else base
+        object.__setattr__(self, "key", f"{base}#{self.agent}" if self.agent else base)
 
 
 def _clean(v: Any) -> str | None:
@@ -91,6 +92,8 @@ def _truthy(v: str | None) -> bool:
 
 
 _TEXT_KEYS = ("role", "type", "text", "content", "input", "output", "name", "arguments")
+_TEXT_KEYS_LAST_FIRST = tuple(reversed(_TEXT_KEYS))  # the walk's stack pops the last pushed
+_BODY_TEXT_LAST_FIRST = tuple(reversed(("system", "instructions", "messages", "input", "prompt")))
 
 
 def prompt_prefix_text(body: Mapping[str, Any], limit: int) -> str:
@@ -100,18 +103,18 @@ def prompt_prefix_text(body: Mapping[str, Any], limit: int) -> str:
     which the JSON parser accepts, must not raise ``RecursionError``)."""
     parts: list[str] = []
     n = 0
-    stack: list[Any] = [body[k] for k in reversed(("system", "instructions", "messages",
-                                                   "input", "prompt")) if k in body]  # fmt: skip
+    stack: list[Any] = [body[k] for k in _BODY_TEXT_LAST_FIRST if k in body]
     while stack and n < limit:
         x = stack.pop()
         if isinstance(x, str):
             sep = 1 if parts else 0  # n: length of the joined text so far
-            parts.append(x[: max(0, limit - n - sep)])  # a long part: only what can show
+            room = limit - n - sep
+            parts.append(x if len(x) <= room else x[: max(0, room)])  # only what can show
             n += sep + len(x)
         elif isinstance(x, list):
             stack.extend(reversed(x))
         elif isinstance(x, dict):
-            stack.extend(x[k] for k in reversed(_TEXT_KEYS) if k in x)
+            stack.extend([x[k] for k in _TEXT_KEYS_LAST_FIRST if k in x])
     return "\x1e".join(parts)[:limit]
 
 

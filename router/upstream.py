@@ -171,7 +171,7 @@ class _Response:
     async def _wait(self) -> None:
         # a timer handle, not an ``asyncio.timeout`` context: this runs two or more times a
         # call, and those contexts took about 4 % of the router's CPU (py-spy, 2 KB JSON calls)
-        loop = asyncio.get_running_loop()
+        loop = self._conn.loop  # not asyncio.get_running_loop(): that is a getpid() call
         self._waiter = fut = loop.create_future()
         timer = None if self._read_timeout is None else loop.call_later(
             self._read_timeout, _expire, fut)  # fmt: skip
@@ -236,8 +236,9 @@ class _Response:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection: the parser's callbacks feed the response in flight."""
 
-    def __init__(self, pool: _Pool) -> None:
+    def __init__(self, pool: _Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.resp: _Response | None = None
@@ -449,7 +450,6 @@ class Upstream:
         return sum(len(p.idle) for p in self._pools.values())
 
     async def _acquire(self, pool: _Pool) -> _Conn:
-        loop = asyncio.get_running_loop()
         while True:
             if self._closed:
                 raise UpstreamError("client closed")
@@ -467,17 +467,18 @@ class Upstream:
                     continue
             elif not self.limit_per_host or pool.open < self.limit_per_host:
                 return await self._connect(pool)
-            fut = loop.create_future()
+            fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             await fut
 
     async def _connect(self, pool: _Pool) -> _Conn:
         pool.open += 1
         self.open += 1
-        c = _Conn(pool)
+        loop = asyncio.get_running_loop()
+        c = _Conn(pool, loop)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                await asyncio.get_running_loop().create_connection(lambda: c, pool.host, pool.port)
+                await loop.create_connection(lambda: c, pool.host, pool.port)
         except BaseException:
             pool.lost(c)
             raise

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from costmodel.calibration import Calibrator
 from router.kv.events import PublisherState, SubscriberStats
 from router.metrics import RouterMetrics
-from router.outcome import CallOutcome, Usage, usage_from_tail
+from router.outcome import CallOutcome, Usage, usage_from_body, usage_from_tail
 from router.replicas import Replica, ReplicaSet, cached_by_source, parse_vllm_metrics
 from router.sessions import SessionIdentity
 
@@ -119,6 +119,25 @@ def test_usage_from_json_and_sse_tails():
     assert usage_from_tail(sse_tail(5, 1, 2)) == Usage(5, 2, 1)
     assert usage_from_tail(b"data: [DONE]\n\n") is None
     assert usage_from_tail(b'data: {"usage": trunc') is None
+
+
+def test_usage_from_a_whole_json_answer_of_any_size():
+    usage = {"prompt_tokens": 9, "total_tokens": 17, "completion_tokens": 8,
+             "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+    # vLLM's field order: the usage follows the content and other fields follow it
+    answer = orjson.dumps({
+        "id": "c", "choices": [{"message": {"content": 'say "usage": {1} ' + "x" * 300_000}}],
+        "usage": usage, "prompt_logprobs": None, "kv_transfer_params": None,
+    })  # fmt: skip
+    assert usage_from_body(answer) == Usage(9, 8, 4)
+    assert usage_from_tail(answer[-4096:]) is None  # what the tail alone cannot see
+    anthropic = b'{"content":[{"text":"usage"}],"usage" : {"input_tokens":5,"output_tokens":2}}'
+    assert usage_from_body(anthropic) == Usage(5, 2, None)
+    # a string that is just "usage" after the key is passed over
+    assert usage_from_body(b'{"usage":{"prompt_tokens":2},"note":"usage"}') == Usage(2)
+    for bad in (b'{"usage": null}', b'{"usage":{"prompt_tokens":3', b"not json", b'{"a":"usage"}',
+                b'{"usage":{"prompt_tokens":3]}}'):  # fmt: skip
+        assert usage_from_body(bad) is None, bad
 
 
 VLLM_033 = """\
