@@ -126,15 +126,16 @@ def identify(
 ) -> SessionIdentity:
     """Normalize every known convention into one identity (see the module docstring)."""
     session = source = None
+    # (``_clean`` only for what is there: most of these headers are absent on most calls)
     for src, h in _SESSION_HEADERS:
-        v = _clean(headers.get(h))
-        if v:
+        raw = headers.get(h)
+        if raw is not None and (v := _clean(raw)):
             session, source = v, src
             break
     if session is None:
         for f in _BODY_FIELDS:
-            v = _clean(body.get(f)) if isinstance(body.get(f), (str, int)) else None
-            if v:
+            raw = body.get(f)
+            if isinstance(raw, (str, int)) and (v := _clean(raw)):
                 session, source = v, f
                 break
     agent = parent_key = None
@@ -147,8 +148,8 @@ def identify(
             parent_key = f"{base}#{parent_agent}" if parent_agent else base
     if parent_key is None:
         for h in _PARENT_HEADERS:
-            v = _clean(headers.get(h))
-            if v:
+            raw = headers.get(h)
+            if raw is not None and (v := _clean(raw)):
                 parent_key = f"{tenant}{SEP}{v}"
                 break
     if session is None:

@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from router.replicas import EndpointView
@@ -87,7 +88,7 @@ class Pipeline:
             eps = kept
             if not eps:
                 raise NoCandidates(removed_by)
-        totals = dict.fromkeys((e.name for e in eps), 0.0)
+        totals = {e.name: 0.0 for e in eps}
         detail: dict[str, dict[str, float]] = {e.name: {} for e in eps} if explain else {}
         terms: dict[str, Mapping[str, Mapping[str, Any]]] = {}
         for scorer, w in self.scorers:
@@ -95,11 +96,14 @@ class Pipeline:
             if isinstance(s, Scores) and s.terms:
                 terms[scorer.name] = s.terms
             for e in eps:
-                v = _clamp(s.get(e.name, 0.0))
+                v = s.get(e.name, 0.0)
+                if type(v) is not float or not 0.0 <= v <= 1.0:  # the usual case needs no call
+                    v = _clamp(v)
                 totals[e.name] += w * v
                 if explain:
                     detail[e.name][scorer.name] = round(v, 6)
-        ranked = sorted(((e, totals[e.name]) for e in eps), key=lambda t: -t[1])
+        # best first; equal totals keep the endpoints' order (a reversed sort is stable too)
+        ranked = sorted([(e, totals[e.name]) for e in eps], key=itemgetter(1), reverse=True)
         chosen = self.picker.pick(ctx, snap, ranked)
         sticky = snap.session.replica if snap.session is not None else None
         out = Decision(chosen, ranked, terms=terms, session_replica=sticky)
