@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -354,10 +353,10 @@ def test_host_residence_is_a_full_host_tiers_capacity_over_its_eviction_rate():
     assert view.host_residence(a) == pytest.approx(cap / 100)
     assert view.replica_load(a, None, N * BS).host_residence_s == pytest.approx(cap / 100)
     # the engine plugin's gauge wins over the index's count (a tier reported half empty)
-    assert view.host_residence(dataclasses.replace(a, host_occupancy=0.5)) is None
-    assert view.host_residence(dataclasses.replace(a, host_occupancy=0.99)) is not None
+    assert view.host_residence(a._replace(host_occupancy=0.5)) is None
+    assert view.host_residence(a._replace(host_occupancy=0.99)) is not None
     # a quarter of the tier held for paused sessions: the rest turns over in three quarters
-    held = dataclasses.replace(a, host_occupancy=0.99, host_retained=0.25)
+    held = a._replace(host_occupancy=0.99, host_retained=0.25)
     assert view.host_residence(held) == pytest.approx(0.75 * cap / 100)
     # without the event stream the turnover is not known
     st.index.mark_stale("A", "test")
@@ -452,7 +451,6 @@ def test_the_engine_pending_prefill_gauge_adds_what_this_router_cannot_see():
     sent there after the scrape: another router's cold calls count on a replica this router
     sent nothing, a gauge below this router's own count lowers nothing, and a stale gauge (the
     scrape failing) is not read. Off (the default), the gauge is not read at all."""
-    from dataclasses import replace
 
     from costmodel.placement import prefill_throughput
 
@@ -471,7 +469,7 @@ def test_the_engine_pending_prefill_gauge_adds_what_this_router_cannot_see():
     clock[0] = 1002.0
 
     def gauged(name, tokens, age, **kw):
-        return replace(ep(name, **kw), pending_prefill=tokens, pending_prefill_age_s=age)
+        return ep(name, **kw)._replace(pending_prefill=tokens, pending_prefill_age_s=age)
 
     def queued(s: KVState, e) -> float:
         return s.view().replica_load(e, None, N * BS).queued_prefill_tokens
@@ -710,7 +708,7 @@ def test_a_hinted_pause_is_priced_as_held_in_the_host_tier_while_the_engine_hono
     st.index.add_replica("A")
 
     def held(**gauges):
-        e = dataclasses.replace(ep("A"), **gauges)
+        e = ep("A")._replace(**gauges)
         load = st.view().replica_load(e, None, N * BS)
         return {w.key: w.hold_s for w in load.warm}
 
