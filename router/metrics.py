@@ -99,27 +99,44 @@ class _Buckets:
         self.sum += amount
 
 
-class LoopCounter:
-    """A labelled counter for code on the event loop's thread: ``labels(...).inc(n)`` adds to a
-    float. prometheus_client's ``Counter`` takes a lock and makes three Python calls per
-    ``inc``; a proxied call makes about ten such updates (~6% of the router's instructions per
-    call, bench_instructions). Scraped through prometheus_client's own metric families, so the
-    exposition text is the library's. Not for use from other threads."""
+class _LoopMetric:
+    """A metric whose children are plain objects updated on the event loop's thread, exposed
+    at scrape time through prometheus_client's own families (so the text is the library's)."""
 
-    def __init__(self, name: str, doc: str, labelnames: Iterable[str] = (),
-                 registry: CollectorRegistry | None = None):  # fmt: skip
+    def __init__(self, name: str, doc: str, labelnames: Iterable[str],
+                 registry: CollectorRegistry | None):  # fmt: skip
         self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
-        self._children: dict[tuple[str, ...], _Count] = {}
+        self._children: dict[tuple[str, ...], Any] = {}
         if registry is not None:
             registry.register(self)
 
-    def labels(self, *values: str) -> _Count:
+    def _child(self) -> Any:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> Any:
         child = self._children.get(values)
         if child is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
-            child = self._children[values] = _Count()
+            child = self._children[values] = self._child()
         return child
+
+
+class LoopCounter(_LoopMetric):
+    """A labelled counter for code on the event loop's thread: ``labels(...).inc(n)`` adds to a
+    float. prometheus_client's ``Counter`` takes a lock and makes three Python calls per
+    ``inc``; a proxied call makes about ten such updates (~6% of the router's instructions per
+    call, bench_instructions). Not for use from other threads."""
+
+    def __init__(self, name: str, doc: str, labelnames: Iterable[str] = (),
+                 registry: CollectorRegistry | None = None):  # fmt: skip
+        super().__init__(name, doc, labelnames, registry)
+
+    def _child(self) -> _Count:
+        return _Count()
 
     def inc(self, amount: float = 1.0) -> None:
         self.labels().inc(amount)
@@ -131,27 +148,19 @@ class LoopCounter:
         yield fam
 
 
-class LoopHistogram:
+class LoopHistogram(_LoopMetric):
     """A labelled histogram for code on the event loop's thread (see :class:`LoopCounter`):
     ``observe`` is one bisect and two adds."""
 
     def __init__(self, name: str, doc: str, labelnames: Iterable[str] = (),
                  buckets: Iterable[float] = LAT_BUCKETS,
                  registry: CollectorRegistry | None = None):  # fmt: skip
-        self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
         self.bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
         self._les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
-        self._children: dict[tuple[str, ...], _Buckets] = {}
-        if registry is not None:
-            registry.register(self)
+        super().__init__(name, doc, labelnames, registry)
 
-    def labels(self, *values: str) -> _Buckets:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
-            child = self._children[values] = _Buckets(self.bounds)
-        return child
+    def _child(self) -> _Buckets:
+        return _Buckets(self.bounds)
 
     def observe(self, amount: float) -> None:
         self.labels().observe(amount)
