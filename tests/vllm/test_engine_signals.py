@@ -87,8 +87,8 @@ async def test_a_waiting_prompt_counts_net_of_its_cached_prefix(signalling):
     cached (the count before its prefix-cache look-up would read each warm prompt in full).
     Read per step from the cadence's step trace (the gauge it leaves after each step), since
     /metrics on two shared cores lags the engine by more than a step. The warm calls must
-    reach the engine while a cold prefill runs; a run where they came too late (seen once in
-    a full CI run, never alone) is retried with fresh prompts, up to 3 attempts."""
+    reach the engine while a cold prefill has much left; a run where they came too late (seen
+    in full CI runs, never alone) is retried with fresh prompts, up to 3 attempts."""
     rep, trace = signalling
     async with httpx.AsyncClient(timeout=120) as http:
 
@@ -122,21 +122,25 @@ async def test_a_waiting_prompt_counts_net_of_its_cached_prefix(signalling):
         tries = []
         for k in range(3):
             done, cold_tokens, trace_steps = await attempt(k)
+            warm_tokens = done[0]["usage"]["prompt_tokens"]
+            bound = cold_tokens + BURST * 2 * BLOCK_SIZE
             # the steps where the warm calls waited (the second cold may be waiting too)
             queued = [s for s in trace_steps if s["waiting"] >= BURST]
-            if queued:
+            # ... while the colds had so much left that the warm prompts counted in full would
+            # break the bound below; warm calls that met only the colds' last chunk test
+            # nothing (seen once in a full CI run: 162 pending tokens left) and are retried
+            if queued and max(s["pending_prefill"] for s in queued) > bound - BURST * warm_tokens:
                 break
-            tries.append([(s["waiting"], s["prefill_tokens"]) for s in trace_steps])
-        assert queued, ("the warm calls never waited behind a cold prefill", tries)
-    warm_tokens = done[0]["usage"]["prompt_tokens"]
+            tries.append([(s["waiting"], s["pending_prefill"]) for s in trace_steps])
+        else:
+            raise AssertionError(("the warm calls never waited behind a long cold prefill",
+                                  tries))  # fmt: skip
     # the warm calls hit (all but the last block recomputed at most) ...
     assert all(
         d["usage"]["prompt_tokens_details"]["cached_tokens"] >= warm_tokens - 2 * BLOCK_SIZE
         for d in done
     ), done
     # ... and while they waited the gauge counted their uncached tails, not their prompts:
-    # never more than the cold prompts and the tails, while the colds had so much left that
-    # the warm prompts counted in full would have broken that bound
-    bound = cold_tokens + BURST * 2 * BLOCK_SIZE
+    # never more than the cold prompts and the tails (the attempt kept is one where the colds
+    # had so much left that the warm prompts counted in full would have broken that bound)
     assert all(s["pending_prefill"] <= bound for s in queued), queued
-    assert max(s["pending_prefill"] for s in queued) > bound - BURST * warm_tokens, queued
