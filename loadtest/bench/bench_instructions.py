@@ -96,7 +96,7 @@ def _count(argv: list[str], cwd: str | None, body: bytes, n: int, work: Path, ta
                        capture_output=True)  # fmt: skip
         if res["errors"]:
             raise RuntimeError(f"{res['errors']} calls failed")
-        calls = res["n"] + min(n // 10, 50)  # _load's own warm-up calls were counted too
+        calls = res["n"] + res["warmup_calls"]  # _load's own warm-up calls were counted too
     finally:
         bp._stop(p)  # callgrind writes its totals at exit
     m = re.search(r"^totals:\s+(\d+)", out.read_text(errors="replace"), re.M)
