@@ -22,9 +22,16 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
 - ``weka-dev-scarce-8x``: the yardstick's offload profile on 8 replicas (32 GPUs);
 - ``agentx-long-hi``: the yardstick's long-context sessions (``AGENTX_LONG``) at 16–32 lanes
   on 4 replicas of ``h200-70b-fp8-tp4-1m-offload`` — past the line, looking for the load at
-  which long contexts fill the HBM (they do not: docs/benchmarks.md, ``agentx-long``).
-
-``KVROUTE_BENCH_WORKLOADS`` / ``KVROUTE_BENCH_POLICIES`` (comma lists) narrow a run.
+  which long contexts fill the HBM (they do not: docs/benchmarks.md, ``agentx-long``);
+- ``weka-dev-squeezed-host-8x``: ``weka-dev-squeezed-host``'s engines on 8 replicas (32 GPUs):
+  KV pressure at the scale where placement also decides interactivity;
+- ``weka-dev-unlimited-kv`` and ``weka-dev-unlimited-kv-8x``: **the ceilings**, not pressure
+  workloads — the same trace, profile and replicas with a KV cache that never evicts (and no
+  tier below it, so nothing is ever fetched), run with ``CEILING_POLICIES``. No router, tier
+  or retention rule can serve more hits than that, so a ``<workload>_kv_headroom`` row gives,
+  for each workload a ceiling bounds (``CEILINGS``), the ceiling's line figure ÷ the best
+  port's: the most that keeping KV could add there. (Not a bound on other levers: placement
+  for interactivity, or the prefill cadence, change what the engines do with the same hits.)
 """
 
 from __future__ import annotations
@@ -35,23 +42,72 @@ from loadtest.bench.bench_kv_policy import _W, AGENTX_LONG, run_workloads
 
 POLICIES = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence", "sglang_tree", "llmd")
 OURS = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence")
+# each ceiling and the workloads it bounds (same trace, profile, replicas and gap cap)
+CEILINGS: dict[str, tuple[str, ...]] = {
+    "weka-dev-unlimited-kv": ("weka-dev-scarce", "weka-dev-squeezed", "weka-dev-squeezed-host"),
+    "weka-dev-unlimited-kv-8x": ("weka-dev-scarce-8x", "weka-dev-squeezed-host-8x"),
+}
+CEILING_POLICIES = ("kv_cost", "sglang_tree")
 _OFF = "h200-70b-fp8-tp4-offload"
 WORKLOADS: dict[str, _W] = {
     "weka-dev-scarce": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 32, 48), (32,)),
     "weka-dev-squeezed": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 32, 48), (32,)),
-    "weka-dev-squeezed-host": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 32, 48), (32,)),
+    # 24 lanes: where every policy's P90 interactivity crosses the line on this workload
+    "weka-dev-squeezed-host": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 24, 32, 48), (32,)),
     "weka-dev-scarce-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (96, 128, 160), (128,)),
     "agentx-long-hi": (AGENTX_LONG, "h200-70b-fp8-tp4-1m-offload", 4, None, (16, 24, 32), (24,)),
+    "weka-dev-squeezed-host-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (64, 96, 128), (96,)),
+    "weka-dev-unlimited-kv": ("weka-dev.tar.gz", _OFF, 2, 180.0, (24, 32, 40), (32,)),
+    "weka-dev-unlimited-kv-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (128, 144, 160), (144,)),
 }
+_SQUEEZED_HOST = {"gpu_kv_blocks": 12_000, "cpu_kv_blocks": 12_000, "storage_kv_blocks": 0}
+# never full: weka-dev's 88 sessions reach 14.2M tokens between them (222k blocks of 64)
+_NEVER_EVICTS = {"gpu_kv_blocks": 500_000, "cpu_kv_blocks": 0, "storage_kv_blocks": 0}
 OVERRIDES: dict[str, dict[str, Any]] = {
     "weka-dev-squeezed": {"gpu_kv_blocks": 12_000, "cpu_kv_blocks": 12_000},
-    "weka-dev-squeezed-host": {
-        "gpu_kv_blocks": 12_000,
-        "cpu_kv_blocks": 12_000,
-        "storage_kv_blocks": 0,
-    },
+    "weka-dev-squeezed-host": _SQUEEZED_HOST,
+    "weka-dev-squeezed-host-8x": _SQUEEZED_HOST,
+    **{c: _NEVER_EVICTS for c in CEILINGS},
 }
 
 
 def run(quick: bool = False) -> list[dict]:
-    return run_workloads(WORKLOADS, POLICIES, quick, ours=OURS, overrides=OVERRIDES)
+    pressure = {k: v for k, v in WORKLOADS.items() if k not in CEILINGS}
+    rows = run_workloads(pressure, POLICIES, quick, ours=OURS, overrides=OVERRIDES)
+    ceilings = {k: v for k, v in WORKLOADS.items() if k in CEILINGS}
+    rows += run_workloads(ceilings, CEILING_POLICIES, quick, ours=(), overrides=OVERRIDES)
+    return rows + headroom_rows(rows)
+
+
+def headroom_rows(rows: list[dict]) -> list[dict]:
+    """Per workload a ceiling of ``CEILINGS`` bounds, when both ran: the ceiling's line figure
+    (the best policy on a cache that never evicts) ÷ the best port's (every policy not in
+    ``OURS``), measured and interpolated, beside the best of ``OURS``. Pure: reads line rows."""
+    lines = {r["name"].split("_at_p90_")[0]: r for r in rows if "_at_p90_" in r.get("name", "")}
+
+    def top(line: dict, keep: Any, kind: str) -> float | None:
+        vals = [v[kind] for p, v in line.items()
+                if isinstance(v, dict) and keep(p) and v.get(kind) is not None]  # fmt: skip
+        return max(vals) if vals else None
+
+    out: list[dict] = []
+    for cname, bounded in CEILINGS.items():
+        ceiling = lines.get(cname)
+        for w in bounded:
+            line = lines.get(w)
+            if ceiling is None or line is None:
+                continue
+            row: dict[str, Any] = {"name": f"{w}_kv_headroom", "ceiling": cname}
+            for kind in ("measured", "interpolated"):
+                ceil = top(ceiling, lambda p: True, kind)
+                port = top(line, lambda p: p not in OURS, kind)
+                ours = top(line, lambda p: p in OURS, kind)
+                row[f"ceiling_{kind}"] = ceil
+                row[f"best_port_{kind}"] = port
+                row[f"best_ours_{kind}"] = ours
+                for label, x in (("ceiling", ceil), ("ours", ours)):
+                    row[f"{label}_vs_best_port_{kind}"] = (
+                        f"{x / port:.2f}x" if x is not None and port else "not comparable"
+                    )
+            out.append(row)
+    return out
