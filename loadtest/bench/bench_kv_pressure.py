@@ -19,6 +19,9 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
 - ``weka-dev-squeezed-host``: ``weka-dev-squeezed`` with no NVMe tier, so what the host tier
   drops is recomputed: the one workload here where the policies' hit ratios part (0.85–0.87
   at 32 lanes, 0.57–0.67 at 48; docs/benchmarks.md);
+- ``weka-dev-squeezed-hbm``: the engine KV cut to 12,000 blocks as in ``weka-dev-squeezed``, the
+  host tier kept at the profile's own ratio to it (4.9M / 2.8M tokens: 1.76×, 21,000 blocks),
+  no NVMe: a working set larger than the HBM that fits HBM + DRAM;
 - ``weka-dev-scarce-8x``: the yardstick's offload profile on 8 replicas (32 GPUs);
 - ``agentx-long-hi``: the yardstick's long-context sessions (``AGENTX_LONG``) at 16–32 lanes
   on 4 replicas of ``h200-70b-fp8-tp4-1m-offload`` — past the line, looking for the load at
@@ -44,7 +47,12 @@ POLICIES = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence", "sglang_tree", 
 OURS = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence")
 # each ceiling and the workloads it bounds (same trace, profile, replicas and gap cap)
 CEILINGS: dict[str, tuple[str, ...]] = {
-    "weka-dev-unlimited-kv": ("weka-dev-scarce", "weka-dev-squeezed", "weka-dev-squeezed-host"),
+    "weka-dev-unlimited-kv": (
+        "weka-dev-scarce",
+        "weka-dev-squeezed",
+        "weka-dev-squeezed-host",
+        "weka-dev-squeezed-hbm",
+    ),
     "weka-dev-unlimited-kv-8x": ("weka-dev-scarce-8x", "weka-dev-squeezed-host-8x"),
 }
 CEILING_POLICIES = ("kv_cost", "sglang_tree")
@@ -54,6 +62,7 @@ WORKLOADS: dict[str, _W] = {
     "weka-dev-squeezed": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 32, 48), (32,)),
     # 24 lanes: where every policy's P90 interactivity crosses the line on this workload
     "weka-dev-squeezed-host": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 24, 32, 48), (32,)),
+    "weka-dev-squeezed-hbm": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 24, 28, 32), (28,)),
     "weka-dev-scarce-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (96, 128, 160), (128,)),
     "agentx-long-hi": (AGENTX_LONG, "h200-70b-fp8-tp4-1m-offload", 4, None, (16, 24, 32), (24,)),
     "weka-dev-squeezed-host-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (64, 96, 128), (96,)),
@@ -67,6 +76,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "weka-dev-squeezed": {"gpu_kv_blocks": 12_000, "cpu_kv_blocks": 12_000},
     "weka-dev-squeezed-host": _SQUEEZED_HOST,
     "weka-dev-squeezed-host-8x": _SQUEEZED_HOST,
+    "weka-dev-squeezed-hbm": {
+        "gpu_kv_blocks": 12_000,
+        "cpu_kv_blocks": 21_000,
+        "storage_kv_blocks": 0,
+    },
     **{c: _NEVER_EVICTS for c in CEILINGS},
 }
 
