@@ -93,6 +93,10 @@ class ReplicaProfile:
     ``prefill_interval_steps`` > 1 admits new prefills only every N engine steps (a local
     prefill cadence); 0 or 1 means every step (vLLM's default). ``request_overhead_s`` is the
     API server's fixed cost per request (before the engine sees it), part of every TTFT.
+    ``host_write_back`` 1 fills the host tier when HBM evicts a block (write-back, as SGLang's
+    HiCache ``write_back`` policy) instead of at compute (write-through, 0: what vLLM's
+    ``OffloadingConnector`` does). Neither vLLM 0.32 / 0.33 nor kvroute's engine plugin has
+    write-back: the twin's setting is a what-if for sizing that engine work.
     """
 
     name: str
@@ -110,6 +114,7 @@ class ReplicaProfile:
     storage_kv_blocks: int = 0
     prefill_interval_steps: int = 0
     request_overhead_s: float = 0.0  # API server: parse, tokenize, detokenize (once per request)
+    host_write_back: int = 0  # 1: the host tier takes HBM's evictions (a what-if; see above)
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float = 0.0
     description: str = ""
@@ -191,7 +196,7 @@ _REPLICA_KEYS = {
     "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "prefill_mfu",
     "hbm_efficiency", "cpu_kv_blocks", "storage_kv_blocks", "cpu_kv_bytes", "storage_kv_bytes",
     "prefill_interval_steps", "gpu_memory_utilization", "activation_reserve_bytes",
-    "request_overhead_s", "tensor_parallel_size",
+    "request_overhead_s", "tensor_parallel_size", "host_write_back",
 }  # fmt: skip
 
 
@@ -340,6 +345,7 @@ def profile_from_dict(
         storage_kv_blocks=sto_blocks,
         prefill_interval_steps=_int(d, "prefill_interval_steps", where, 0, positive=False),
         request_overhead_s=_num(d, "request_overhead_s", where, 0.0, positive=False),
+        host_write_back=_int(d, "host_write_back", where, 0, positive=False),
         gpu_memory_utilization=util,
         activation_reserve_bytes=reserve,
         description=str(d.get("description", "")),
@@ -347,7 +353,15 @@ def profile_from_dict(
     )
     if prof.prefill_mfu > 1 or prof.hbm_efficiency > 1:
         raise ProfileError(f"{where}: prefill_mfu and hbm_efficiency must be <= 1")
+    _check_write_back(prof, where)
     return prof
+
+
+def _check_write_back(prof: ReplicaProfile, where: str) -> None:
+    if prof.host_write_back not in (0, 1):
+        raise ProfileError(f"{where}: host_write_back must be 0 or 1")
+    if prof.host_write_back and not prof.cpu_kv_blocks:
+        raise ProfileError(f"{where}: host_write_back needs a host tier (cpu_kv_blocks > 0)")
 
 
 def merge_base(d: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
@@ -416,6 +430,7 @@ _OVERRIDABLE = {
     "max_num_batched_tokens": int, "long_prefill_token_threshold": int,
     "prefill_mfu": float, "hbm_efficiency": float, "cpu_kv_blocks": int,
     "storage_kv_blocks": int, "prefill_interval_steps": int, "request_overhead_s": float,
+    "host_write_back": int,
 }  # fmt: skip
 
 
@@ -444,6 +459,7 @@ def with_overrides(profile: ReplicaProfile, overrides: Mapping[str, Any]) -> Rep
         raise ProfileError("prefill_mfu and hbm_efficiency must be <= 1")
     if out.gpu_kv_blocks < 2:
         raise ProfileError("gpu_kv_blocks must be at least 2 (one is reserved)")
+    _check_write_back(out, f"override of {profile.name!r}")
     return out
 
 

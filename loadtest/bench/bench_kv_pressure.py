@@ -22,6 +22,9 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
 - ``weka-dev-squeezed-hbm``: the engine KV cut to 12,000 blocks as in ``weka-dev-squeezed``, the
   host tier kept at the profile's own ratio to it (4.9M / 2.8M tokens: 1.76×, 21,000 blocks),
   no NVMe: a working set larger than the HBM that fits HBM + DRAM;
+- ``weka-dev-squeezed-host-writeback``: ``weka-dev-squeezed-host`` with a write-back host tier
+  (``host_write_back``: it takes what HBM evicts instead of every computed block) for every
+  policy — a what-if for engine work not built (neither vLLM nor the plugin has write-back);
 - ``weka-dev-scarce-8x``: the yardstick's offload profile on 8 replicas (32 GPUs);
 - ``agentx-long-hi``: the yardstick's long-context sessions (``AGENTX_LONG``) at 16–32 lanes
   on 4 replicas of ``h200-70b-fp8-tp4-1m-offload`` — past the line, looking for the load at
@@ -45,6 +48,7 @@ from loadtest.bench.bench_kv_policy import _W, AGENTX_LONG, run_workloads
 
 POLICIES = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence", "sglang_tree", "llmd")
 OURS = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence")
+_WB = "weka-dev-squeezed-host-writeback"
 # each ceiling and the workloads it bounds (same trace, profile, replicas and gap cap)
 CEILINGS: dict[str, tuple[str, ...]] = {
     "weka-dev-unlimited-kv": (
@@ -52,6 +56,7 @@ CEILINGS: dict[str, tuple[str, ...]] = {
         "weka-dev-squeezed",
         "weka-dev-squeezed-host",
         "weka-dev-squeezed-hbm",
+        _WB,
     ),
     "weka-dev-unlimited-kv-8x": ("weka-dev-scarce-8x", "weka-dev-squeezed-host-8x"),
 }
@@ -63,6 +68,7 @@ WORKLOADS: dict[str, _W] = {
     # 24 lanes: where every policy's P90 interactivity crosses the line on this workload
     "weka-dev-squeezed-host": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 24, 32, 48), (32,)),
     "weka-dev-squeezed-hbm": ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 24, 28, 32), (28,)),
+    _WB: ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 24, 28, 32), (28,)),
     "weka-dev-scarce-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (96, 128, 160), (128,)),
     "agentx-long-hi": (AGENTX_LONG, "h200-70b-fp8-tp4-1m-offload", 4, None, (16, 24, 32), (24,)),
     "weka-dev-squeezed-host-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (64, 96, 128), (96,)),
@@ -76,6 +82,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "weka-dev-squeezed": {"gpu_kv_blocks": 12_000, "cpu_kv_blocks": 12_000},
     "weka-dev-squeezed-host": _SQUEEZED_HOST,
     "weka-dev-squeezed-host-8x": _SQUEEZED_HOST,
+    _WB: {**_SQUEEZED_HOST, "host_write_back": 1},
     "weka-dev-squeezed-hbm": {
         "gpu_kv_blocks": 12_000,
         "cpu_kv_blocks": 21_000,

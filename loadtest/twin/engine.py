@@ -46,6 +46,9 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
   through the host tier), then holds those blocks in GPU. Lower-tier events carry ``medium``
   CPU/STORAGE, empty token ids and block size 0, as vLLM's tiers publish them: removals when
   the store pass evicts, ``BlockStored`` when the step's writes end.
+  With ``host_write_back`` (a what-if: neither vLLM nor the plugin has it) nothing is written
+  through: the blocks an allocation evicts from HBM go to the host tier, and the step that
+  evicts them waits for the copy (:meth:`Engine._write_back`).
 * Prefill cadence (optional, ``prefill_interval_steps`` N > 1): waiting requests are admitted
   only every N-th step, except when nothing is running (the capacity guard: an idle engine
   never waits for its cadence).
@@ -461,10 +464,11 @@ class BlockPool:
 
     Block 0 is the reserved null block (never allocated), as in vLLM. Events go to ``sink``
     (already in wire form). An evicted block is gone: the lower tiers already hold what they
-    were given when it was computed (write-through, :class:`HostTier`).
+    were given when it was computed (write-through, :class:`HostTier`) — or, with
+    ``victims`` set (write-back), the engine hands its key to the host tier.
     """
 
-    __slots__ = ("cached", "dups", "free", "key_of", "num_blocks", "ref", "sink")
+    __slots__ = ("cached", "dups", "free", "key_of", "num_blocks", "ref", "sink", "victims")
 
     def __init__(self, num_blocks: int, sink: list[dict[str, Any]] | None):
         if num_blocks < 2:
@@ -476,6 +480,9 @@ class BlockPool:
         self.cached: dict[int, int] = {}
         self.dups: dict[int, set[int]] = {}
         self.sink = sink
+        # write-back (``host_write_back``): the keys whose last cached copy an allocation
+        # evicted, for the host tier to take; None when the lower tiers are written through
+        self.victims: list[int] | None = None
 
     @property
     def usable(self) -> int:
@@ -519,6 +526,8 @@ class BlockPool:
                 key_of[b] = None
                 if self._uncache(b, k) and self.sink is not None:
                     self.sink.append(encode_block_removed([k]))
+                if self.victims is not None and k not in self.cached:
+                    self.victims.append(k)
             ref[b] = 1
             out.append(b)
         return out
@@ -611,6 +620,8 @@ class Engine:
         )
         self.storage = TierLRU(profile.storage_kv_blocks) if profile.storage_kv_blocks else None
         self.pool = BlockPool(profile.gpu_kv_blocks, self.events)
+        if profile.host_write_back and self.cpu is not None:
+            self.pool.victims = []
         # lower-tier stores by group (one per request and store pass): those of the step being
         # planned, and those of the step before, which the worker writes during the next step
         # (vLLM defers a step's stores to the next one's start) — settled when that step ends
@@ -654,6 +665,9 @@ class Engine:
         (:meth:`_settle`)."""
         start = req.host_next
         if horizon <= start:
+            return
+        if self.pool.victims is not None:  # write-back: the host tier takes evictions only
+            req.host_next = horizon
             return
         offer = req.block_keys[start:horizon]
         cpu = self.cpu
@@ -1172,9 +1186,30 @@ class Engine:
             else:
                 attended += attended_pairs(n, ctx)
                 pf += n
-        dur = c.step(tokens, attended, kv_read)
+        dur = c.step(tokens, attended, kv_read) + self._write_back(now)
         self.step_count += 1
         return Step(scheduled, dur, now, pf, dc, preempted)
+
+    def _write_back(self, now: float) -> float:
+        """Write-back (``host_write_back``): the blocks this step's allocations evicted from
+        HBM go to the host tier before the step can overwrite them, so the step waits for
+        the copy (seconds returned: the tier's link time for them, as a load's). A burst of
+        more than half the tier keeps its newest half."""
+        pool, cpu = self.pool, self.cpu
+        if not pool.victims or cpu is None:
+            return 0.0
+        todo = list(dict.fromkeys(k for k in pool.victims if k not in cpu))
+        pool.victims = []
+        got = cpu.store(todo[-(cpu.capacity // 2) :], now) if todo else None
+        if got is None:
+            return 0.0  # no room (the tier is pinned or being written): those blocks are lost
+        new, evicted = got
+        if evicted:
+            self._emit(encode_block_removed(evicted, medium="CPU"))
+        if not new:
+            return 0.0
+        self._writing.append(new)
+        return load_time(self.profile, len(new), "cpu")
 
     def complete(self, step: Step, end: float) -> StepResult:
         """Apply a step's computation at time ``end``: tokens, first tokens, finishes."""

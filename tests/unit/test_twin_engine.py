@@ -446,3 +446,50 @@ def test_cadence_capacity_guard_keeps_prefilling_when_the_queue_was_not_drained(
     assert e.prefill_capacity_bound
     s, t = _step(e, t)  # off cadence, but saturated: prefill continues
     assert [(r.id, n) for r, n in s.scheduled] == [("a", 1), ("c", 255)]
+
+
+def test_write_back_host_tier_takes_hbm_evictions_not_computed_blocks():
+    """``host_write_back``: nothing is offered to the host tier at compute; the blocks an
+    allocation evicts from HBM are, and the evicting step waits for their copy."""
+    through = TINY.replace(gpu_kv_blocks=9, cpu_kv_blocks=16)
+    back = through.replace(host_write_back=1)
+    h = BlockHasher(BS)
+    a, b = toks(4 * BS + 1, 80), toks(7 * BS + 1, 81)
+    ka = h.hash_keys(a)
+    durations = {}
+    for name, prof in (("through", through), ("back", back)):
+        e = Engine(prof, hasher=h)
+        t = drive(e, [req("a", a)])
+        first = events(e)
+        if name == "back":
+            assert stored(first, "CPU") == []  # computed, still in HBM: not written
+        else:
+            assert set(ka) <= set(stored(first, "CPU"))
+        rb = req("b", b)
+        e.add(rb)
+        s = e.schedule(t)  # b's allocation evicts all of a from HBM
+        durations[name] = s.duration
+        t += s.duration
+        e.complete(s, t)
+        t = drive(e, [], t)
+        evs = events(e)
+        assert set(ka) <= set(removed(evs))
+        if name == "back":
+            # a's evicted blocks were handed to the host tier (b's own are still in HBM)
+            assert set(ka) <= set(stored(evs, "CPU"))
+            assert not set(h.hash_keys(b)) & set(stored(evs, "CPU"))
+        again = req("a2", a)
+        drive(e, [again], t)
+        assert again.cached_tokens == 4 * BS  # from the host tier either way
+    # the write-back step paid the copy of a's 4 blocks on top of b's prefill
+    assert durations["back"] == pytest.approx(durations["through"] + load_time(back, 4, "cpu"))
+
+
+def test_write_back_needs_a_host_tier():
+    from costmodel.profiles import ProfileError, with_overrides
+
+    with pytest.raises(ProfileError, match="needs a host tier"):
+        with_overrides(TINY, {"host_write_back": 1})
+    with pytest.raises(ProfileError, match="0 or 1"):
+        with_overrides(TINY.replace(cpu_kv_blocks=8), {"host_write_back": 2})
+    assert with_overrides(TINY.replace(cpu_kv_blocks=8), {"host_write_back": 1}).host_write_back
