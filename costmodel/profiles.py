@@ -95,8 +95,8 @@ class ReplicaProfile:
     API server's fixed cost per request (before the engine sees it), part of every TTFT.
     ``host_write_back`` 1 fills the host tier when HBM evicts a block (write-back, as SGLang's
     HiCache ``write_back`` policy) instead of at compute (write-through, 0: what vLLM's
-    ``OffloadingConnector`` does). Neither vLLM 0.32 / 0.33 nor kvroute's engine plugin has
-    write-back: the twin's setting is a what-if for sizing that engine work.
+    ``OffloadingConnector`` does); the engine plugin's ``--host-tier-mode write-back``
+    (``engine_patches.writeback``) is the real one, which copies a little ahead of eviction.
     """
 
     name: str
@@ -114,7 +114,7 @@ class ReplicaProfile:
     storage_kv_blocks: int = 0
     prefill_interval_steps: int = 0
     request_overhead_s: float = 0.0  # API server: parse, tokenize, detokenize (once per request)
-    host_write_back: int = 0  # 1: the host tier takes HBM's evictions (a what-if; see above)
+    host_write_back: int = 0  # 1: the host tier takes HBM's evictions (write-back; see above)
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float = 0.0
     description: str = ""

@@ -15,7 +15,7 @@ import shlex
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from engine_patches.presets import PRESETS, CadenceOptions, EngineOptions
+    from engine_patches.presets import HOST_TIER_MODES, PRESETS, CadenceOptions, EngineOptions
 
     d, c = EngineOptions(), CadenceOptions()
     sub = p.add_subparsers(dest="engine_action", metavar="ACTION", required=True)
@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.host_tier_bytes,
         help="host-DRAM tier size in bytes (0: no offload tiers)",
+    )
+    f.add_argument(
+        "--host-tier-mode",
+        choices=list(HOST_TIER_MODES),
+        default=d.host_tier_mode,
+        help="write-through: every computed block to host; write-back: blocks near eviction",
     )
     f.add_argument(
         "--disk-tier-dir", metavar="DIR", default=None, help="filesystem tier below the host tier"
@@ -76,6 +82,7 @@ def options_from_args(args: argparse.Namespace):  # -> EngineOptions
         kv_events_replay=args.kv_events_replay,
         kv_events_topic=args.kv_events_topic,
         host_tier_bytes=args.host_tier_bytes,
+        host_tier_mode=args.host_tier_mode,
         disk_tier_dir=args.disk_tier_dir,
         eviction_policy=args.eviction_policy,
         retention=args.retention,

@@ -12,8 +12,10 @@ Presets:
     prefix caching with ``sha256_cbor`` (hashes the router reproduces), prompt-token details
     (``cached_tokens``), KV events with a replay endpoint (when ``kv_events`` is given), the
     bounded prefill cadence scheduler, the long-prefill threshold, and — when
-    ``host_tier_bytes`` > 0 — the host-DRAM tier (plus a disk tier under ``disk_tier_dir``)
-    through vLLM's ``OffloadingConnector`` with the plugin's spec.
+    ``host_tier_bytes`` > 0 — the host-DRAM tier: write-through (the default; plus a disk tier
+    under ``disk_tier_dir``) through vLLM's ``OffloadingConnector`` with the plugin's spec, or
+    write-back (``host_tier_mode="write-back"``) through the plugin's subclass of vLLM's
+    ``SimpleCPUOffloadConnector`` in lazy mode (:mod:`engine_patches.writeback`).
 ``prefix``
     only the prefix-caching / events / details part: the baseline the benchmarks compare with.
 
@@ -31,6 +33,8 @@ PRESETS: tuple[str, ...] = ("agentic", "prefix")
 SCHEDULER_CLS = "engine_patches.scheduler.CadenceScheduler"
 ASYNC_SCHEDULER_CLS = "engine_patches.scheduler.CadenceAsyncScheduler"
 OFFLOAD_SPEC_MODULE = "engine_patches.offload"
+WRITE_BACK_MODULE = "engine_patches.writeback"
+HOST_TIER_MODES: tuple[str, ...] = ("write-through", "write-back")
 
 
 @dataclass
@@ -59,6 +63,10 @@ class EngineOptions:
     kv_events_replay: str | None = None  # default: derived from kv_events
     kv_events_topic: str = "kv"
     host_tier_bytes: int = 0  # 0: no offload tiers
+    # write-through: every computed block to host (OffloadingConnector, the plugin's specs);
+    # write-back: a block goes to host when it nears eviction from HBM (SimpleCPUOffload's
+    # lazy mode; engine_patches.writeback on CPU): host holds what HBM does not
+    host_tier_mode: str = "write-through"
     disk_tier_dir: str | None = None  # a filesystem tier below the host tier
     eviction_policy: str = "lru"  # host tier: lru | arc (vLLM's)
     retention: bool = False  # agent-aware retention policy on the host tier (hints)
@@ -87,6 +95,13 @@ def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
         if opts.disk_tier_dir:
             raise ValueError("a disk tier needs a host tier (--host-tier-bytes > 0)")
         return None
+    if opts.host_tier_mode not in HOST_TIER_MODES:
+        raise ValueError(
+            f"host tier mode must be one of {', '.join(HOST_TIER_MODES)}, "
+            f"not {opts.host_tier_mode!r}"
+        )
+    if opts.host_tier_mode == "write-back":
+        return _write_back_config(opts)
     extra: dict[str, Any] = {
         "spec_name": "KVRouteTieringSpec" if opts.disk_tier_dir else "KVRouteOffloadingSpec",
         "spec_module_path": OFFLOAD_SPEC_MODULE,
@@ -107,6 +122,31 @@ def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
+
+
+def _write_back_config(opts: EngineOptions) -> dict[str, Any]:
+    """The plugin's subclass of vLLM's ``SimpleCPUOffloadConnector`` in lazy mode
+    (:mod:`engine_patches.writeback`). Its host pool is vLLM's LRU block pool: the
+    write-through tier's eviction policies, retention rule and disk tier do not apply."""
+    for bad, why in (
+        (opts.disk_tier_dir, "a disk tier (--disk-tier-dir)"),
+        (opts.retention, "the retention policy (--retention)"),
+        (opts.eviction_policy != "lru", f"eviction policy {opts.eviction_policy!r}"),
+    ):
+        if bad:
+            raise ValueError(f"the write-back host tier does not take {why}: use write-through")
+    # the plugin's subclass on every platform: the eviction-front walk is its scheduler side;
+    # on CUDA / XPU the copies stay vLLM's (streams and batched DMA)
+    cfg: dict[str, Any] = {
+        "kv_connector": "KVRouteWriteBackConnector",
+        "kv_connector_module_path": WRITE_BACK_MODULE,
+    }
+    cfg["kv_role"] = "kv_both"
+    cfg["kv_connector_extra_config"] = {
+        "cpu_bytes_to_use": int(opts.host_tier_bytes),
+        "lazy_offload": True,
+    }
+    return cfg
 
 
 def flags(opts: EngineOptions) -> list[str]:

@@ -24,7 +24,7 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
   no NVMe: a working set larger than the HBM that fits HBM + DRAM;
 - ``weka-dev-squeezed-host-writeback``: ``weka-dev-squeezed-host`` with a write-back host tier
   (``host_write_back``: it takes what HBM evicts instead of every computed block) for every
-  policy — a what-if for engine work not built (neither vLLM nor the plugin has write-back);
+  policy — the plugin's ``--host-tier-mode write-back`` (``engine_patches.writeback``);
 - ``weka-dev-scarce-8x``: the yardstick's offload profile on 8 replicas (32 GPUs);
 - ``agentx-long-hi``: the yardstick's long-context sessions (``AGENTX_LONG``) at 16–32 lanes
   on 4 replicas of ``h200-70b-fp8-tp4-1m-offload`` — past the line, looking for the load at

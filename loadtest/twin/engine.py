@@ -46,9 +46,9 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
   through the host tier), then holds those blocks in GPU. Lower-tier events carry ``medium``
   CPU/STORAGE, empty token ids and block size 0, as vLLM's tiers publish them: removals when
   the store pass evicts, ``BlockStored`` when the step's writes end.
-  With ``host_write_back`` (a what-if: neither vLLM nor the plugin has it) nothing is written
-  through: the blocks an allocation evicts from HBM go to the host tier, and the step that
-  evicts them waits for the copy (:meth:`Engine._write_back`).
+  With ``host_write_back`` (the plugin's write-back tier, ``engine_patches.writeback``)
+  nothing is written through: the blocks an allocation evicts from HBM go to the host tier,
+  and the step that evicts them waits for the copy (:meth:`Engine._write_back`).
 * Prefill cadence (optional, ``prefill_interval_steps`` N > 1): waiting requests are admitted
   only every N-th step, except when nothing is running (the capacity guard: an idle engine
   never waits for its cadence).

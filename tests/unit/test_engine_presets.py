@@ -103,3 +103,45 @@ def test_engine_patches_imports_without_vllm():
     import engine_patches.scheduler  # noqa: F401
 
     assert "vllm" not in sys.modules
+
+
+def test_write_back_host_tier_is_the_plugins_connector_on_cpu_and_gpu():
+    for platform in ("cpu", "gpu"):
+        opts = presets.EngineOptions(
+            platform=platform, host_tier_bytes=1 << 28, host_tier_mode="write-back"
+        )
+        ktc = json.loads(flag_value(presets.flags(opts), "--kv-transfer-config"))
+        # the plugin's subclass on both: its eviction-front walk is the scheduler side's
+        assert ktc["kv_connector"] == "KVRouteWriteBackConnector"
+        assert ktc["kv_connector_module_path"] == "engine_patches.writeback"
+        assert ktc["kv_connector_extra_config"] == {
+            "cpu_bytes_to_use": 1 << 28,
+            "lazy_offload": True,
+        }
+    # the default stays write-through
+    ktc = json.loads(
+        flag_value(presets.flags(presets.EngineOptions(host_tier_bytes=1)), "--kv-transfer-config")
+    )
+    assert ktc["kv_connector"] == "OffloadingConnector"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"disk_tier_dir": "/var/kv"}, {"retention": True}, {"eviction_policy": "arc"}],
+)
+def test_write_back_refuses_what_only_the_write_through_tier_has(extra):
+    opts = presets.EngineOptions(host_tier_bytes=1 << 28, host_tier_mode="write-back", **extra)
+    with pytest.raises(ValueError, match="write-back host tier does not take"):
+        presets.flags(opts)
+    with pytest.raises(ValueError, match="host tier mode"):
+        presets.flags(presets.EngineOptions(host_tier_bytes=1, host_tier_mode="lazy"))
+
+
+def test_cli_writes_the_write_back_tier(capsys):
+    assert (
+        main(["engine", "flags", "--host-tier-bytes", "4096", "--host-tier-mode", "write-back"])
+        == 0
+    )
+    words = shlex.split(capsys.readouterr().out)
+    ktc = json.loads(flag_value(words, "--kv-transfer-config"))
+    assert ktc["kv_connector"] == "KVRouteWriteBackConnector"

