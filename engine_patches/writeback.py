@@ -48,9 +48,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
+
+from engine_patches.offload import _on_cpu_platform
 
 logger = logging.getLogger("vllm.kvroute.writeback")
 
@@ -82,8 +83,6 @@ class SyncCopyBackend:
             raise ValueError("engine and host regions differ")
         self._engine = engine
         self._host = host
-        self.bytes_copied = 0
-        self.seconds = 0.0
 
     def launch_copy(
         self,
@@ -98,14 +97,11 @@ class SyncCopyBackend:
 
         if len(src_blocks) != len(dst_blocks):
             raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} slots")
-        t0 = time.perf_counter()
         src_t = torch.as_tensor(src_blocks, dtype=torch.long)
         dst_t = torch.as_tensor(dst_blocks, dtype=torch.long)
         for name, eng in self._engine.items():
             src, dst = (eng, self._host[name]) if is_store else (self._host[name], eng)
             dst.index_copy_(0, dst_t, src.index_select(0, src_t))
-            self.bytes_copied += len(src_blocks) * eng.shape[1] * eng.element_size()
-        self.seconds += time.perf_counter() - t0
         events_list.append((event_idx, _Done()))
 
     def shutdown(self) -> None:
@@ -135,12 +131,6 @@ def _no_cuda_streams() -> Iterator[None]:
         yield
     finally:
         torch.cuda.Stream = saved  # type: ignore[misc]
-
-
-def _on_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return not (current_platform.is_cuda_alike() or current_platform.is_xpu())
 
 
 def _build_worker(base: Any) -> type:
@@ -195,6 +185,17 @@ def _build_worker(base: Any) -> type:
     return type("HostCopySimpleWorker", (base,), ns)
 
 
+def _insert_after(queue: Any, anchor: Any, blk: Any) -> None:
+    """Link free block ``blk`` into vLLM's ``FreeKVCacheBlockQueue`` right after ``anchor``
+    (an entry of it, or its fake head): the queue has ``remove`` / ``append`` / ``prepend_n``
+    but no insert; same doubly linked fields in 0.32.0 and 0.33.0."""
+    nxt = anchor.next_free_block
+    blk.prev_free_block, blk.next_free_block = anchor, nxt
+    anchor.next_free_block = blk
+    nxt.prev_free_block = blk
+    queue.num_free_blocks += 1
+
+
 def _build_manager(base: Any) -> type:
     """``SimpleCPUOffloadScheduler`` whose lazy mode offloads at the eviction front and leaves
     the blocks it offloaded there.
@@ -206,7 +207,8 @@ def _build_manager(base: Any) -> type:
     HBM another full cycle. Both make the host tier hold what HBM holds (measured on vLLM-CPU:
     docs/engine.md). Here each step walks the first ``target_free`` entries from the head —
     the blocks the allocator evicts next — and a stored block that is still free goes back to
-    the head, where it was: HBM drops it next, and host has it.
+    where it was in the free queue (after the entry that preceded it, when that entry is still
+    free; else at the head): HBM drops it when it would have, and host has it.
     """
 
     def _prepare_lazy_store_specs(self: Any) -> tuple[list[int], list[int], list[str], None]:
@@ -215,8 +217,10 @@ def _build_manager(base: Any) -> type:
             return [], [], [], None
         cpu_pool = self.cpu_block_pool
         room = cpu_pool.get_num_free_blocks()
+        queue = gpu_pool.free_block_queue
         gpu_ids: list[int] = []
-        for covered, node in enumerate(gpu_pool.free_block_queue.iter_blocks_after(None)):
+        anchor = queue.fake_free_list_head  # the entry before ``node`` in the queue
+        for covered, node in enumerate(queue.iter_blocks_after(None)):
             if covered >= self._target_free or len(gpu_ids) >= room:
                 break
             h = node.block_hash
@@ -226,12 +230,13 @@ def _build_manager(base: Any) -> type:
                 and cpu_pool.cached_block_hash_to_block.get_one_block(h) is None
             ):
                 gpu_ids.append(node.block_id)
+                self._kvroute_front[node.block_id] = anchor
+            anchor = node
         if not gpu_ids:
             return [], [], [], None
         cpu_ids = [b.block_id for b in cpu_pool.get_new_blocks(len(gpu_ids))]
         # as vLLM does: out of the free queue while the copy is in flight
         gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
-        self._kvroute_front.update(gpu_ids)
         return gpu_ids, cpu_ids, [], None
 
     def _process_store_completion(
@@ -239,18 +244,20 @@ def _build_manager(base: Any) -> type:
     ) -> None:
         base._process_store_completion(self, gpu_block_ids, cpu_block_ids, block_meta)
         pool = self._gpu_block_pool
-        back = []
+        queue = pool.free_block_queue
+        head = queue.fake_free_list_head
+        # in walk order: a block whose predecessor was stored too finds it back in place
         for b in gpu_block_ids:
-            if b not in self._kvroute_front:
-                continue
-            self._kvroute_front.discard(b)
+            anchor = self._kvroute_front.pop(b, None)
             blk = pool.blocks[b]
-            # still free and cached: nothing hit it while it was copied
-            if blk.ref_cnt == 0 and not blk.is_null and blk.block_hash is not None:
-                back.append(blk)
-        for blk in back:
-            pool.free_block_queue.remove(blk)
-        pool.free_block_queue.prepend_n(back)
+            # still free and cached (nothing hit it while it was copied): freeing it appended
+            # it at the tail; move it back
+            if anchor is None or blk.ref_cnt != 0 or blk.is_null or blk.block_hash is None:
+                continue
+            if anchor is not head and (anchor.ref_cnt != 0 or anchor.prev_free_block is None):
+                anchor = head  # the entry before it has left the queue (allocated, hit)
+            queue.remove(blk)
+            _insert_after(queue, anchor, blk)
 
     ns = {
         "_prepare_lazy_store_specs": _prepare_lazy_store_specs,
@@ -286,7 +293,7 @@ def _build_connector() -> type:
         # made when the caches register), so the instances are kept; only methods change
         if self.scheduler_manager is not None and extra.get("kvroute_front", True):
             self.scheduler_manager.__class__ = manager_cls
-            self.scheduler_manager._kvroute_front = set()
+            self.scheduler_manager._kvroute_front = {}  # block id -> the entry it followed
         if role == KVConnectorRole.WORKER and self.worker_handler is not None:
             if _on_cpu_platform():
                 self.worker_handler.__class__ = worker_cls

@@ -31,6 +31,8 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
   which long contexts fill the HBM (they do not: docs/benchmarks.md, ``agentx-long``);
 - ``weka-dev-squeezed-host-8x``: ``weka-dev-squeezed-host``'s engines on 8 replicas (32 GPUs):
   KV pressure at the scale where placement also decides interactivity;
+- ``weka-dev-squeezed-host-writeback-8x``: ``weka-dev-squeezed-host-8x`` with the write-back
+  host tier (96 and 128 lanes);
 - ``weka-dev-unlimited-kv`` and ``weka-dev-unlimited-kv-8x``: **the ceilings**, not pressure
   workloads — the same trace, profile and replicas with a KV cache that never evicts (and no
   tier below it, so nothing is ever fetched), run with ``CEILING_POLICIES``. No router, tier
@@ -49,6 +51,7 @@ from loadtest.bench.bench_kv_policy import _W, AGENTX_LONG, run_workloads
 POLICIES = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence", "sglang_tree", "llmd")
 OURS = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence")
 _WB = "weka-dev-squeezed-host-writeback"
+_WB8 = "weka-dev-squeezed-host-writeback-8x"
 # each ceiling and the workloads it bounds (same trace, profile, replicas and gap cap)
 CEILINGS: dict[str, tuple[str, ...]] = {
     "weka-dev-unlimited-kv": (
@@ -58,7 +61,7 @@ CEILINGS: dict[str, tuple[str, ...]] = {
         "weka-dev-squeezed-hbm",
         _WB,
     ),
-    "weka-dev-unlimited-kv-8x": ("weka-dev-scarce-8x", "weka-dev-squeezed-host-8x"),
+    "weka-dev-unlimited-kv-8x": ("weka-dev-scarce-8x", "weka-dev-squeezed-host-8x", _WB8),
 }
 CEILING_POLICIES = ("kv_cost", "sglang_tree")
 _OFF = "h200-70b-fp8-tp4-offload"
@@ -72,6 +75,7 @@ WORKLOADS: dict[str, _W] = {
     "weka-dev-scarce-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (96, 128, 160), (128,)),
     "agentx-long-hi": (AGENTX_LONG, "h200-70b-fp8-tp4-1m-offload", 4, None, (16, 24, 32), (24,)),
     "weka-dev-squeezed-host-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (64, 96, 128), (96,)),
+    _WB8: ("weka-dev.tar.gz", _OFF, 8, 180.0, (96, 128), (96,)),
     "weka-dev-unlimited-kv": ("weka-dev.tar.gz", _OFF, 2, 180.0, (24, 32, 40), (32,)),
     "weka-dev-unlimited-kv-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (128, 144, 160), (144,)),
 }
@@ -83,6 +87,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "weka-dev-squeezed-host": _SQUEEZED_HOST,
     "weka-dev-squeezed-host-8x": _SQUEEZED_HOST,
     _WB: {**_SQUEEZED_HOST, "host_write_back": 1},
+    _WB8: {**_SQUEEZED_HOST, "host_write_back": 1},
     "weka-dev-squeezed-hbm": {
         "gpu_kv_blocks": 12_000,
         "cpu_kv_blocks": 21_000,
