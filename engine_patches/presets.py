@@ -64,8 +64,8 @@ class EngineOptions:
     kv_events_topic: str = "kv"
     host_tier_bytes: int = 0  # 0: no offload tiers
     # write-through: every computed block to host (OffloadingConnector, the plugin's specs);
-    # write-back: a block goes to host when it nears eviction from HBM (SimpleCPUOffload's
-    # lazy mode; engine_patches.writeback on CPU): host holds what HBM does not
+    # write-back: a block goes to host when it nears eviction from HBM (engine_patches.writeback,
+    # on vLLM's SimpleCPUOffloadConnector): host holds what HBM does not
     host_tier_mode: str = "write-through"
     disk_tier_dir: str | None = None  # a filesystem tier below the host tier
     eviction_policy: str = "lru"  # host tier: lru | arc (vLLM's)
@@ -137,16 +137,15 @@ def _write_back_config(opts: EngineOptions) -> dict[str, Any]:
             raise ValueError(f"the write-back host tier does not take {why}: use write-through")
     # the plugin's subclass on every platform: the eviction-front walk is its scheduler side;
     # on CUDA / XPU the copies stay vLLM's (streams and batched DMA)
-    cfg: dict[str, Any] = {
+    return {
         "kv_connector": "KVRouteWriteBackConnector",
         "kv_connector_module_path": WRITE_BACK_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "cpu_bytes_to_use": int(opts.host_tier_bytes),
+            "lazy_offload": True,
+        },
     }
-    cfg["kv_role"] = "kv_both"
-    cfg["kv_connector_extra_config"] = {
-        "cpu_bytes_to_use": int(opts.host_tier_bytes),
-        "lazy_offload": True,
-    }
-    return cfg
 
 
 def flags(opts: EngineOptions) -> list[str]:
