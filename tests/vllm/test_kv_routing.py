@@ -85,10 +85,15 @@ def chat(content: str, **kw) -> dict:
     }
 
 
+EXPLAINED: list[dict] = []  # the last decisions' explain payloads (for failure messages)
+
+
 async def routed(http, url, body, session) -> tuple[str, int]:
     hdr = {"x-claude-code-session-id": session, "X-Admin-Key": "adm"}
     async with http.post(url + "/admin/route?explain=1", json=body, headers=hdr) as r:
-        winner = (await r.json())["winner"]
+        explained = await r.json()
+        winner = explained["winner"]
+    EXPLAINED[:] = [explained]
     async with http.post(url + "/v1/chat/completions", json=body, headers=hdr) as r:
         assert r.status == 200, await r.text()
         usage = (await r.json())["usage"]
@@ -175,4 +180,6 @@ async def test_reset_replica_is_no_longer_preferred(router, vllm_bed):
     await bridge.until_cleared(a.topic, seen)
     assert st.index.match(keys_of(st, body), [a.url]) == {}
     winner, cached = await routed(http, url, chat(prefix + " and again"), "reset-2")
-    assert winner == b.url and cached >= 400  # b still has the first ~500 words
+    # b still has the first ~500 words (failed once in a full run, 2026-12-04, a chosen, not
+    # reproduced alone: the decision's explain payload is in the message for the next one)
+    assert winner == b.url and cached >= 400, (winner, cached, b.url, EXPLAINED)
