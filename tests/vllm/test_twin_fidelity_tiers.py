@@ -20,7 +20,10 @@ tier (``--disk-tier-dir``: vLLM's ``TieringOffloadingSpec`` with its filesystem 
 has no capacity limit and so never evicts; the twin's ``storage_kv_blocks`` is set beyond the
 run's working set), where what the host tier lost comes back from disk: compared as well are
 the split with ``disk``, and the ``STORAGE`` ``BlockStored`` hashes (as sets: the filesystem
-tier's writer threads publish in their own batches).
+tier's writer threads publish in their own batches). And a fourth time with the host tier in
+write-back mode (``--host-tier-mode write-back``: the plugin's ``KVRouteWriteBackConnector``,
+which copies a cached block to host when the engine evicts it; the twin's ``host_write_back``
+1), where host holds what HBM dropped rather than a copy of what HBM holds.
 """
 
 from __future__ import annotations
@@ -65,16 +68,17 @@ DISK_BLOCKS = 1 << 20  # the twin's storage tier: more than the run's working se
 _CACHED: dict[str, list[int]] = {}  # real vLLM's cached_tokens per run, by mode
 
 
-@pytest.fixture(scope="module", params=["lru", "retention", "disk"])
+@pytest.fixture(scope="module", params=["lru", "retention", "disk", "write-back"])
 def tiered_pair(request, tmp_path_factory):
     mode = request.param
     retention = mode == "retention"
+    write_back = mode == "write-back"
     install_plugin()
     collector = EventCollector()
     disk = str(tmp_path_factory.mktemp("disk-tier")) if mode == "disk" else None
     opts = presets.EngineOptions(
         cadence=None, host_tier_bytes=HOST_BYTES, retention=retention, retention_share=SHARE,
-        disk_tier_dir=disk,
+        disk_tier_dir=disk, host_tier_mode="write-back" if write_back else "write-through",
     )  # fmt: skip
     words = presets.flags(opts)
     cfg = ReplicaConfig(
@@ -83,8 +87,9 @@ def tiered_pair(request, tmp_path_factory):
     )  # fmt: skip
     plugin = EnginePlugin(retention=RetentionConfig(max_share=SHARE)) if retention else None
     prof = load_profile("cpu-tiny").replace(
-        cpu_kv_blocks=HOST_BLOCKS, storage_kv_blocks=DISK_BLOCKS if disk else 0
-    )
+        cpu_kv_blocks=HOST_BLOCKS, storage_kv_blocks=DISK_BLOCKS if disk else 0,
+        host_write_back=int(write_back),
+    )  # fmt: skip
     twin = TwinThread(collector.endpoint, prof, plugin)  # before the bed picks vLLM's port
     bed = VllmBed([cfg])
     try:

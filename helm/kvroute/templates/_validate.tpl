@@ -96,6 +96,17 @@ message names the keys to change. Included from validate.yaml (renders nothing o
 {{- if and $m.offload.hostBytes (not (and $m.plugin.enabled (eq $m.plugin.preset "agentic"))) -}}
 {{- fail (printf "workers.models[%s].offload: the host/disk tiers are the plugin's (KVRouteOffloadingSpec); set plugin.enabled=true and plugin.preset=agentic, or offload.hostBytes=0" $n) -}}
 {{- end -}}
+{{- if eq $m.offload.mode "write-back" -}}
+{{- if $m.offload.diskDir -}}
+{{- fail (printf "workers.models[%s].offload: the write-back host tier takes no disk tier (vLLM's disk backend for it is CUDA-only); drop diskDir or use mode write-through" $n) -}}
+{{- end -}}
+{{- if $m.offload.retention.enabled -}}
+{{- fail (printf "workers.models[%s].offload: the write-back host tier is vLLM's LRU block pool and takes no retention; drop retention or use mode write-through" $n) -}}
+{{- end -}}
+{{- if ne $m.offload.evictionPolicy "lru" -}}
+{{- fail (printf "workers.models[%s].offload: the write-back host tier evicts in LRU order only; set evictionPolicy lru or use mode write-through" $n) -}}
+{{- end -}}
+{{- end -}}
 {{- if and $m.offload.retention.enabled (not $m.offload.hostBytes) -}}
 {{- fail (printf "workers.models[%s].offload.retention holds host-tier KV; set offload.hostBytes too" $n) -}}
 {{- end -}}
