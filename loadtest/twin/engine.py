@@ -615,9 +615,9 @@ class Engine:
         self.events: list[dict[str, Any]] | None = [] if emit_events else None
         if plugin.retention is not None and not profile.cpu_kv_blocks:
             raise ValueError("retention needs a host tier (cpu_kv_blocks > 0)")
-        self.cpu = (
-            HostTier(profile.cpu_kv_blocks, plugin.retention) if profile.cpu_kv_blocks else None
-        )
+        # the write-back tier's host pool is a vLLM BlockPool, whose block 0 is its null block
+        host_blocks = profile.cpu_kv_blocks - (1 if profile.host_write_back else 0)
+        self.cpu = HostTier(host_blocks, plugin.retention) if profile.cpu_kv_blocks else None
         self.storage = TierLRU(profile.storage_kv_blocks) if profile.storage_kv_blocks else None
         self.pool = BlockPool(profile.gpu_kv_blocks, self.events)
         if profile.host_write_back and self.cpu is not None:
