@@ -1,6 +1,7 @@
 """``kvroute engine``: the engine plugin's command line.
 
 ``kvroute engine flags --preset agentic [--host-tier-bytes N] [--disk-tier-dir DIR]
+[--pool-dir DIR [--pool-bytes N]]
 [--kv-events ENDPOINT] ...`` prints the vLLM flags of a preset as shell words (copy them
 after ``vllm serve MODEL`` / ``python -m vllm.entrypoints.openai.api_server --model MODEL``).
 ``--json`` prints them as a JSON list instead (for scripts and tests).
@@ -50,6 +51,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument(
         "--disk-tier-dir", metavar="DIR", default=None, help="filesystem tier below the host tier"
     )
+    f.add_argument(
+        "--pool-dir",
+        metavar="DIR",
+        default=None,
+        help="cluster KV pool: a directory every replica mounts (shared volume), below the "
+        "host and disk tiers; blocks one replica writes are found by all",
+    )
+    f.add_argument(
+        "--pool-bytes",
+        type=int,
+        default=d.pool_bytes,
+        help="bound on the pool's size in bytes, kept by every replica's evictor (0: unbounded)",
+    )
     f.add_argument("--eviction-policy", choices=["lru", "arc"], default=d.eviction_policy)
     f.add_argument(
         "--retention",
@@ -84,6 +98,8 @@ def options_from_args(args: argparse.Namespace):  # -> EngineOptions
         host_tier_bytes=args.host_tier_bytes,
         host_tier_mode=args.host_tier_mode,
         disk_tier_dir=args.disk_tier_dir,
+        pool_dir=args.pool_dir,
+        pool_bytes=args.pool_bytes,
         eviction_policy=args.eviction_policy,
         retention=args.retention,
         retention_ttl_s=args.retention_ttl_s,

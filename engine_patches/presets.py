@@ -13,7 +13,8 @@ Presets:
     (``cached_tokens``), KV events with a replay endpoint (when ``kv_events`` is given), the
     bounded prefill cadence scheduler, the long-prefill threshold, and — when
     ``host_tier_bytes`` > 0 — the host-DRAM tier: write-through (the default; plus a disk tier
-    under ``disk_tier_dir``) through vLLM's ``OffloadingConnector`` with the plugin's spec, or
+    under ``disk_tier_dir`` and a cluster pool under ``pool_dir``, :mod:`engine_patches.pool`)
+    through vLLM's ``OffloadingConnector`` with the plugin's spec, or
     write-back (``host_tier_mode="write-back"``) through the plugin's subclass of vLLM's
     ``SimpleCPUOffloadConnector`` in lazy mode (:mod:`engine_patches.writeback`).
 ``prefix``
@@ -34,6 +35,8 @@ SCHEDULER_CLS = "engine_patches.scheduler.CadenceScheduler"
 ASYNC_SCHEDULER_CLS = "engine_patches.scheduler.CadenceAsyncScheduler"
 OFFLOAD_SPEC_MODULE = "engine_patches.offload"
 WRITE_BACK_MODULE = "engine_patches.writeback"
+POOL_MODULE = "engine_patches.pool"
+POOL_TIER = "KVRoutePoolTier"
 HOST_TIER_MODES: tuple[str, ...] = ("write-through", "write-back")
 
 
@@ -68,6 +71,11 @@ class EngineOptions:
     # on vLLM's SimpleCPUOffloadConnector): host holds what HBM does not
     host_tier_mode: str = "write-through"
     disk_tier_dir: str | None = None  # a filesystem tier below the host tier
+    # the cluster pool: a filesystem tier on a directory every replica mounts (shared volume),
+    # below the host (and disk) tier, content-addressed by vLLM's block hash, so a block one
+    # replica wrote is found by all (engine_patches.pool); pool_bytes bounds it (0: unbounded)
+    pool_dir: str | None = None
+    pool_bytes: int = 0
     eviction_policy: str = "lru"  # host tier: lru | arc (vLLM's)
     retention: bool = False  # agent-aware retention policy on the host tier (hints)
     retention_ttl_s: float = 600.0  # no hold outlives this
@@ -94,7 +102,13 @@ def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
     if opts.host_tier_bytes <= 0:
         if opts.disk_tier_dir:
             raise ValueError("a disk tier needs a host tier (--host-tier-bytes > 0)")
+        if opts.pool_dir:
+            raise ValueError("a pool tier needs a host tier (--host-tier-bytes > 0)")
         return None
+    if opts.pool_bytes < 0:
+        raise ValueError(f"--pool-bytes must be >= 0, not {opts.pool_bytes}")
+    if opts.pool_bytes and not opts.pool_dir:
+        raise ValueError("--pool-bytes needs --pool-dir")
     if opts.host_tier_mode not in HOST_TIER_MODES:
         raise ValueError(
             f"host tier mode must be one of {', '.join(HOST_TIER_MODES)}, "
@@ -102,8 +116,9 @@ def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
         )
     if opts.host_tier_mode == "write-back":
         return _write_back_config(opts)
+    tiered = bool(opts.disk_tier_dir or opts.pool_dir)
     extra: dict[str, Any] = {
-        "spec_name": "KVRouteTieringSpec" if opts.disk_tier_dir else "KVRouteOffloadingSpec",
+        "spec_name": "KVRouteTieringSpec" if tiered else "KVRouteOffloadingSpec",
         "spec_module_path": OFFLOAD_SPEC_MODULE,
         "cpu_bytes_to_use": int(opts.host_tier_bytes),
         "eviction_policy": opts.eviction_policy,
@@ -112,16 +127,34 @@ def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
         extra["eviction_policy"] = "AgentRetentionPolicy"
         extra["cache_policy_module_path"] = "engine_patches.retention"
         extra["retention"] = {"ttl_s": opts.retention_ttl_s, "max_share": opts.retention_share}
+    tiers: list[dict[str, Any]] = []
     if opts.disk_tier_dir:
         # enable_kv_events: the filesystem tier publishes BlockStored/BlockRemoved (STORAGE)
-        extra["secondary_tiers"] = [
-            {"type": "fs", "root_dir": opts.disk_tier_dir, "enable_kv_events": True}
-        ]
-    return {
+        tiers.append({"type": "fs", "root_dir": opts.disk_tier_dir, "enable_kv_events": True})
+    if opts.pool_dir:
+        # locality REMOTE on its events: the router files these blocks for every replica
+        tiers.append(
+            {
+                "type": POOL_TIER,
+                "module_path": POOL_MODULE,
+                "root_dir": opts.pool_dir,
+                "pool_bytes": int(opts.pool_bytes),
+                "enable_kv_events": True,
+                "locality": "REMOTE",
+            }
+        )
+    if tiers:
+        extra["secondary_tiers"] = tiers
+    out: dict[str, Any] = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
+    if opts.pool_dir:
+        # a pool block can vanish between lookup and load (another replica evicted it, the
+        # volume went away): recompute it rather than fail the request (vLLM's default)
+        out["kv_load_failure_policy"] = "recompute"
+    return out
 
 
 def _write_back_config(opts: EngineOptions) -> dict[str, Any]:
@@ -130,6 +163,7 @@ def _write_back_config(opts: EngineOptions) -> dict[str, Any]:
     write-through tier's eviction policies, retention rule and disk tier do not apply."""
     for bad, why in (
         (opts.disk_tier_dir, "a disk tier (--disk-tier-dir)"),
+        (opts.pool_dir, "a pool tier (--pool-dir)"),
         (opts.retention, "the retention policy (--retention)"),
         (opts.eviction_policy != "lru", f"eviction policy {opts.eviction_policy!r}"),
     ):

@@ -274,6 +274,9 @@ async def admin_config(request: web.Request) -> web.Response:
         "policy": app[PIPELINE].name,
         "worker": app[RUNTIME].worker,
         "kv_layer": app[KV] is not None,
+        "kv_pool": None
+        if app[KV] is None
+        else {"blocks": app[KV].index.pool_blocks(), "members": app[KV].index.pool_members()},
         "prompt_analyzer": calls.analyzer is not None,
         "state_providers": sorted(calls.state_providers),
         "observers": [getattr(fn, "__qualname__", repr(fn)) for fn in calls.observers],

@@ -162,6 +162,7 @@ def build_app(
         metrics.watch_kv_events(lambda: kv.subscriber)
         metrics.watch_calibration(kv)
         metrics.watch_kv_analysis(kv)
+        metrics.watch_kv_pool(kv)
     obs.extend(observers or [])
     if cfg.decision_log:
         from router.decisionlog import DecisionLog

@@ -25,6 +25,8 @@ histograms, no ``_created`` series). The full list with meanings is in docs/rout
 * KV events: ``kvroute_kv_event_batches_total``, ``_gaps_total``, ``_replayed_total``,
   ``_restarts_total`` (per replica), ``kvroute_kv_event_lag_seconds`` (publish to apply, last
   batch), ``kvroute_kv_event_decode_errors_total``;
+* the cluster KV pool: ``kvroute_kv_pool_blocks``, ``kvroute_kv_pool_members``,
+  ``kvroute_kv_pool_removed_total``;
 * the process: ``kvroute_event_loop_lag_seconds`` (how late a 50 ms timer fired: the stall
   every call through this process saw);
 * state: ``kvroute_state_backend_up{backend}``, ``kvroute_redis_pending_writes``,
@@ -337,6 +339,11 @@ class RouterMetrics:
         :class:`router.kv.state.KVState`)."""
         self.registry.register(_KVAnalysisCollector(kv))
 
+    def watch_kv_pool(self, kv: Any) -> None:
+        """The cluster pool as the index sees it (``kv.index``, a
+        :class:`router.kv.index.BlockIndex`)."""
+        self.registry.register(_KVPoolCollector(kv))
+
     def placed(self, previous: str | None, chosen: str, decision: Any = None) -> None:
         """One placement of a session's call: kept / moved / new, and the decision's time
         (``decision.elapsed_s`` when the pipeline measured it)."""
@@ -519,6 +526,27 @@ class _KVAnalysisCollector:
         for outcome, n in sorted(self.kv.analysis_stats().items()):
             c.add_metric([outcome], float(n))
         yield c
+
+
+class _KVPoolCollector:
+    """``kvroute_kv_pool_blocks``: blocks in the cluster pool (KV events with ``locality``
+    REMOTE), reachable from every member; ``kvroute_kv_pool_members``: replicas that read it;
+    ``kvroute_kv_pool_removed_total``: pool blocks evicted. All 0 without a pool."""
+
+    def __init__(self, kv: Any):
+        self.kv = kv
+
+    def collect(self) -> Iterator[Metric]:
+        ix = self.kv.index
+        b = GaugeMetricFamily("kvroute_kv_pool_blocks", "Blocks in the cluster KV pool")
+        b.add_metric([], float(ix.pool_blocks()))
+        m = GaugeMetricFamily("kvroute_kv_pool_members", "Replicas that read the cluster KV pool")
+        m.add_metric([], float(len(ix.pool_members())))
+        r = CounterMetricFamily("kvroute_kv_pool_removed", "Blocks evicted from the cluster pool")
+        r.add_metric([], float(ix.pool_removed))
+        yield b
+        yield m
+        yield r
 
 
 class _KVEventCollector:

@@ -13,6 +13,13 @@ is the replica's slot (``0 <= s < MAX_REPLICAS``). With ≤8 replicas every mask
 small int, so a key costs one dict entry plus its int object: 68 B measured (RSS of 10 M keys
 over 8 replicas, docs/benchmarks.md).
 
+The cluster pool (a tier every replica reads: the engine plugin's ``--pool-dir``, whose
+events carry ``medium`` STORAGE and ``locality`` REMOTE) is one key set for all replicas, not
+a tier per replica: a pool block counts as STORAGE for every *pool member* (a replica that has
+published a pool event; ``add_pool_member`` for one known to mount it before it writes), and
+a ``BlockRemoved`` from any replica takes it out (the pool's files are shared, so one
+eviction removes it for all). ``AllBlocksCleared`` (an engine's cache reset) leaves the pool.
+
 Operations and their cost (n = blocks in the event or prompt, N = keys in the index):
 
 ===========================  ===========================================================
@@ -22,7 +29,8 @@ Operations and their cost (n = blocks in the event or prompt, N = keys in the in
                              replica removal, restart; rare)
 ``match(keys)``              O(n) dict lookups (C-level ``map``) + O(n) numpy over uint64
                              masks: cumulative AND gives each replica's depth; blocks a
-                             replica holds in several tiers count in the fastest one
+                             replica holds in several tiers count in the fastest one; with
+                             a pool, O(n) set lookups more
 ===========================  ===========================================================
 
 :class:`NaiveBlockIndex` is the reference (sets per replica and tier, a Python loop); the
@@ -41,6 +49,16 @@ from router.vllm.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KV
 
 TIERS: tuple[str, ...] = ("GPU", "CPU", "STORAGE")  # fastest first
 MAX_REPLICAS = 64
+POOL_LOCALITY = "REMOTE"  # vLLM's locality of a tier shared with other instances
+
+
+def is_pool_event(ev: KVEvent) -> bool:
+    """A store or removal in the cluster pool: a STORAGE tier marked REMOTE by its publisher."""
+    return (
+        isinstance(ev, BlockStored | BlockRemoved)
+        and ev.locality == POOL_LOCALITY
+        and ev.medium.upper() == "STORAGE"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +162,9 @@ class BlockIndex:
         self._tiers: list[dict[int, int]] = [{} for _ in TIERS]
         self._replicas: dict[str, ReplicaIndexState] = {}
         self._slots: dict[int, str] = {}
+        self._pool: set[int] = set()  # keys in the cluster pool
+        self._pool_members = 0  # slot bitmask of the replicas that read the pool
+        self.pool_removed = 0  # pool keys removed, ever
         self.version = 0  # bumps on every change; views and caches can compare it
 
     # ---- replicas ------------------------------------------------------------------------
@@ -165,6 +186,7 @@ class BlockIndex:
         if st is None:
             return
         self.clear(name)
+        self._pool_members &= ~(1 << st.slot)
         del self._replicas[name]
         del self._slots[st.slot]
 
@@ -247,12 +269,49 @@ class BlockIndex:
             st.blocks[TIERS[t]] = 0
         self.version += 1
 
+    # ---- the cluster pool -------------------------------------------------------------------
+
+    def add_pool_member(self, replica: str) -> None:
+        """``replica`` reads the pool: every pool block counts as STORAGE on it."""
+        st = self.add_replica(replica)
+        if not self._pool_members & (1 << st.slot):
+            self._pool_members |= 1 << st.slot
+            self.version += 1
+
+    def pool_store(self, replica: str, keys: Iterable[int]) -> int:
+        """``replica`` wrote ``keys`` to the pool (and so reads it); returns how many were new."""
+        self.add_pool_member(replica)
+        before = len(self._pool)
+        self._pool.update(keys)
+        self.version += 1
+        return len(self._pool) - before
+
+    def pool_remove(self, keys: Iterable[int]) -> int:
+        """``keys`` left the pool (whichever replica evicted them); returns how many were in it."""
+        before = len(self._pool)
+        self._pool.difference_update(keys)
+        gone = before - len(self._pool)
+        self.pool_removed += gone
+        self.version += 1
+        return gone
+
+    def pool_blocks(self) -> int:
+        return len(self._pool)
+
+    def pool_members(self) -> list[str]:
+        return [n for s, n in self._slots.items() if self._pool_members & (1 << s)]
+
     def apply(self, replica: str, events: Iterable[KVEvent]) -> None:
         """Apply decoded KV events of one replica, in order."""
         st = self.add_replica(replica)
         for ev in events:
             st.events += 1
-            if isinstance(ev, BlockStored):
+            if is_pool_event(ev):
+                if isinstance(ev, BlockStored):
+                    self.pool_store(replica, ev.block_hashes)
+                else:
+                    self.pool_remove(ev.block_hashes)
+            elif isinstance(ev, BlockStored):
                 self.store(replica, ev.block_hashes, ev.medium)
             elif isinstance(ev, BlockRemoved):
                 self.remove(replica, ev.block_hashes, ev.medium)
@@ -270,6 +329,10 @@ class BlockIndex:
                 out.append(np.array(list(map(d.get, keys, repeat(0))), dtype=np.uint64))
             else:
                 out.append(np.zeros(n, dtype=np.uint64))
+        if self._pool and self._pool_members:
+            # a pool block is on STORAGE for every member
+            in_pool = np.fromiter(map(self._pool.__contains__, keys), dtype=bool, count=n)
+            out[2] = out[2] | np.where(in_pool, np.uint64(self._pool_members), np.uint64(0))
         return out
 
     def match(
@@ -295,13 +358,18 @@ class BlockIndex:
         if st is None:
             return ()
         bit = 1 << st.slot
-        return tuple(TIERS[t] for t, d in enumerate(self._tiers) if d.get(key, 0) & bit)
+        pooled = self._pool_members & bit and key in self._pool
+        return tuple(
+            TIERS[t]
+            for t, d in enumerate(self._tiers)
+            if d.get(key, 0) & bit or (t == 2 and pooled)
+        )
 
     def __len__(self) -> int:
-        """Distinct keys over all tiers."""
-        if not self._tiers[1] and not self._tiers[2]:
+        """Distinct keys over all tiers and the pool."""
+        if not self._tiers[1] and not self._tiers[2] and not self._pool:
             return len(self._tiers[0])
-        return len(set(self._tiers[0]).union(self._tiers[1], self._tiers[2]))
+        return len(set(self._tiers[0]).union(self._tiers[1], self._tiers[2], self._pool))
 
     def view(self) -> BlockIndexView:
         return BlockIndexView(self)
@@ -346,6 +414,12 @@ class BlockIndexView:
         st = self._ix.state(replica)
         return st is None or st.stale
 
+    def pool_blocks(self) -> int:
+        return self._ix.pool_blocks()
+
+    def pool_members(self) -> list[str]:
+        return self._ix.pool_members()
+
     def blocks(self, replica: str) -> dict[str, int]:
         st = self._ix.state(replica)
         return dict(st.blocks) if st else dict.fromkeys(TIERS, 0)
@@ -356,6 +430,8 @@ class NaiveBlockIndex:
 
     def __init__(self) -> None:
         self.sets: dict[str, dict[str, set[int]]] = {}
+        self.pool: set[int] = set()
+        self.pool_members: set[str] = set()
 
     def _r(self, replica: str) -> dict[str, set[int]]:
         return self.sets.setdefault(replica, {t: set() for t in TIERS})
@@ -374,11 +450,18 @@ class NaiveBlockIndex:
 
     def remove_replica(self, replica: str) -> None:
         self.sets.pop(replica, None)
+        self.pool_members.discard(replica)
 
     def apply(self, replica: str, events: Iterable[KVEvent]) -> None:
         self._r(replica)
         for ev in events:
-            if isinstance(ev, BlockStored):
+            if is_pool_event(ev):
+                if isinstance(ev, BlockStored):
+                    self.pool_members.add(replica)
+                    self.pool.update(ev.block_hashes)
+                else:
+                    self.pool.difference_update(ev.block_hashes)
+            elif isinstance(ev, BlockStored):
                 self.store(replica, ev.block_hashes, ev.medium)
             elif isinstance(ev, BlockRemoved):
                 self.remove(replica, ev.block_hashes, ev.medium)
@@ -394,8 +477,11 @@ class NaiveBlockIndex:
                 continue
             counts = dict.fromkeys(TIERS, 0)
             depth = 0
+            member = name in self.pool_members
             for k in keys:
                 tier = next((t for t in TIERS if k in tiers[t]), None)
+                if tier is None and member and k in self.pool:
+                    tier = "STORAGE"
                 if tier is None:
                     break
                 counts[tier] += 1

@@ -47,6 +47,7 @@ class BlockStored:
     group_idx: int | None = None
     session_id: str | None = None
     raw_hashes: list[int | bytes] = field(default_factory=list, repr=False)
+    locality: str | None = None  # "REMOTE": a tier shared with other replicas (the pool)
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ class BlockRemoved:
     medium: str = "GPU"
     group_idx: int | None = None
     raw_hashes: list[int | bytes] = field(default_factory=list, repr=False)
+    locality: str | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +81,11 @@ def _medium(ev: dict[str, Any]) -> str:
     return m if isinstance(m, str) else "GPU"
 
 
+def _locality(ev: dict[str, Any]) -> str | None:
+    loc = ev.get("locality")
+    return loc.upper() if isinstance(loc, str) else None
+
+
 def decode_event(ev: Any) -> KVEvent | None:
     """One event map to its typed form; ``None`` for event types the router ignores."""
     if not isinstance(ev, dict):
@@ -98,6 +105,7 @@ def decode_event(ev: Any) -> KVEvent | None:
             group_idx=ev.get("group_idx"),
             session_id=ev.get("session_id"),
             raw_hashes=raw,
+            locality=_locality(ev),
         )
     if kind == "BlockRemoved":
         raw = list(ev.get("block_hashes") or [])
@@ -106,6 +114,7 @@ def decode_event(ev: Any) -> KVEvent | None:
             medium=_medium(ev),
             group_idx=ev.get("group_idx"),
             raw_hashes=raw,
+            locality=_locality(ev),
         )
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
@@ -150,6 +159,7 @@ def encode_block_stored(
     block_size: int,
     medium: str = "GPU",
     session_id: str | None = None,
+    locality: str | None = None,
 ) -> dict[str, Any]:
     ev: dict[str, Any] = {
         "type": "BlockStored",
@@ -166,16 +176,23 @@ def encode_block_stored(
     }
     if session_id is not None:
         ev["session_id"] = session_id
+    if locality is not None:
+        ev["locality"] = locality
     return ev
 
 
-def encode_block_removed(block_hashes: Sequence[int | bytes], medium: str = "GPU") -> dict:
-    return {
+def encode_block_removed(
+    block_hashes: Sequence[int | bytes], medium: str = "GPU", locality: str | None = None
+) -> dict:
+    ev: dict[str, Any] = {
         "type": "BlockRemoved",
         "block_hashes": list(block_hashes),
         "medium": medium,
         "group_idx": 0,
     }
+    if locality is not None:
+        ev["locality"] = locality
+    return ev
 
 
 def encode_all_cleared() -> dict[str, Any]:

@@ -145,3 +145,34 @@ def test_cli_writes_the_write_back_tier(capsys):
     words = shlex.split(capsys.readouterr().out)
     ktc = json.loads(flag_value(words, "--kv-transfer-config"))
     assert ktc["kv_connector"] == "KVRouteWriteBackConnector"
+
+
+def test_pool_tier_sits_below_disk_with_remote_locality_and_recompute_on_failed_loads(capsys):
+    assert main(["engine", "flags", "--host-tier-bytes", "4096", "--disk-tier-dir", "/d",
+                 "--pool-dir", "/shared/kv", "--pool-bytes", "1000000", "--json"]) == 0  # fmt: skip
+    ktc = json.loads(flag_value(json.loads(capsys.readouterr().out), "--kv-transfer-config"))
+    extra = ktc["kv_connector_extra_config"]
+    assert extra["spec_name"] == "KVRouteTieringSpec"
+    disk, pool = extra["secondary_tiers"]
+    assert disk == {"type": "fs", "root_dir": "/d", "enable_kv_events": True}
+    assert pool["type"] == presets.POOL_TIER and pool["module_path"] == presets.POOL_MODULE
+    assert pool["root_dir"] == "/shared/kv" and pool["pool_bytes"] == 1000000
+    assert pool["locality"] == "REMOTE" and pool["enable_kv_events"] is True
+    assert ktc["kv_load_failure_policy"] == "recompute"
+    # without a pool the write-through config is what it was (vLLM's default failure policy)
+    plain = presets.kv_transfer_config(presets.EngineOptions(host_tier_bytes=4096))
+    assert "kv_load_failure_policy" not in plain
+
+
+@pytest.mark.parametrize(
+    "opts, why",
+    [
+        (dict(pool_dir="/p"), "needs a host tier"),
+        (dict(host_tier_bytes=4096, pool_bytes=10), "needs --pool-dir"),
+        (dict(host_tier_bytes=4096, pool_dir="/p", pool_bytes=-1), ">= 0"),
+        (dict(host_tier_bytes=4096, pool_dir="/p", host_tier_mode="write-back"), "pool tier"),
+    ],
+)
+def test_pool_options_that_cannot_work_are_refused(opts, why):
+    with pytest.raises(ValueError, match=why):
+        presets.flags(presets.EngineOptions(**opts))

@@ -97,3 +97,19 @@ def test_omitted_default_fields_and_unknown_types_are_tolerated():
 def test_malformed_messages_raise_decode_error(parts, msg):
     with pytest.raises(EventDecodeError, match=msg):
         decode_message(parts)
+
+
+def test_locality_is_read_so_pool_events_are_told_apart():
+    msg = encode_message(
+        "kv@p",
+        1,
+        0.0,
+        [
+            encode_block_stored([5], None, [], 0, medium="STORAGE", locality="REMOTE"),
+            encode_block_removed([5], medium="STORAGE", locality="remote"),
+            encode_block_stored([6], None, [], 0, medium="STORAGE"),
+        ],
+    )
+    stored, removed, local = decode_message(msg).events
+    assert stored.locality == "REMOTE" and removed.locality == "REMOTE"
+    assert local.locality is None

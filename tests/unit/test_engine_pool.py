@@ -1,0 +1,36 @@
+"""The cluster pool's own logic (engine_patches.pool) without vLLM: which files a sweep
+deletes, how a file name maps back to its block, and the directory scan."""
+
+from __future__ import annotations
+
+import os
+
+from engine_patches import pool
+
+
+def test_eviction_deletes_least_recently_used_down_to_the_low_water_mark():
+    files = [("old", 1.0, 100), ("new", 9.0, 100), ("mid", 5.0, 100), ("mid2", 6.0, 100)]
+    doomed, left = pool.plan_eviction(files, bound=250, low_water=0.8)  # target 200
+    assert doomed == ["old", "mid"] and left == 200
+    assert pool.plan_eviction(files, bound=400) == ([], 400)  # within the bound: nothing
+    assert pool.plan_eviction(files, bound=0) == ([], 400)  # 0: unbounded
+
+
+def test_a_pool_file_name_gives_back_its_block_hash_and_group():
+    h = bytes(range(32))
+    path = f"/pool/tiny_abc_r0/{h.hex()[:3]}/{h.hex()[3:5]}_g2/{h.hex()}.bin"
+    assert pool.key_of_path(path) == (h, 2)
+    assert pool.key_of_path("/pool/x/ab_g0/zz.bin") is None  # not hex
+    assert pool.key_of_path("/pool/x/ab_g0/abcd.bin.tmp123") is None  # being written
+
+
+def test_the_scan_sees_block_files_only(tmp_path):
+    d = tmp_path / "m_r0" / "abc" / "de_g0"
+    d.mkdir(parents=True)
+    (d / "abcde0.bin").write_bytes(b"x" * 10)
+    (d / "abcde1.bin.tmp9").write_bytes(b"x" * 5)  # a write in flight
+    (tmp_path / "m_r0" / "config.json").write_text("{}")
+    os.utime(d / "abcde0.bin", (5, 5))
+    got = list(pool.pool_files(str(tmp_path)))
+    assert got == [(str(d / "abcde0.bin"), 5.0, 10)]
+    assert list(pool.pool_files(str(tmp_path / "missing"))) == []

