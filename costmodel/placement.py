@@ -54,7 +54,7 @@ stays put: moving it costs one cold prefill beside the warm replica's many decod
 interference term, paid once), while staying costs as much on every later call. It is off
 unless the call says how many calls follow (``CallShape.next_calls``; ``kv_cost`` sets it only
 with ``horizon_calls``): on the squeezed host tier it gained at 48 lanes and lost at 32
-(docs/benchmarks.md), so it is not the default.
+(docs/benchmarks-log.md), so it is not the default.
 
 Segments: the matched prefix is ``gpu`` blocks (free), then ``cpu`` and ``storage`` blocks
 (each loaded or recomputed, whichever is faster), then the uncached tail (prefilled).

@@ -3,7 +3,8 @@
 Each module ``loadtest/bench/bench_*.py`` exposes ``run(quick: bool) -> list[dict]``; each dict
 is one row with at least ``name`` plus measured fields (medians, ratios against a baseline
 measured in the same run). Results are printed as a table and written as JSON to
-``out/bench/<module>.json`` so docs/benchmarks.md can quote them with the command.
+``out/bench/<module>.json`` so docs/results.md and docs/benchmarks-log.md can quote them with
+the command.
 
     python -m loadtest.benchmarks [--only NAME ...] [--quick]
 """

@@ -6,7 +6,7 @@ winner, each candidate's total and the cost terms its scorers returned (``kv_cos
 fetch-or-recompute, congestion, interference, the session prior, the matched blocks, ...).
 ``/admin/route?explain=1`` answers the same question for one hypothetical call; this log
 answers it for every real call of a run, which is what a benchmark diagnosis needs (see
-docs/benchmarks.md, "the move rule"). Enabled by ``decision_log: PATH`` (``--decision-log``,
+docs/benchmarks-log.md, "the move rule"). Enabled by ``decision_log: PATH`` (``--decision-log``,
 ``KVROUTE_DECISION_LOG``); off by default. Lines are written synchronously (line-buffered,
 a few hundred bytes each) — a debugging aid, not for a router taking thousands of calls/s.
 

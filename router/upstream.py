@@ -5,7 +5,7 @@ cookie and redirect handling, timeout objects, a stream reader per response) cos
 0.18 ms of CPU per call here, about as much as sglang-router spends on a whole call. This
 client writes each request head in one call and parses answers with httptools (llhttp, the
 parser of Node and uvicorn). Measured as a bare pass-through on the 2-core VM at c = 32: 0.32
-→ 0.14 ms CPU per 2 KB call and 0.42 → 0.25 ms per 200 KB call (docs/benchmarks.md).
+→ 0.14 ms CPU per 2 KB call and 0.42 → 0.25 ms per 200 KB call (docs/benchmarks-log.md).
 
 Owns: a pool of connections per replica address, bounded per replica and in total (idle ones
 reused last-in first-out, dropped after ``keepalive_s`` or when the replica closes them);

@@ -15,10 +15,10 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
 - ``weka-dev-squeezed``: the same with the engine KV and the host tier both cut to 12,000
   blocks (768k tokens) per replica — a stress configuration, not a hardware profile, chosen
   so that the host tier overflows and its eviction order matters (in ``weka-dev-scarce`` it
-  never fills: see docs/benchmarks.md);
+  never fills: see docs/benchmarks-log.md);
 - ``weka-dev-squeezed-host``: ``weka-dev-squeezed`` with no NVMe tier, so what the host tier
   drops is recomputed: the one workload here where the policies' hit ratios part (0.85–0.87
-  at 32 lanes, 0.57–0.67 at 48; docs/benchmarks.md);
+  at 32 lanes, 0.57–0.67 at 48; docs/benchmarks-log.md);
 - ``weka-dev-squeezed-hbm``: the engine KV cut to 12,000 blocks as in ``weka-dev-squeezed``, the
   host tier kept at the profile's own ratio to it (4.9M / 2.8M tokens: 1.76×, 21,000 blocks),
   no NVMe: a working set larger than the HBM that fits HBM + DRAM;
@@ -28,7 +28,7 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
 - ``weka-dev-scarce-8x``: the yardstick's offload profile on 8 replicas (32 GPUs);
 - ``agentx-long-hi``: the yardstick's long-context sessions (``AGENTX_LONG``) at 16–32 lanes
   on 4 replicas of ``h200-70b-fp8-tp4-1m-offload`` — past the line, looking for the load at
-  which long contexts fill the HBM (they do not: docs/benchmarks.md, ``agentx-long``);
+  which long contexts fill the HBM (they do not: docs/benchmarks-log.md, ``agentx-long``);
 - ``weka-dev-squeezed-host-8x``: ``weka-dev-squeezed-host``'s engines on 8 replicas (32 GPUs):
   KV pressure at the scale where placement also decides interactivity;
 - ``weka-dev-squeezed-host-writeback-8x``: ``weka-dev-squeezed-host-8x`` with the write-back

@@ -11,7 +11,7 @@ elsewhere. Pure Python + numpy; must not import sockets, aiohttp, torch or vllm.
 Representation (one dict per tier, shared by all replicas): ``key -> bitmask`` where bit ``s``
 is the replica's slot (``0 <= s < MAX_REPLICAS``). With ≤8 replicas every mask is a cached
 small int, so a key costs one dict entry plus its int object: 68 B measured (RSS of 10 M keys
-over 8 replicas, docs/benchmarks.md).
+over 8 replicas, docs/results.md).
 
 The cluster pool (a tier every replica reads: the engine plugin's ``--pool-dir``, whose
 events carry ``medium`` STORAGE and ``locality`` REMOTE) is one key set for all replicas, not

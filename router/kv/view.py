@@ -231,7 +231,7 @@ class KVView:
                 # long it has been idle (agent gaps are heavy-tailed: AgentX median 3.84 s, p95
                 # 3 min). "gap - idle" read an agent past its mean gap as certain to return at
                 # once, which charged a call every overdue neighbour's next prefill in full and
-                # drove sessions off their cache (docs/benchmarks.md, "the move rule")
+                # drove sessions off their cache (docs/benchmarks-log.md, "the move rule")
                 res.append(Reservation(s.key, gap, max(s.turn_tokens, 1), s.tokens, p))
         return warm, res
 

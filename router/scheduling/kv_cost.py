@@ -54,7 +54,7 @@ by the client's ``max_tokens`` / ``max_completion_tokens`` when that is smaller.
 ``hysteresis_frac`` (0.1), ``overlap`` (1.0: tier loads hide behind compute),
 ``interference_weight`` (1.0; 0 turns the decode-interference term off),
 ``horizon_calls`` (0: off; the calls after this one the next-calls term counts — measured
-on the squeezed host tier, it helps at 48 lanes and costs at 32, see docs/benchmarks.md),
+on the squeezed host tier, it helps at 48 lanes and costs at 32, see docs/benchmarks-log.md),
 ``expected_output_tokens`` (None: the session's mean, else the KV layer's default).
 Without the KV layer (no ``kv:`` settings: no tokenizer, no events) the scorer is the
 ``session_affinity`` scorer (bounded-load consistent hashing, c = 1.25), so ``kv_cost`` — the

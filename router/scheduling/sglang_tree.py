@@ -27,7 +27,7 @@ from run to run) and a tie between workers holding the same deepest tree node go
 node's first tenant in hash order. Policy ``sglang_tree`` uses the scorer alone. Thresholds
 default to sglang-router 0.3.2's defaults (``router_args.py``: cache_threshold 0.3,
 balance_abs_threshold 64, balance_rel_threshold 1.5). The decision agreement with the real
-binary is measured by ``tests/integration/test_sglang_agreement.py`` (docs/benchmarks.md).
+binary is measured by ``tests/integration/test_sglang_agreement.py`` (docs/results.md).
 
 .. code-block:: yaml
 

@@ -444,7 +444,7 @@ def test_next_calls_cost_nothing_where_matches_hold_or_no_call_follows():
 
 
 def test_next_calls_move_a_long_session_off_a_replica_that_breaks_its_matches():
-    # the thrash of docs/benchmarks.md (weka-dev-squeezed-host, 48 lanes): a 120k-token session
+    # the thrash of docs/benchmarks-log.md (weka-dev-squeezed-host, 48 lanes): a 120k-token session
     # on a replica that delivers 20% of its matches and runs 5 decoders, against a warm one
     # running 15. This call recomputes on either; moving stalls 15 decoders once, staying
     # recomputes 80% again on every later call. The call alone stays; its next calls move it
