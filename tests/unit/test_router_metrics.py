@@ -307,3 +307,22 @@ async def test_loop_lag_probe_sees_a_stall():
     assert value(m, "kvroute_event_loop_lag_seconds_bucket", le="0.2") < value(
         m, "kvroute_event_loop_lag_seconds_bucket", le="0.5"
     )
+
+
+def test_pool_collector_follows_the_index():
+    from router.kv.config import KVConfig
+    from router.kv.state import KVState
+    from router.vllm.kvevents import BlockRemoved, BlockStored
+
+    kv = KVState(KVConfig(block_size=16), clock=lambda: 0.0)
+    m = RouterMetrics()
+    m.watch_kv_pool(kv)
+    assert value(m, "kvroute_kv_pool_blocks") == 0.0
+    kv.index.apply("r1", [BlockStored([1, 2, 3], None, [], 0, "STORAGE", locality="REMOTE")])
+    kv.index.apply("r2", [BlockStored([3, 4], None, [], 0, "STORAGE", locality="REMOTE")])
+    kv.index.apply("r2", [BlockStored([5], None, [], 0, "STORAGE")])  # its own disk: not pool
+    assert value(m, "kvroute_kv_pool_blocks") == 4.0
+    assert value(m, "kvroute_kv_pool_members") == 2.0
+    kv.index.apply("r1", [BlockRemoved([1, 4], "STORAGE", locality="REMOTE")])
+    assert value(m, "kvroute_kv_pool_blocks") == 2.0
+    assert value(m, "kvroute_kv_pool_removed_total") == 2.0
