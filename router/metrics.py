@@ -356,9 +356,9 @@ class RouterMetrics:
     def observe_call(self, ctx: Any, outcome: CallOutcome) -> None:
         """A call observer (the first of the app's :class:`router.call.CallSequence`):
         identity source, usage tokens, per-call TPOT and the session's span, once per call
-        (dry runs excluded)."""
-        if outcome.status == "dry_run":
-            return
+        (dry runs and calls that are no turn of their session, ``count_tokens``, excluded)."""
+        if outcome.status == "dry_run" or not getattr(ctx, "session_call", True):
+            return  # (count_tokens & co.: no turn of the session, no tokens of a prompt run)
         ident = ctx.identity
         self.identity_calls_by(ident.source).inc()
         now = time.monotonic()

@@ -164,7 +164,8 @@ def test_usage_from_a_whole_json_answer_of_any_size():
         "usage": usage, "prompt_logprobs": None, "kv_transfer_params": None,
     })  # fmt: skip
     assert usage_from_body(answer) == Usage(9, 8, 4)
-    assert usage_from_tail(answer[-4096:]) is None  # what the tail alone cannot see
+    # the tail holds the usage but not its line's start: the usage object is read on its own
+    assert usage_from_tail(answer[-4096:]) == Usage(9, 8, 4)
     anthropic = b'{"content":[{"text":"usage"}],"usage" : {"input_tokens":5,"output_tokens":2}}'
     assert usage_from_body(anthropic) == Usage(5, 2, None)
     # a string that is just "usage" after the key is passed over
