@@ -73,12 +73,53 @@ def test_dynamo_final_flag_and_tenant_namespacing():
     assert a.final and not b.final and a.key != b.key
 
 
-def test_prefix_fallback_depends_on_leading_text_only():
-    sys_msg = {"role": "system", "content": "rules " * 1000}
-    a = identify({}, {"messages": [sys_msg, {"role": "user", "content": "one"}]})
-    b = identify({}, {"messages": [sys_msg, {"role": "user", "content": "two"}]})
-    c = identify({}, {"messages": [{"role": "system", "content": "other"}]})
+def _turns(shape: str, first: str, n: int, system: str = "be brief") -> dict:
+    """Turn ``n`` (0-based) of a conversation opened by ``first``, as each API sends it."""
+    if shape == "chat":
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+        for i in range(n):
+            msgs += [{"role": "assistant", "content": f"a{i}"},
+                     {"role": "user", "content": f"u{i}"}]  # fmt: skip
+        return {"messages": msgs}
+    if shape == "anthropic":
+        msgs = [{"role": "user", "content": [{"type": "text", "text": first}]}]
+        for i in range(n):
+            last = {"type": "text", "text": f"u{i}", "cache_control": {"type": "ephemeral"}}
+            msgs += [{"role": "assistant", "content": [{"type": "text", "text": f"a{i}"}]},
+                     {"role": "user", "content": [last]}]  # fmt: skip
+        return {"system": [{"type": "text", "text": system}], "messages": msgs}
+    items = [{"role": "developer", "content": "env"}, {"role": "user", "content": first}]
+    for i in range(n):
+        items += [{"type": "function_call", "name": "ls", "arguments": "{}", "call_id": f"c{i}"},
+                  {"type": "function_call_output", "call_id": f"c{i}", "output": f"o{i}"},
+                  {"role": "user", "content": [{"type": "input_text", "text": f"u{i}"}]},
+                  ]  # fmt: skip
+    return {"instructions": system, "input": items}
+
+
+@pytest.mark.parametrize("shape", ["chat", "anthropic", "responses"])
+def test_fallback_keys_a_conversation_on_its_head_not_its_growing_prompt(shape):
+    # five turns of one conversation with a short system prompt: one session (the prompt's
+    # first 4,096 characters changed every turn: five sessions)
+    turns = [identify({}, _turns(shape, "fix the bug", n)) for n in range(5)]
+    assert {t.source for t in turns} == {"prefix"}
+    assert len({t.session for t in turns}) == 1
+    other = identify({}, _turns(shape, "write a test", 3))  # another conversation
+    assert other.session != turns[0].session
+    # two conversations on one long system prompt (a coding agent's) are two sessions (the
+    # first 4,096 characters made them one)
+    long = "tools and rules " * 400
+    a, b = (identify({}, _turns(shape, f, 2, system=long)) for f in ("fix it", "test it"))
+    assert a.session != b.session
+
+
+def test_fallback_without_turns_keys_on_the_leading_characters():
+    a = identify({}, {"prompt": "rules " * 1000 + "one"})
+    b = identify({}, {"prompt": "rules " * 1000 + "two"})
+    c = identify({}, {"prompt": "other"})
     assert a.source == "prefix" and a.session == b.session != c.session
+    # a Responses input that is a bare string is the first user turn
+    assert identify({}, {"input": "hi"}).session != identify({}, {"input": "ho"}).session
 
 
 @pytest.mark.parametrize(
