@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from costmodel.calibration import Calibrator
 from router.kv.events import PublisherState, SubscriberStats
 from router.metrics import RouterMetrics
-from router.outcome import CallOutcome, Usage, usage_from_body, usage_from_tail
+from router.outcome import CallOutcome, Usage, usage_from_body, usage_from_stream, usage_from_tail
 from router.replicas import Replica, ReplicaSet, cached_by_source, parse_vllm_metrics
 from router.sessions import SessionIdentity
 
@@ -153,6 +153,33 @@ def test_usage_from_json_and_sse_tails():
     assert usage_from_tail(sse_tail(5, 1, 2)) == Usage(5, 2, 1)
     assert usage_from_tail(b"data: [DONE]\n\n") is None
     assert usage_from_tail(b'data: {"usage": trunc') is None
+
+
+def test_usage_reads_anthropic_and_responses_counts():
+    # Anthropic: the prompt is input + cache read + cache creation; the cache read is cached
+    ant = {"input_tokens": 10, "cache_read_input_tokens": 90, "cache_creation_input_tokens": 5,
+           "output_tokens": 3}  # fmt: skip
+    assert Usage.from_json(ant) == Usage(105, 3, 90)
+    assert Usage.from_json({"input_tokens": 8, "output_tokens": 1}) == Usage(8, 1, None)
+    resp = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 16}, "output_tokens": 2}
+    assert Usage.from_json(resp) == Usage(40, 2, 16)
+    # streams: Responses' usage under response in its last event; Anthropic's prompt counts in
+    # message_start (the head), its output in message_delta (the tail)
+    completed = orjson.dumps({"type": "response.completed", "response": {"usage": resp}})
+    assert usage_from_tail(b"event: response.completed\ndata: " + completed + b"\n\n") == (
+        Usage(40, 2, 16)
+    )
+    start = orjson.dumps(
+        {"type": "message_start", "message": {"usage": {**ant, "output_tokens": 0}}}
+    )
+    head = b"event: message_start\ndata: " + start + b"\n\n"
+    tail = b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":20}}\n\n'
+    assert usage_from_stream(head, tail) == Usage(105, 20, 90)
+    assert usage_from_stream(b"", tail) == Usage(None, 20, None)
+    # vLLM's message_delta repeats the whole usage: the tail's counts win
+    full = b'data: {"type":"message_delta","usage":{"input_tokens":1,"cache_read_input_tokens":2,' \
+        b'"output_tokens":5}}\n\n'  # fmt: skip
+    assert usage_from_stream(head, full) == Usage(3, 5, 2)
 
 
 def test_usage_from_a_whole_json_answer_of_any_size():
