@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from router.keys import MONITOR
 from tests.integration.test_router_proxy import fakes, http, router  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(60)
@@ -204,3 +205,36 @@ async def test_responses_chained_by_previous_response_id_stay_one_session(fakes,
         body = {"model": "tiny", "input": f"go on {turn}", "previous_response_id": out["id"]}
     (only,) = (await _sessions(http, url)).values()
     assert only["calls"] == 4 and len(set(where)) == 1
+
+
+async def test_load_alone_never_moves_a_session_and_each_move_says_why(fakes, router, http):
+    reps = await fakes(3)
+    url, app = await router([r.url for r in reps], policy="session_affinity")
+    by_name = {r.name: r for r in reps}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+
+    async def call() -> str:
+        async with http.post(url + "/v1/chat/completions", json=body,
+                             headers={"x-session-id": "S"}) as r:  # fmt: skip
+            assert r.status == 200
+            return (await r.json())["replica"]
+
+    home = await call()
+    by_name[home].running = 20.0  # its engine is busy: far over the bounded-load capacity
+    await app[MONITOR].scrape_all()
+    assert [await call() for _ in range(3)] == [home] * 3  # (the bound moved it every call)
+    by_name[home].fail_status = 503  # fails the call before its first byte: moved, "retry"
+    second = await call()
+    assert second != home
+    by_name[second].healthy = False  # its new replica fails its health check: "unavailable"
+    await app[MONITOR].check_all()
+    third = await call()
+    assert third not in (home, second)
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    # (the retried call was placed on its replica first: kept, then moved)
+    assert 'kvroute_session_placements_total{outcome="kept"} 4.0' in text
+    assert 'kvroute_session_placements_total{outcome="moved"} 2.0' in text
+    assert 'kvroute_session_moves_total{reason="retry"} 1.0' in text
+    assert 'kvroute_session_moves_total{reason="unavailable"} 1.0' in text
+    assert 'kvroute_session_moves_total{reason="cost"} 0.0' in text

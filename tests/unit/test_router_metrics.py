@@ -113,6 +113,18 @@ def test_placement_outcomes(previous, chosen, outcome):
     assert value(m, "kvroute_decision_latency_seconds_bucket", le="0.0025") == 1.0
 
 
+def test_moves_are_counted_by_reason():
+    m = RouterMetrics()
+    for reason in ("retry", "cost", "cost", None):
+        m.placed("a", "b", SimpleNamespace(elapsed_s=0.001, move_reason=reason))
+    m.placed("a", "a", SimpleNamespace(elapsed_s=0.001, move_reason=None))
+    assert value(m, "kvroute_session_moves_total", reason="cost") == 2.0
+    assert value(m, "kvroute_session_moves_total", reason="retry") == 1.0
+    assert value(m, "kvroute_session_moves_total", reason="other") == 1.0
+    assert value(m, "kvroute_session_moves_total", reason="unavailable") == 0.0
+    assert value(m, "kvroute_session_placements_total", outcome="moved") == 4.0
+
+
 def test_observer_counts_identity_usage_and_per_call_tpot():
     m = RouterMetrics()
     outcome = CallOutcome("r", "200", events=12, ttft_s=0.5, duration_s=1.5,

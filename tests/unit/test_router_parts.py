@@ -332,22 +332,23 @@ def test_breaker_probe_abandoned_by_the_client_frees_the_slot():
 
 
 def test_calls_finished_after_a_scrape_leave_the_engine_count():
-    """A stale scrape must not make a session's own finished call look like load, or
-    bounded-load affinity moves the session (its KV stays behind) between two turns."""
+    """A stale scrape must not make a finished call look like load, or bounded-load affinity
+    places a session away from its home (where its prefix may already be)."""
     from router.replicas import Replica
     from router.scheduling.session_affinity import ring_scores
 
     reps = [Replica(f"http://r{i}") for i in range(4)]
     for r in reps:
         r.running, r.waiting = 0.0, 0.0
-    home = reps[2]
-    home.running = 1.0  # scraped while the session's previous call was running
-    stale = ring_scores("sess", [r.view() for r in reps], 1.25, sticky=home.name)
-    assert stale.get(home.name, 0.0) < 1.0  # the stale count pushes the session away
+    idle = ring_scores("sess", [r.view() for r in reps], 1.25)
+    home = next(r for r in reps if idle.get(r.name) == 1.0)  # where the session is placed
+    home.running = 1.0  # scraped while a previous call was running there
+    stale = ring_scores("sess", [r.view() for r in reps], 1.25)
+    assert stale.get(home.name, 0.0) < 1.0  # the stale count pushes the placement away
 
     home.finished += 1  # the router saw that call end after the scrape
     assert home.view().running == 0.0 and home.view().load == 0.0
-    fresh = ring_scores("sess", [r.view() for r in reps], 1.25, sticky=home.name)
+    fresh = ring_scores("sess", [r.view() for r in reps], 1.25)
     assert fresh[home.name] == 1.0
 
     home.finished_at_scrape = home.finished  # a new scrape starts from the engine's own count
