@@ -82,7 +82,12 @@ async def forward_by_id(request: web.Request, tenant: str) -> web.StreamResponse
             log.warning("request %s: %s on %s", xrid, type(e).__name__, r.name)
             continue
         if resp.status == 404 and owner is None and i < len(candidates) - 1:
-            resp.close()  # not this one's: ask the next
+            try:  # not this one's: ask the next (its short answer read, the connection kept)
+                await resp.read()
+            except UPSTREAM_ERRORS:
+                resp.close()
+            finally:
+                resp.release()
             continue
         if owner is None and resp.status < 400:
             owners.note(rid, r.name, tenant)

@@ -5,8 +5,10 @@ before the first byte, circuit-breaker bookkeeping, header hygiene (hop-by-hop s
 ``X-Request-Id`` propagated or assigned, upstream API key injected and never echoed),
 byte-exact passthrough with backpressure (``await resp.write``), aborting the upstream request
 when the client goes away (the handler is cancelled, the upstream connection is closed, so
-vLLM frees the KV), and an SSE error event when a replica dies mid-stream. Must not import
-torch, vllm or loadtest; does not parse response bodies (observers may).
+vLLM frees the KV), an SSE error event when a replica dies mid-stream, and a replica's error
+answer put in the route's API shape. Must not import torch, vllm or loadtest; parses no
+answer beyond that and a Responses answer's id (which replica holds it, :mod:`router.responses`);
+its first and last bytes go to the observers (the usage).
 """
 
 from __future__ import annotations

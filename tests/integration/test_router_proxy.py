@@ -789,3 +789,22 @@ async def test_replica_errors_reach_the_client_in_its_api_shape(fakes, router, h
         got = await r.json()
         assert r.status == 422 and got["error"]["type"] == "invalid_request_error"
         assert "field required" in got["error"]["message"]
+
+
+async def test_a_response_id_is_its_tenants_only(fakes, router, http):
+    reps = await fakes(2)
+    url, _ = await router([r.url for r in reps], api_keys={"ka": "alpha", "kb": "beta"})
+    a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
+    async with http.post(url + "/v1/responses", json={"model": "tiny", "input": "hi"},
+                         headers=a) as r:  # fmt: skip
+        rid = (await r.json())["id"]
+    asked = sum(len(f.seen) for f in reps)
+    for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/cancel"):
+        call = http.get if path.endswith(rid) else http.post
+        async with call(url + path, headers=b) as r:
+            assert r.status == 404
+        async with call(url + path) as r:  # no key at all
+            assert r.status == 401
+    assert sum(len(f.seen) for f in reps) == asked  # no replica was asked
+    async with http.get(url + f"/v1/responses/{rid}", headers=a) as r:
+        assert r.status == 200 and (await r.json())["id"] == rid
