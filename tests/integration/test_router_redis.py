@@ -190,7 +190,7 @@ async def test_two_routers_share_sessions_through_redis_and_survive_its_outage(
     assert rdb.hget("kvroute:s:-/s0", "replica") == url_of[placed["s0"]]
 
     redis_server.kill()  # Redis dies mid-test: no call may fail
-    # (one at a time: concurrent bursts may legitimately move a session under bounded load)
+    # (one at a time)
     results = [await _call(http, (a, b)[i % 2].url, sid) for i, sid in enumerate(sessions)]
     assert results == [(200, placed[sid]) for sid in sessions]
     burst = await asyncio.gather(*(_call(http, (a, b)[i % 2].url, f"burst{i}") for i in range(40)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import orjson
 import pytest
 
 from router.config import ConfigError, load_config
@@ -444,3 +445,26 @@ def test_the_replays_subagent_headers_name_the_parent_the_router_knows(conventio
     assert child_parent == main and child != main
     nested, nested_parent = key("grep-2", "explore-1")
     assert nested_parent == child and nested not in (main, child)
+
+
+def test_replica_error_bodies_are_put_in_the_routes_api_shape():
+    from router.errors import replica_error_body
+
+    ant, oai = "/v1/messages", "/v1/chat/completions"
+    shaped = {"type": "error", "error": {"type": "not_found_error", "message": "gone"}}
+    assert replica_error_body(ant, 404, orjson.dumps(shaped)) is None  # already Anthropic's
+    openai_err = orjson.dumps({"error": {"message": "m", "type": "BadRequestError", "code": 400}})
+    assert replica_error_body(oai, 400, openai_err) is None  # already OpenAI's
+    assert orjson.loads(replica_error_body(ant, 400, openai_err)) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "m"}}  # fmt: skip
+    old = orjson.dumps({"object": "error", "message": "too long", "type": "x", "code": 400})
+    assert replica_error_body(oai, 400, old) is None
+    assert orjson.loads(replica_error_body(ant, 400, old))["error"]["message"] == "too long"
+    # an empty body says its status; bytes that are not UTF-8 are kept as replacement chars
+    assert orjson.loads(replica_error_body(ant, 500, b""))["error"] == {
+        "type": "api_error", "message": "internal server error"}  # fmt: skip
+    got = orjson.loads(replica_error_body(oai, 502, b"bad \xff gateway"))["error"]
+    assert got["message"] == "bad \ufffd gateway" and got["code"] == 502
+    # JSON that is no error object we know: its whole text is the message
+    assert orjson.loads(replica_error_body(ant, 429, b'["slow down"]'))["error"] == {
+        "type": "rate_limit_error", "message": '["slow down"]'}  # fmt: skip
