@@ -8,9 +8,11 @@ Must not import :mod:`router.app` (which imports this), torch, vllm or loadtest.
 
 Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
 ``/v1/messages`` and the passthrough API routes (:data:`PASSTHROUGH_ROUTES`, sent to a chosen
-replica) — an allow-list: no other path reaches a replica; ``GET /v1/models`` (union over
-healthy replicas), ``GET /v1/models/{id}``, ``/health`` (liveness), ``/ready``
-(a healthy replica and not draining), ``/metrics``; ``GET /admin/replicas``,
+replica: routed with their session, but not calls of it), ``GET /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel`` (to the replica that produced the response,
+:mod:`router.followup`) — an allow-list: no other path reaches a replica;
+``GET /v1/models`` (union over healthy replicas), ``GET /v1/models/{id}``, ``/health``
+(liveness), ``/ready`` (a healthy replica and not draining), ``/metrics``; ``GET /admin/replicas``,
 ``GET /admin/sessions``, ``GET /admin/config``, ``POST /admin/route?explain=1``.
 """
 
@@ -28,14 +30,25 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.errors import error_response, request_id
+from router.followup import ROUTE_CANCEL, ROUTE_GET, forward_by_id
 from router.hints import HINTED_ROUTES, retention_hint
-from router.keys import CALLS, CONFIG, KV, METRICS, PIPELINE, REPLICAS, RUNTIME, STORE
+from router.keys import (
+    CALLS,
+    CONFIG,
+    KV,
+    METRICS,
+    PIPELINE,
+    REPLICAS,
+    RESPONSES,
+    RUNTIME,
+    STORE,
+)
 from router.openapi import openapi_document
 from router.outcome import CallOutcome
 from router.proxy import forward
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import NoCandidates
-from router.sessions import identify
+from router.sessions import SessionIdentity, identify
 
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 # other vLLM API routes that take a JSON body and are proxied to a scheduled replica as they are
@@ -123,14 +136,34 @@ def _check_model(app: web.Application, route: str, model: str | None) -> None:
 async def _context(request: web.Request, route: str) -> tuple[bytes, RequestContext]:
     tenant = _tenant(request, route)
     raw, body = await _read_json(request, route)
-    _check_model(request.app, route, body.get("model"))
-    cfg = request.app[CONFIG]
+    app = request.app
+    _check_model(app, route, body.get("model"))
+    cfg = app[CONFIG]
     ident = identify(request.headers, body, tenant, cfg.prefix_chars)
+    if ident.source == "prefix":  # no session id: a Responses call continuing an answer
+        ident = _previous_response_session(app, ident, body)  # is that answer's session's
     ctx = RequestContext(request_id(request.headers), route, body.get("model"), ident, body)
-    pending = request.app[CALLS].analyze(ctx)
-    if pending is not None:
-        await pending
+    ctx.session_call = route not in PASSTHROUGH_ROUTES
+    if ctx.session_call:  # (count_tokens & co. make no KV: nothing for the KV layer to see)
+        pending = app[CALLS].analyze(ctx)
+        if pending is not None:
+            await pending
     return raw, ctx
+
+
+def _previous_response_session(
+    app: web.Application, ident: SessionIdentity, body: dict[str, Any]
+) -> SessionIdentity:
+    """The session of the call whose answer ``previous_response_id`` names (same tenant),
+    else ``ident``: a client that chains Responses calls by id sends only the new turn, so
+    the conversation's head is not in the body."""
+    prev = body.get("previous_response_id")
+    owner = app[RESPONSES].get(prev) if isinstance(prev, str) else None
+    if owner is None or owner.identity is None or owner.tenant != ident.tenant:
+        return ident
+    o = owner.identity
+    return SessionIdentity(o.tenant, o.session, o.parent, o.agent, ident.final,
+                           "previous_response_id")  # fmt: skip
 
 
 async def handle_inference(request: web.Request) -> web.StreamResponse:
@@ -150,6 +183,12 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             app[METRICS].requests_by(route, "-", str(r.response.status)).inc()
             return r.response
         store = app[STORE]
+        if not ctx.session_call:  # routed with the session, neither a call nor a gap of it
+            record = await store.get(ctx.identity.key)
+            try:
+                return await forward(request, ctx, raw, record, t0, route)
+            finally:
+                app[CALLS].finish(ctx, CallOutcome(None, "not_completed"))
         record = await store.begin_call(ctx.identity, time.time())
         try:
             return await forward(request, ctx, raw, record, t0, route)
@@ -157,6 +196,25 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             # a call that never got a complete answer (503, client gone, upstream failure)
             app[CALLS].finish(ctx, CallOutcome(None, "not_completed"))
             await store.end_call(ctx.identity.key, time.time())
+    finally:
+        rt.leave()
+
+
+async def handle_response_by_id(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: to the replica that
+    produced the response (:mod:`router.followup`)."""
+    try:
+        tenant = _tenant(request, "/v1/responses")
+    except _Reject as r:
+        return r.response
+    rt = request.app[RUNTIME]
+    if rt.draining:
+        return error_response("/v1/responses", 503, "router is shutting down",
+                              "service_unavailable",
+                              headers={"Retry-After": "1", "Connection": "close"})  # fmt: skip
+    rt.enter()
+    try:
+        return await forward_by_id(request, tenant)
     finally:
         rt.leave()
 
@@ -327,6 +385,8 @@ def add_routes(app: web.Application) -> None:
         app.router.add_post(path, handle_inference)
     for path in PASSTHROUGH_ROUTES:
         app.router.add_post(path, handle_inference)
+    app.router.add_get(ROUTE_GET, handle_response_by_id)
+    app.router.add_post(ROUTE_CANCEL, handle_response_by_id)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model}", handle_model)
     app.router.add_get("/openapi.json", handle_openapi)

@@ -34,6 +34,7 @@ from router.keys import (
     MONITOR,
     PIPELINE,
     REPLICAS,
+    RESPONSES,
     RUNTIME,
     STORE,
     UPSTREAM,
@@ -41,6 +42,7 @@ from router.keys import (
 )
 from router.metrics import RouterMetrics
 from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
+from router.responses import ResponseOwners
 from router.scheduling.registry import build_pipeline
 from router.state import RedisStore, make_store
 from router.upstream import Upstream
@@ -178,6 +180,7 @@ def build_app(
                               observers=obs, decision_hooks=hooks,
                               first_byte_hooks=first)  # fmt: skip
     app[KV] = kv
+    app[RESPONSES] = ResponseOwners()
     app[RUNTIME] = Runtime()
     app[RUNTIME].idle.set()
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, _store_ctx])

@@ -13,7 +13,7 @@ a few hundred bytes each) — a debugging aid, not for a router taking thousands
 A line::
 
     {"t": 1764600000.123, "request_id": "...", "session": "...", "session_replica": "r0",
-     "winner": "r1", "analysed": true, "prompt_tokens": 105096,
+     "winner": "r1", "move_reason": "cost", "analysed": true, "prompt_tokens": 105096,
      "candidates": {"r0": {"total": 0.41, "kv_cost": {"queue_s": 0.0, ...}}, "r1": {...}}}
 """
 
@@ -69,6 +69,7 @@ class DecisionLog:
             "session": ctx.identity.key,
             "session_replica": decision.session_replica,
             "winner": decision.endpoint.name,
+            "move_reason": decision.move_reason,
             # the prompt analysis landed before the pick (a prompt shorter than one block has
             # no block keys but is analysed: ``[]``, not ``None``)
             "analysed": ctx.block_keys is not None,

@@ -2,10 +2,13 @@
 
 Owns: the error body of each API family — OpenAI-style everywhere, Anthropic-style on
 ``/v1/messages`` and every path under it (``/v1/messages/count_tokens``), with Anthropic's
-type names by status — the JSON error response, the SSE error event a stream ends with when
-its replica fails mid-stream, and the request id (a client's ``X-Request-Id`` when it is sane,
-else a fresh one). Messages never carry request bytes (paths, header values, body text): a
-caller passes fixed text. Pure: no state.
+type names by status — the JSON error response, a replica's error answer put in its route's
+family (:func:`replica_error_body`: an OpenAI-shaped or plain-text error reaches an Anthropic
+client in Anthropic's shape, plain text reaches an OpenAI client as an OpenAI error), the SSE
+error event a stream ends with when its replica fails mid-stream, and the request id (a
+client's ``X-Request-Id`` when it is sane, else a fresh one). The router's own messages never
+carry request bytes (paths, header values, body text): a caller passes fixed text; a
+replica's message is passed on as the replica wrote it. Pure: no state.
 """
 
 from __future__ import annotations
@@ -85,6 +88,54 @@ def status_message(status: int) -> str:
         return HTTPStatus(status).phrase.lower()
     except ValueError:
         return f"HTTP {status}"
+
+
+def replica_error_body(route: str, status: int, body: bytes) -> bytes | None:
+    """A replica's error answer (status >= 400) in the route's API family, or ``None`` when
+    it already has that shape.
+
+    On the Anthropic routes an OpenAI-shaped body (vLLM's ``{"error": {...}}`` or its older
+    ``{"object": "error", "message": ...}``), FastAPI's ``{"detail": ...}`` or a plain-text
+    body (a 404 page) becomes ``{"type": "error", "error": {"type": <by status>, "message":
+    <the replica's text>}}``; on the OpenAI routes anything that is not an OpenAI error object
+    becomes one (``type`` by status, ``code`` the status). The replica's message text is kept
+    whole."""
+    try:
+        obj = orjson.loads(body) if body.strip() else None
+    except orjson.JSONDecodeError:
+        obj = None
+        message = body.decode("utf-8", "replace").strip()
+    else:
+        message = _error_message(obj)
+        if message is None:  # JSON without a message we know: keep the whole text
+            message = body.decode("utf-8", "replace").strip()
+    anthropic = is_anthropic(route)
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if anthropic and obj.get("type") == "error" and isinstance(err, dict):
+            return None
+        if not anthropic and (isinstance(err, dict) or obj.get("object") == "error"):
+            return None
+    return error_body(route, status, message or status_message(status), status_error_type(status))
+
+
+def _error_message(obj: object) -> str | None:
+    """The message of a JSON error body of the shapes replicas send, if it has one."""
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return err["message"]
+    if isinstance(err, str):
+        return err
+    if isinstance(obj.get("message"), str):
+        return obj["message"]
+    detail = obj.get("detail")
+    if isinstance(detail, str):
+        return detail
+    if detail is not None:  # FastAPI's validation errors: a list of objects
+        return orjson.dumps(detail).decode()
+    return None
 
 
 def sse_error_event(route: str, message: str) -> bytes:

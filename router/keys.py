@@ -18,6 +18,7 @@ from router.call import CallSequence
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.replicas import ReplicaMonitor, ReplicaSet
+from router.responses import ResponseOwners
 from router.scheduling.pipeline import Pipeline
 from router.state import SessionStore
 from router.upstream import Upstream
@@ -55,4 +56,5 @@ CALLS = web.AppKey("calls", CallSequence)
 CLIENT = web.AppKey("client", aiohttp.ClientSession)  # probes, https replicas
 UPSTREAM = web.AppKey("upstream", Upstream)  # proxied calls
 RUNTIME = web.AppKey("runtime", Runtime)
+RESPONSES = web.AppKey("responses", ResponseOwners)  # Responses API id -> its replica
 KV = web.AppKey("kv", object)  # KVState | None: the KV layer, when installed

@@ -11,7 +11,9 @@ histograms, no ``_created`` series). The full list with meanings is in docs/rout
   ``kvroute_tpot_seconds{replica}`` (per SSE event), ``kvroute_retries_total{reason}``,
   ``kvroute_inflight{replica}``, ``kvroute_router_inflight_requests`` (this pod; the HPA's);
 * sessions: ``kvroute_identity_calls_total{source}``,
-  ``kvroute_session_placements_total{outcome=kept|moved|new}``, ``kvroute_active_sessions``,
+  ``kvroute_session_placements_total{outcome=kept|moved|new}``,
+  ``kvroute_session_moves_total{reason=retry|unavailable|cost|score|other}``,
+  ``kvroute_active_sessions``,
   ``kvroute_session_duration_seconds`` (session completion time),
   ``kvroute_request_time_per_output_token_seconds{model}`` (P90 interactivity = 1 / its P90);
 * cache: ``kvroute_prompt_tokens_total{model}`` / ``kvroute_prompt_tokens_cached_total{model}``
@@ -74,6 +76,8 @@ LOOP_TICK_S = 0.05
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 SESSION_IDLE_S = 300.0  # a session silent this long counts as complete (unless it said final)
 MAX_TRACKED_SESSIONS = 100_000
+# why a placement moved a session (router.scheduling.pipeline.Decision.move_reason)
+MOVE_REASONS = ("retry", "unavailable", "cost", "score", "other")
 
 
 class _Count:
@@ -243,6 +247,15 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.moves = LoopCounter(
+            "kvroute_session_moves",
+            "Placements that moved a session off its replica, by reason: retry (it failed the "
+            "call before the first byte), unavailable (not a candidate: gone, unhealthy, breaker "
+            "open), cost (a cost scorer found another replica cheaper), score (other scorers), "
+            "other (the session store's answer)",
+            ["reason"],
+            registry=r,
+        )
         self.prompt_tokens = LoopCounter(
             "kvroute_prompt_tokens",
             "Prompt tokens of answered calls (usage.prompt_tokens)",
@@ -270,6 +283,8 @@ class RouterMetrics:
         )
         for outcome in ("kept", "moved", "new"):
             self.placements.labels(outcome)
+        for reason in MOVE_REASONS:
+            self.moves.labels(reason)
         # the per-call series (loop-only metrics: labels() is a dict lookup)
         self.requests_by = self.requests.labels
         self.ttft_by = self.ttft.labels
@@ -345,10 +360,14 @@ class RouterMetrics:
         self.registry.register(_KVPoolCollector(kv))
 
     def placed(self, previous: str | None, chosen: str, decision: Any = None) -> None:
-        """One placement of a session's call: kept / moved / new, and the decision's time
-        (``decision.elapsed_s`` when the pipeline measured it)."""
+        """One placement of a session's call: kept / moved / new (a move counted by its
+        reason, ``decision.move_reason``), and the decision's time (``decision.elapsed_s``
+        when the pipeline measured it)."""
         outcome = "new" if previous is None else "kept" if previous == chosen else "moved"
         self.placements_by(outcome).inc()
+        if outcome == "moved":
+            reason = getattr(decision, "move_reason", None)
+            self.moves.labels(reason if reason in MOVE_REASONS else "other").inc()
         elapsed = getattr(decision, "elapsed_s", None)
         if isinstance(elapsed, float):
             self.decision_latency.observe(elapsed)
@@ -356,9 +375,9 @@ class RouterMetrics:
     def observe_call(self, ctx: Any, outcome: CallOutcome) -> None:
         """A call observer (the first of the app's :class:`router.call.CallSequence`):
         identity source, usage tokens, per-call TPOT and the session's span, once per call
-        (dry runs excluded)."""
-        if outcome.status == "dry_run":
-            return
+        (dry runs and calls that are no turn of their session, ``count_tokens``, excluded)."""
+        if outcome.status == "dry_run" or not getattr(ctx, "session_call", True):
+            return  # (count_tokens & co.: no turn of the session, no tokens of a prompt run)
         ident = ctx.identity
         self.identity_calls_by(ident.source).inc()
         now = time.monotonic()

@@ -86,6 +86,20 @@ def openapi_document() -> dict[str, Any]:
         "one model card",
         [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
     )
+    rid = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    paths["/v1/responses/{response_id}"] = _get(
+        "get_response",
+        "a response, from the replica that produced it",
+        [*rid, {"name": "stream", "in": "query", "schema": {"type": "boolean"}},
+         {"name": "starting_after", "in": "query", "schema": {"type": "integer"}}],
+    )  # fmt: skip
+    paths["/v1/responses/{response_id}/cancel"] = {
+        "post": {
+            "operationId": "cancel_response",
+            "parameters": rid,
+            "responses": {"200": {"description": "the cancelled response"}, "default": _ERROR},
+        }
+    }
     paths["/health"] = _get("health", "liveness")
     paths["/ready"] = _get("ready", "readiness")
     paths["/metrics"] = _get("metrics", "Prometheus text")

@@ -1,9 +1,11 @@
 """How a proxied call ended: one typed record handed to every observer.
 
 Owns: :class:`CallOutcome` (replica, status, TTFT, duration, inter-token latency samples, the
-response's ``usage`` parsed once, the scheduling decision) and :func:`usage_from_tail`, which
-finds the ``usage`` object in the last bytes of an SSE or JSON response. The proxy builds the
-outcome; the simulator builds the same record from its own call records. Pure: no I/O.
+response's ``usage`` parsed once, the scheduling decision), :class:`Usage` (the token counts
+of the OpenAI, Responses and Anthropic usage objects, in one meaning), and the readers that
+find a ``usage`` object in a whole JSON answer (:func:`usage_from_body`) or in the first and
+last bytes of an SSE stream (:func:`usage_from_tail`, :func:`usage_from_stream`). The proxy
+builds the outcome; the simulator builds the same record from its own call records. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -26,12 +28,43 @@ class Usage:
 
     @classmethod
     def from_json(cls, u: dict[str, Any]) -> Usage:
+        """Read a ``usage`` object of any of the three APIs.
+
+        * OpenAI Chat / Completions: ``prompt_tokens``, ``completion_tokens``,
+          ``prompt_tokens_details.cached_tokens``;
+        * Responses: ``input_tokens`` (the whole prompt), ``output_tokens``,
+          ``input_tokens_details.cached_tokens``;
+        * Anthropic Messages: ``input_tokens`` is only the prompt's uncached rest — the prompt
+          is ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens``, and the
+          cached part is ``cache_read_input_tokens``."""
         details = u.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if not isinstance(details, dict):
+            details = u.get("input_tokens_details")
+        cached = _num(details.get("cached_tokens")) if isinstance(details, dict) else None
+        prompt = _num(u.get("prompt_tokens"))
+        if prompt is None:
+            prompt = _num(u.get("input_tokens"))
+            read = _num(u.get("cache_read_input_tokens"))
+            created = _num(u.get("cache_creation_input_tokens"))
+            if read is not None or created is not None:  # Anthropic's split of the prompt
+                prompt = (prompt or 0) + (read or 0) + (created or 0)
+                if cached is None:
+                    cached = read or 0
         return cls(
-            _num(u.get("prompt_tokens", u.get("input_tokens"))),
+            prompt,
             _num(u.get("completion_tokens")) or _num(u.get("output_tokens")),
-            _num(cached),
+            cached,
+        )
+
+    def merged(self, later: Usage | None) -> Usage:
+        """This usage with every count ``later`` gives taken from ``later`` (an Anthropic
+        stream: the prompt in ``message_start``, the output in ``message_delta``)."""
+        if later is None:
+            return self
+        return Usage(
+            self.prompt_tokens if later.prompt_tokens is None else later.prompt_tokens,
+            self.completion_tokens if later.completion_tokens is None else later.completion_tokens,
+            self.cached_tokens if later.cached_tokens is None else later.cached_tokens,
         )
 
 
@@ -76,8 +109,29 @@ def usage_from_body(body: bytes) -> Usage | None:
     return Usage.from_json(u) if isinstance(u, dict) else None
 
 
+def _event_usage(obj: Any) -> dict[str, Any] | None:
+    """The usage object of one parsed SSE event or JSON answer: top level (OpenAI chunks,
+    Anthropic ``message_delta``), under ``response`` (Responses ``response.completed``) or
+    under ``message`` (Anthropic ``message_start``)."""
+    if not isinstance(obj, dict):
+        return None
+    u = obj.get("usage")
+    if isinstance(u, dict):
+        return u
+    for k in ("response", "message"):
+        inner = obj.get(k)
+        if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+            return inner["usage"]
+    return None
+
+
 def usage_from_tail(tail: bytes) -> Usage | None:
-    """The ``usage`` object of a response from its last bytes (SSE or JSON), if present."""
+    """The ``usage`` object of a response from its last bytes (SSE or JSON), if present.
+
+    The last event that parses and holds one wins. A Responses stream's last event
+    (``response.completed``) repeats the whole response — instructions, tools, output — so it
+    is often longer than the tail: then the last ``"usage"`` object in the tail is read on its
+    own (:func:`usage_from_body`)."""
     if not tail or b'"usage"' not in tail:
         return None
     for line in reversed(tail.split(b"\n")):
@@ -90,10 +144,33 @@ def usage_from_tail(tail: bytes) -> Usage | None:
             obj = orjson.loads(line)
         except orjson.JSONDecodeError:
             continue
-        u = obj.get("usage") if isinstance(obj, dict) else None
-        if isinstance(u, dict):
+        u = _event_usage(obj)
+        if u is not None:
             return Usage.from_json(u)
-    return None
+    return usage_from_body(tail)
+
+
+def usage_from_stream(head: bytes, tail: bytes) -> Usage | None:
+    """A streamed answer's usage from its first and last bytes: what the tail reports, over
+    what the head reported (Anthropic's ``message_start`` carries the prompt's counts, its
+    ``message_delta`` at the end may carry only ``output_tokens``)."""
+    last = usage_from_tail(tail)
+    if not head or b'"usage"' not in head:
+        return last
+    first = None
+    for line in head.split(b"\n"):
+        line = line.strip()
+        if line.startswith(b"data: ") and b'"usage"' in line:
+            try:
+                u = _event_usage(orjson.loads(line[6:]))
+            except orjson.JSONDecodeError:
+                continue
+            if u is not None:
+                first = Usage.from_json(u)
+                break
+    if first is None:
+        return last
+    return first.merged(last)
 
 
 @dataclass(frozen=True)

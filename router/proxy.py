@@ -5,8 +5,10 @@ before the first byte, circuit-breaker bookkeeping, header hygiene (hop-by-hop s
 ``X-Request-Id`` propagated or assigned, upstream API key injected and never echoed),
 byte-exact passthrough with backpressure (``await resp.write``), aborting the upstream request
 when the client goes away (the handler is cancelled, the upstream connection is closed, so
-vLLM frees the KV), and an SSE error event when a replica dies mid-stream. Must not import
-torch, vllm or loadtest; does not parse response bodies (observers may).
+vLLM frees the KV), an SSE error event when a replica dies mid-stream, and a replica's error
+answer put in the route's API shape. Must not import torch, vllm or loadtest; parses no
+answer beyond that and a Responses answer's id (which replica holds it, :mod:`router.responses`);
+its first and last bytes go to the observers (the usage).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.errors import error_response, sse_error_event
+from router.errors import error_response, replica_error_body, sse_error_event
 from router.hints import call_hint, hinted_body
-from router.keys import CALLS, CONFIG, METRICS, REPLICAS, STORE, UPSTREAM
-from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_body, usage_from_tail
+from router.keys import CALLS, CONFIG, METRICS, REPLICAS, RESPONSES, STORE, UPSTREAM
+from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_body, usage_from_stream
+from router.responses import RESPONSES_ROUTE
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
 from router.state import SessionRecord
@@ -54,6 +57,9 @@ def _response_head(chunk: bytes) -> bool:
 
 
 BUFFERED_MAX = 4 << 20  # sized non-SSE responses up to this are read whole, then sent
+# a stream's first bytes kept for its observers: Anthropic's ``message_start`` (the prompt's
+# usage) and the Responses stream's ``response.created`` (the response id)
+HEAD_BYTES = 4096
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
@@ -92,10 +98,11 @@ def response_headers(headers: CIMultiDictProxy[str], rid: str) -> CIMultiDict[st
 async def place_session(
     app: web.Application, ctx: RequestContext, record: SessionRecord | None, decision: Decision
 ) -> str:
-    """Record the pick in the session table; a concurrent first placement elsewhere wins."""
+    """Record the pick in the session table; a concurrent first placement elsewhere wins.
+    A call that is not a session call (``count_tokens``) reads the session, places nothing."""
     store = app[STORE]
     chosen = decision.endpoint.name
-    if record is None:
+    if record is None or not ctx.session_call:
         return chosen
     if store.backend == "redis" and not store.up:
         # Redis away: every router must give a session the same answer without talking to
@@ -264,7 +271,10 @@ async def _stream_from(
             replica.breaker.on_failure()
         else:
             replica.breaker.on_success()
-        if resp.content_length is not None and resp.content_length <= BUFFERED_MAX:
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        if (resp.content_length is not None and resp.content_length <= BUFFERED_MAX) or (
+            resp.status >= 400 and not sse  # an error answer: read whole, put in API shape
+        ):
             # a sized, non-streaming body: one read, one write (cheaper than chunk streaming)
             return await _buffered(request, ctx, resp, replica.name, t0, route_label, decision)
         out = web.StreamResponse(
@@ -272,14 +282,13 @@ async def _stream_from(
             reason=resp.reason,
             headers=response_headers(resp.headers, ctx.request_id),
         )
-        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         await out.prepare(request)
         first_at = None
         last_at = 0.0
         itl: list[float] = []
         events = 0
         nbytes = 0
-        tail = b""
+        tail = head = b""
         status = str(resp.status)
         idle = app[CONFIG].stream_idle_timeout_s
         while True:
@@ -316,6 +325,10 @@ async def _stream_from(
                 events += chunk.count(b"\n\n")
             nbytes += len(chunk)
             tail = (tail + chunk)[-4096:] if len(chunk) < 4096 else chunk[-4096:]
+            if len(head) < HEAD_BYTES:
+                head += chunk[: HEAD_BYTES - len(head)]
+                if ctx.route == RESPONSES_ROUTE and resp.status < 400:
+                    _note_response(app, ctx, name, head)
             await out.write(chunk)  # backpressure: waits while the client's buffer is full
         if status != "upstream_error":
             await out.write_eof()
@@ -325,7 +338,7 @@ async def _stream_from(
         metrics.requests_by(route_label, name, status).inc()
         app[CALLS].finish(ctx, CallOutcome(
             name, status, ttft_s=None if first_at is None else first_at - t0,
-            duration_s=end - t0, usage=usage_from_tail(tail), events=events, bytes=nbytes,
+            duration_s=end - t0, usage=usage_from_stream(head, tail), events=events, bytes=nbytes,
             itl_s=tuple(itl), decision=decision,
         ))  # fmt: skip
         return out
@@ -373,6 +386,13 @@ async def _buffered(
     metrics.ttft_by(name).observe(first - t0)
     headers = response_headers(resp.headers, ctx.request_id)
     headers.popall("Content-Length", None)
+    if resp.status >= 400:
+        shaped = replica_error_body(ctx.route, resp.status, body)
+        if shaped is not None:  # the replica's message, in the client's API family
+            body = shaped
+            headers["Content-Type"] = "application/json"
+    elif ctx.route == RESPONSES_ROUTE:
+        _note_response(app, ctx, name, body[:HEAD_BYTES])
     out = web.Response(status=resp.status, reason=resp.reason, body=body, headers=headers)
     metrics.requests_by(route_label, name, str(resp.status)).inc()
     app[CALLS].finish(ctx, CallOutcome(
@@ -380,3 +400,11 @@ async def _buffered(
         usage=usage_from_body(body), bytes=len(body), decision=decision,
     ))  # fmt: skip
     return out
+
+
+def _note_response(app: web.Application, ctx: RequestContext, replica: str, head: bytes) -> None:
+    """Remember which replica produced the Responses answer starting with ``head`` (once)."""
+    if "response_id" not in ctx.extra:
+        rid = app[RESPONSES].note_answer(head, replica, ctx.identity)
+        if rid is not None:
+            ctx.extra["response_id"] = rid

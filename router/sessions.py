@@ -1,8 +1,9 @@
 """Session identity: every agent convention normalized into one :class:`SessionIdentity`.
 
 Owns: reading the session headers/body fields that agent harnesses send, choosing one by a
-fixed precedence, namespacing it by tenant, and the prefix fallback. Pure: no I/O, no aiohttp
-(headers arrive as any case-insensitive mapping). The session *table* lives in
+fixed precedence, namespacing it by tenant, and the fallback for clients that send none
+(the conversation's head). Pure: no I/O, no aiohttp (headers arrive as any case-insensitive
+mapping). The session *table* lives in
 :mod:`router.state`.
 
 Precedence (first match wins for the session id):
@@ -22,8 +23,17 @@ AgentX harness                         ``X-Correlation-ID``
 OpenAI body                            ``prompt_cache_key``, then ``safety_identifier``,
                                        then ``user``
 vLLM body                              ``session_id`` field, then ``cache_salt``
-fallback                               sha256 of the prompt's leading characters
+fallback                               sha256 of the conversation's head
 ====================================  ==========================================
+
+The fallback (a client that sends no id, source ``prefix``) keys the session on what does not
+change from one turn of a conversation to the next: the system prompt and the first user turn
+(:func:`conversation_head`, for Chat, Anthropic Messages and Responses bodies) — not on the
+whole prompt, which grows every turn. Two conversations that open alike (same system prompt,
+same first request) share a session, as they share their KV prefix. A body without turns
+(a completions ``prompt``) is keyed on its first ``prefix_chars`` characters. A Responses call
+that chains by ``previous_response_id`` carries only its new turn; :mod:`router.api` gives it
+the session of the call that produced that response.
 
 The table key is ``tenant / session[#agent]``: a Claude Code subagent has its own context
 (hence its own KV), so it is its own entry whose parent is ``session#parent_agent`` (or the
@@ -34,7 +44,7 @@ other's keys, so one tenant can neither steer nor observe another's sessions.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,29 +103,57 @@ def _truthy(v: str | None) -> bool:
 
 _TEXT_KEYS = ("role", "type", "text", "content", "input", "output", "name", "arguments")
 _TEXT_KEYS_LAST_FIRST = tuple(reversed(_TEXT_KEYS))  # the walk's stack pops the last pushed
-_BODY_TEXT_LAST_FIRST = tuple(reversed(("system", "instructions", "messages", "input", "prompt")))
+_BODY_TEXT_KEYS = ("system", "instructions", "messages", "input", "prompt")
+HEAD_MAX_CHARS = 1 << 24  # a conversation head is hashed whole (bodies are capped far below)
 
 
 def prompt_prefix_text(body: Mapping[str, Any], limit: int) -> str:
-    """The prompt's leading characters, from whichever API shape the body has.
+    """The prompt's leading characters, from whichever API shape the body has."""
+    return _text([body[k] for k in _BODY_TEXT_KEYS if k in body], max(0, limit))
 
-    Walks the body depth-first with its own stack (no recursion: a body nested ~1,000 deep,
-    which the JSON parser accepts, must not raise ``RecursionError``)."""
+
+def _text(roots: Iterable[Any], limit: int | None = None) -> str:
+    """The texts under ``roots`` in order, joined by ``\x1e`` (at most ``limit`` characters).
+
+    Walks depth-first with its own stack (no recursion: a body nested ~1,000 deep, which the
+    JSON parser accepts, must not raise ``RecursionError``)."""
     parts: list[str] = []
     n = 0
-    stack: list[Any] = [body[k] for k in _BODY_TEXT_LAST_FIRST if k in body]
-    while stack and n < limit:
+    cap = HEAD_MAX_CHARS if limit is None else limit
+    stack: list[Any] = list(roots)[::-1]
+    while stack and n < cap:
         x = stack.pop()
         if isinstance(x, str):
             sep = 1 if parts else 0  # n: length of the joined text so far
-            room = limit - n - sep
+            room = cap - n - sep
             parts.append(x if len(x) <= room else x[: max(0, room)])  # only what can show
             n += sep + len(x)
         elif isinstance(x, list):
             stack.extend(reversed(x))
         elif isinstance(x, dict):
             stack.extend([x[k] for k in _TEXT_KEYS_LAST_FIRST if k in x])
-    return "\x1e".join(parts)[:limit]
+    return "\x1e".join(parts)[:cap]
+
+
+def conversation_head(body: Mapping[str, Any]) -> list[Any] | None:
+    """The parts of a chat body that stay the same as its conversation grows: the system
+    prompt (Anthropic ``system``, Responses ``instructions``, the leading system / developer
+    turns) and the first user turn (Chat and Anthropic ``messages``, Responses ``input``: its
+    first user item, or the input itself when it is a string). ``None`` for a body without
+    turns (a completions ``prompt``)."""
+    head: list[Any] = [body[k] for k in ("system", "instructions") if k in body]
+    turns = body.get("messages")
+    if turns is None:
+        turns = body.get("input")
+        if isinstance(turns, str):
+            return [*head, turns]
+    if not isinstance(turns, list):
+        return None
+    for item in turns:
+        head.append(item)
+        if isinstance(item, dict) and item.get("role") == "user":
+            break
+    return head
 
 
 def identify(
@@ -153,7 +191,8 @@ def identify(
                 parent_key = f"{tenant}{SEP}{v}"
                 break
     if session is None:
-        text = prompt_prefix_text(body, prefix_chars)
+        head = conversation_head(body)
+        text = _text(head) if head is not None else prompt_prefix_text(body, prefix_chars)
         digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
         session, source = f"prefix:{digest}", "prefix"
     return SessionIdentity(tenant, session, parent_key, agent, final, source or "prefix")

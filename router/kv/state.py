@@ -622,6 +622,8 @@ class KVState:
         self._placed(ctx)  # a call that ended before it was placed
         self.prefilling.pop(ctx.request_id, None)  # ended without a first byte, or after one
         self.routed.pop(ctx.request_id, None)  # its blocks are in the index now (or evicted)
+        if not getattr(ctx, "session_call", True):  # count_tokens & co.: no turn, no KV
+            return
         replica = outcome.replica
         now = self.clock()
         ident = ctx.identity

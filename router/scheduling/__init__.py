@@ -62,6 +62,9 @@ class RequestContext:
     extra: dict[str, Any] = field(default_factory=dict)  # out-of-tree plugins' scratch
     excluded: frozenset[str] = frozenset()  # replicas already tried for this request
     observed: bool = False  # the observers have been told how this request ended
+    # False for calls that are not turns of the session (``count_tokens``, embeddings): they
+    # are routed like the session's calls, but neither placed, analysed nor counted in it
+    session_call: bool = True
     hint: Mapping[str, Any] | None = None  # the retention hint sent upstream (router.hints)
     _prefix: str | None = None
 

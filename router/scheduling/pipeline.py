@@ -42,6 +42,11 @@ class Decision:
     elapsed_s: float = 0.0  # time schedule() took (filters, scorers, picker)
     terms: dict[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)  # scorer ->
     session_replica: str | None = None  # the replica the call's session was on (None: new)
+    # why the session leaves ``session_replica`` (None: it stays, or is new): ``retry`` (the
+    # replica failed this call before its first byte), ``unavailable`` (no longer a candidate:
+    # gone, unhealthy, breaker open, not serving the model), ``cost`` (a cost scorer found
+    # another replica cheaper, hysteresis included), ``score`` (other scorers outranked it)
+    move_reason: str | None = None
 
     def term(self, endpoint: str, key: str) -> Any:
         """The first scorer's ``key`` term for ``endpoint`` (``None`` when no scorer gave it)."""
@@ -107,6 +112,13 @@ class Pipeline:
         chosen = self.picker.pick(ctx, snap, ranked)
         sticky = snap.session.replica if snap.session is not None else None
         out = Decision(chosen, ranked, terms=terms, session_replica=sticky)
+        if sticky is not None and chosen.name != sticky:
+            out.move_reason = (
+                "retry" if sticky in ctx.excluded
+                else "unavailable" if sticky not in totals
+                else "cost" if terms
+                else "score"
+            )  # fmt: skip
         out.elapsed_s = time.perf_counter() - t0  # explain's bookkeeping below not counted
         if explain:
             out.explain = {
@@ -122,6 +134,7 @@ class Pipeline:
                 "filtered_out": removed_by,
                 "session": None if snap.session is None else snap.session.key,
                 "session_replica": None if snap.session is None else snap.session.replica,
+                "move_reason": out.move_reason,
             }  # fmt: skip
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pick %s for %s: %s", chosen.name, ctx.request_id,

@@ -2,10 +2,13 @@
 
 Algorithm: capacity = ceil(c · (total load + 1) / n) (consistent hashing with bounded
 loads, c = ``load_factor``). If the session already has a replica in the table
-(``snap.session.replica``), is a candidate and is under capacity, it scores 1. Otherwise walk
-the consistent-hash ring from the session key: the first candidate under capacity scores 1.
-Every other candidate under capacity scores by ring order, 0.5·(1 - rank/n), so a combined
-policy still prefers the session's neighbours; candidates at capacity score 0.
+(``snap.session.replica``) and it is a candidate (healthy, serving the model, not failed on
+this call), it scores 1 whatever its load: the bound places new sessions, it never moves a
+known one — moving costs the session's whole context in recompute, which a load count cannot
+weigh (``kv_cost`` weighs it). Otherwise walk the consistent-hash ring from the session key:
+the first candidate under capacity scores 1. Every other candidate under capacity scores by
+ring order, 0.5·(1 - rank/n), so a combined policy still prefers the session's neighbours;
+candidates at capacity score 0.
 Policy ``session_affinity`` uses it alone.
 
 .. code-block:: yaml
@@ -33,7 +36,7 @@ def ring_scores(
     total = sum(e.load for e in endpoints)
     cap = bounded_capacity(total, len(endpoints), factor)
     out: dict[str, float] = {}
-    if sticky in by_name and by_name[sticky].load < cap:
+    if sticky in by_name:  # a known session stays: load alone never moves it (its KV is there)
         out[sticky] = 1.0
     ring = ring_for(tuple(sorted(by_name)))
     n = len(by_name)

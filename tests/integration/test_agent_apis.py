@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
 from loadtest.twin.cluster import start_cluster
@@ -78,3 +79,38 @@ async def test_anthropic_sdk_messages_stream_count_tokens_and_errors(base: str) 
     with pytest.raises(anthropic.BadRequestError) as eb:
         await client.messages.create(model="tiny", max_tokens=2, messages=[])
     assert eb.value.body["error"]["type"] == "invalid_request_error"
+
+
+async def test_token_metrics_equal_the_replies_usage(base: str) -> None:
+    """What ``kvroute_prompt_tokens_total`` / ``_cached_total`` count is what the clients were
+    told: Anthropic's prompt is input + cache read + cache creation, Responses' cached tokens
+    are in ``input_tokens_details``; streamed and not."""
+    ant = anthropic.AsyncAnthropic(base_url=base, api_key="none", max_retries=0)
+    oai = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    prompt = cached = 0
+    msgs = [{"role": "user", "content": "summarize the repository layout " * 20}]
+    for _ in range(2):  # the second call finds the first one's prefix cached
+        m = await ant.messages.create(model="tiny", max_tokens=3, messages=msgs, system="terse")
+        u = m.usage
+        prompt += u.input_tokens + (u.cache_read_input_tokens or 0)
+        prompt += u.cache_creation_input_tokens or 0
+        cached += u.cache_read_input_tokens or 0
+        async with ant.messages.stream(model="tiny", max_tokens=3, messages=msgs,
+                                       system="terse") as stream:  # fmt: skip
+            u = (await stream.get_final_message()).usage
+        prompt += u.input_tokens + (u.cache_read_input_tokens or 0)
+        prompt += u.cache_creation_input_tokens or 0
+        cached += u.cache_read_input_tokens or 0
+        ask = {"model": "tiny", "input": "list the tests " * 20, "max_output_tokens": 3}
+        r = await oai.responses.create(**ask)
+        prompt += r.usage.input_tokens
+        cached += r.usage.input_tokens_details.cached_tokens
+        events = [e async for e in await oai.responses.create(**ask, stream=True)]
+        done = events[-1].response
+        prompt += done.usage.input_tokens
+        cached += done.usage.input_tokens_details.cached_tokens
+    assert cached > 0
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(base + "/metrics")).text
+    assert f'kvroute_prompt_tokens_total{{model="tiny"}} {float(prompt)}' in text
+    assert f'kvroute_prompt_tokens_cached_total{{model="tiny"}} {float(cached)}' in text

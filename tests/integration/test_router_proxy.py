@@ -52,6 +52,9 @@ class FakeReplica:
     chunk_delay_s: float = 0.0
     chunks: list[bytes] = field(default_factory=lambda: list(SSE_CHUNKS))
     fail_status: int | None = None
+    fail_text: str | None = None  # with fail_status: a plain-text error body instead of JSON
+    fail_chunked: bool = False  # send the error body chunked (no Content-Length)
+    usage: dict[str, Any] = field(default_factory=lambda: {"prompt_tokens": 3})  # JSON answers
     die_after_chunks: int | None = None  # close the connection mid-stream
     healthy: bool = True
     running: float = 0.0
@@ -59,6 +62,7 @@ class FakeReplica:
     seen: list[Seen] = field(default_factory=list)
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     completed: int = 0
+    responses: set[str] = field(default_factory=set)  # Responses ids this replica produced
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -68,16 +72,24 @@ class FakeReplica:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.fail_status:
+            if self.fail_text is not None and self.fail_chunked:
+                err = web.StreamResponse(status=self.fail_status)
+                err.content_type = "text/plain"
+                await err.prepare(request)
+                await err.write(self.fail_text.encode())
+                await err.write_eof()
+                return err
+            if self.fail_text is not None:
+                return web.Response(text=self.fail_text, status=self.fail_status)
             return web.json_response({"error": {"message": "injected"}}, status=self.fail_status)
         body = orjson.loads(raw) if raw else {}
+        rid = "x"
+        if request.path == "/v1/responses":  # a Responses id this replica holds from now on
+            rid = f"resp_{self.name}_{len(self.seen)}"
+            self.responses.add(rid)
         if not body.get("stream"):
             return web.json_response(
-                {
-                    "id": "x",
-                    "replica": self.name,
-                    "echo_len": len(raw),
-                    "usage": {"prompt_tokens": 3},
-                }
+                {"id": rid, "replica": self.name, "echo_len": len(raw), "usage": self.usage}
             )
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "X-Replica": self.name}
@@ -89,7 +101,7 @@ class FakeReplica:
                     assert request.transport is not None
                     request.transport.abort()
                     return resp
-                await resp.write(c)
+                await resp.write(c.replace(b"RID", rid.encode()))
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)
             await resp.write_eof()
@@ -98,6 +110,17 @@ class FakeReplica:
             self.aborted.set()
             raise
         return resp
+
+    async def _response(self, request: web.Request) -> web.Response:
+        """vLLM's GET /v1/responses/{id} and POST …/cancel: only the producer knows the id."""
+        rid = request.match_info["rid"]
+        self.seen.append(Seen(request.path_qs, dict(request.headers), b""))
+        if rid not in self.responses:
+            err = {"message": f"Response with id '{rid}' not found.",
+                   "type": "invalid_request_error", "param": None, "code": 404}  # fmt: skip
+            return web.json_response({"error": err}, status=404)
+        status = "cancelled" if request.path.endswith("/cancel") else "completed"
+        return web.json_response({"id": rid, "replica": self.name, "status": status})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -121,6 +144,8 @@ class FakeReplica:
 
     async def start(self) -> FakeReplica:
         app = web.Application(client_max_size=64 << 20)
+        app.router.add_get("/v1/responses/{rid}", self._response)
+        app.router.add_post("/v1/responses/{rid}/cancel", self._response)
         app.router.add_post("/v1/{tail:.+}", self._infer)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
@@ -351,7 +376,7 @@ async def test_models_union_ready_metrics_and_passthrough(fakes, router, http):
     assert 'kvroute_requests_total{replica="' + b.url in text
     assert 'route="/v1/*"' in text and "kvroute_added_latency_seconds_count" in text
     assert f'kvroute_inflight{{replica="{a.url}"}} 0.0' in text
-    assert "kvroute_active_sessions 2.0" in text  # 'u1' + the embeddings call's prefix
+    assert "kvroute_active_sessions 1.0" in text  # 'u1' (an embeddings call is no session call)
 
 
 async def test_upstream_key_is_injected_and_never_echoed_or_logged(fakes, router, http, caplog):
@@ -628,3 +653,158 @@ async def test_model_whose_replicas_are_all_down_is_503_not_404(fakes, router, h
         assert r.status == 503 and "Retry-After" in r.headers  # retryable, not "unknown"
     async with http.post(url + "/v1/chat/completions", json={**CHAT, "model": "nope"}) as r:
         assert r.status == 404 and (await r.json())["error"]["type"] == "model_not_found"
+
+
+# --- Responses ids, usage of every API, replica errors in the client's API shape ----------
+
+RESPONSES_STREAM = [
+    b'event: response.created\ndata: {"type":"response.created","sequence_number":0,'
+    b'"response":{"id":"RID","status":"in_progress","usage":null}}\n\n',
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+    b'"sequence_number":1,"delta":"hi"}\n\n',
+    # the last event repeats the whole response (instructions, tools): longer than 4 KB
+    b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2,'
+    b'"response":{"id":"RID","instructions":"' + b"be brief " * 800 + b'","status":"completed",'
+    b'"usage":{"input_tokens":50,"input_tokens_details":{"cached_tokens":32},'
+    b'"output_tokens":4,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":54},'
+    b'"user":null}}\n\n',
+]
+ANTHROPIC_STREAM = [
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","type":'
+    b'"message","role":"assistant","content":[],"usage":{"input_tokens":7,'
+    b'"cache_creation_input_tokens":0,"cache_read_input_tokens":64,"output_tokens":0}}}\n\n',
+    *[
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"' + b"w" * 200 + b'"}}\n\n'
+    ]
+    * 30,  # > 4 KB
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+    b'"usage":{"output_tokens":20}}\n\n',
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+]
+
+
+async def test_responses_by_id_go_to_the_replica_that_produced_them(fakes, router, http):
+    reps = await fakes(3)
+    url, _ = await router([r.url for r in reps], policy="round_robin")
+    made: dict[str, str] = {}  # response id -> the replica that produced it
+    for _ in range(3):
+        async with http.post(url + "/v1/responses", json={"model": "tiny", "input": "hi"}) as r:
+            out = await r.json()
+        made[out["id"]] = out["replica"]
+    for r in reps:
+        r.chunks = list(RESPONSES_STREAM)
+    body = {"model": "tiny", "input": "hi", "stream": True}
+    async with http.post(url + "/v1/responses", json=body) as r:
+        first = (await r.read()).split(b"\n\n")[0]
+    rid = orjson.loads(first.split(b"data: ")[1])["response"]["id"]
+    made[rid] = next(f.name for f in reps if rid in f.responses)
+    assert len(set(made.values())) == 3  # produced on every replica
+    for rid, owner in made.items():
+        async with http.get(url + f"/v1/responses/{rid}") as r:
+            assert r.status == 200 and (await r.json())["replica"] == owner
+        async with http.post(url + f"/v1/responses/{rid}/cancel") as r:
+            got = await r.json()
+            assert r.status == 200 and got == {"id": rid, "replica": owner, "status": "cancelled"}
+    # only the owner was asked: the router knew where each id lives
+    for f in reps:
+        asked = [s.path.split("/")[3] for s in f.seen if s.path.startswith("/v1/responses/")]
+        assert set(asked) == {i for i, o in made.items() if o == f.name}, (f.name, asked)
+    # a router that never saw the id (another process, a restart) finds it on its replica
+    url2, _ = await router([r.url for r in reps])
+    rid, owner = next(iter(made.items()))
+    async with http.get(url2 + f"/v1/responses/{rid}?stream=false") as r:
+        assert r.status == 200 and (await r.json())["replica"] == owner
+    assert reps[[f.name for f in reps].index(owner)].seen[-1].path.endswith("?stream=false")
+    async with http.get(url2 + "/v1/responses/resp_nowhere") as r:  # on no replica
+        assert r.status == 404
+        err = (await r.json())["error"]
+        assert err["code"] == 404 and "resp_nowhere" in err["message"]
+    async with http.get(url + "/v1/responses/a%20b%3Fc") as r:  # not put in a path as it is
+        assert r.status == 404
+    assert not any("%20" in s.path or " " in s.path for f in reps for s in f.seen)
+    async with http.get(url2 + "/metrics") as r:
+        text = await r.text()
+    assert 'route="/v1/responses/{response_id}"' in text
+
+
+async def test_usage_of_every_api_reaches_the_token_metrics(fakes, router, http):
+    (f,) = await fakes(1)
+    url, _ = await router([f.url])
+    # Anthropic: input_tokens is the uncached rest; the cache read is the cached part
+    f.usage = {"input_tokens": 10, "cache_read_input_tokens": 90,
+               "cache_creation_input_tokens": 5, "output_tokens": 3}  # fmt: skip
+    msgs = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    async with http.post(url + "/v1/messages", json=msgs) as r:
+        assert r.status == 200
+    # Responses: input_tokens is the whole prompt, cached in input_tokens_details
+    f.usage = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 16},
+               "output_tokens": 2}  # fmt: skip
+    async with http.post(url + "/v1/responses", json={"model": "tiny", "input": "x"}) as r:
+        assert r.status == 200
+    # streamed: Anthropic's prompt counts come in message_start, Responses' in the last event
+    f.chunks = list(ANTHROPIC_STREAM)
+    async with http.post(url + "/v1/messages", json={**msgs, "stream": True}) as r:
+        assert r.status == 200 and len(await r.read()) > 4096
+    f.chunks = list(RESPONSES_STREAM)
+    body = {"model": "tiny", "input": "x", "stream": True}
+    async with http.post(url + "/v1/responses", json=body) as r:
+        assert r.status == 200
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'kvroute_prompt_tokens_total{model="tiny"} 266.0' in text  # 105 + 40 + 71 + 50
+    assert 'kvroute_prompt_tokens_cached_total{model="tiny"} 202.0' in text  # 90+16+64+32
+
+
+async def test_replica_errors_reach_the_client_in_its_api_shape(fakes, router, http):
+    (f,) = await fakes(1)
+    url, _ = await router([f.url])
+    msgs = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    chat = "/v1/chat/completions"
+    # vLLM's OpenAI-shaped 400 (e.g. a Messages call without max_tokens) on Anthropic routes
+    f.fail_status = 400
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        async with http.post(url + path, json=msgs) as r:
+            assert r.status == 400 and r.content_type == "application/json"
+            assert await r.json() == {
+                "type": "error", "error": {"type": "invalid_request_error", "message": "injected"}
+            }  # fmt: skip
+    async with http.post(url + chat, json=msgs) as r:  # already OpenAI's: as it came
+        assert r.status == 400 and await r.json() == {"error": {"message": "injected"}}
+    # a plain-text error page, sized or chunked
+    f.fail_status, f.fail_text = 404, "404: Not Found (no route /v1/messages here)"
+    for chunked in (False, True):
+        f.fail_chunked = chunked
+        async with http.post(url + "/v1/messages", json=msgs) as r:
+            assert r.status == 404 and r.content_type == "application/json"
+            assert await r.json() == {"type": "error", "error": {
+                "type": "not_found_error", "message": f.fail_text}}  # fmt: skip
+        async with http.post(url + chat, json=msgs) as r:
+            assert r.status == 404 and r.content_type == "application/json"
+            assert await r.json() == {"error": {"message": f.fail_text, "type": "not_found",
+                                                "param": None, "code": 404}}  # fmt: skip
+    # FastAPI's validation error shape keeps its detail
+    f.fail_status, f.fail_text, f.fail_chunked = 422, '{"detail":[{"msg":"field required"}]}', False
+    async with http.post(url + "/v1/messages", json=msgs) as r:
+        got = await r.json()
+        assert r.status == 422 and got["error"]["type"] == "invalid_request_error"
+        assert "field required" in got["error"]["message"]
+
+
+async def test_a_response_id_is_its_tenants_only(fakes, router, http):
+    reps = await fakes(2)
+    url, _ = await router([r.url for r in reps], api_keys={"ka": "alpha", "kb": "beta"})
+    a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
+    async with http.post(url + "/v1/responses", json={"model": "tiny", "input": "hi"},
+                         headers=a) as r:  # fmt: skip
+        rid = (await r.json())["id"]
+    asked = sum(len(f.seen) for f in reps)
+    for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/cancel"):
+        call = http.get if path.endswith(rid) else http.post
+        async with call(url + path, headers=b) as r:
+            assert r.status == 404
+        async with call(url + path) as r:  # no key at all
+            assert r.status == 401
+    assert sum(len(f.seen) for f in reps) == asked  # no replica was asked
+    async with http.get(url + f"/v1/responses/{rid}", headers=a) as r:
+        assert r.status == 200 and (await r.json())["id"] == rid

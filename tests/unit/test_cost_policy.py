@@ -157,8 +157,8 @@ def test_without_the_kv_layer_it_is_bounded_load_session_affinity():
     s = KVCost().score(c, Snapshot(tuple(eps), None, 0, {}), eps)
     assert s == SessionAffinity().score(c, Snapshot(tuple(eps), None, 0, {}), eps)
     assert s["B"] > s.get("A", 0.0)  # A is at capacity (ceil(1.25 * 4 / 2) = 3)
-    # the session's replica keeps it while under capacity, even when busier
-    eps = [ep("A", inflight=1), ep("B")]
+    # the session's replica keeps it when busier, at capacity too (load alone never moves it)
+    eps = [ep("A", inflight=3), ep("B")]
     rec = SessionRecord("t/s", "t", replica="A")
     s = KVCost().score(c, Snapshot(tuple(eps), rec, 0, {}), eps)
     assert max(s, key=s.get) == "A"

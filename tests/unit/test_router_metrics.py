@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from costmodel.calibration import Calibrator
 from router.kv.events import PublisherState, SubscriberStats
 from router.metrics import RouterMetrics
-from router.outcome import CallOutcome, Usage, usage_from_body, usage_from_tail
+from router.outcome import CallOutcome, Usage, usage_from_body, usage_from_stream, usage_from_tail
 from router.replicas import Replica, ReplicaSet, cached_by_source, parse_vllm_metrics
 from router.sessions import SessionIdentity
 
@@ -113,6 +113,18 @@ def test_placement_outcomes(previous, chosen, outcome):
     assert value(m, "kvroute_decision_latency_seconds_bucket", le="0.0025") == 1.0
 
 
+def test_moves_are_counted_by_reason():
+    m = RouterMetrics()
+    for reason in ("retry", "cost", "cost", None):
+        m.placed("a", "b", SimpleNamespace(elapsed_s=0.001, move_reason=reason))
+    m.placed("a", "a", SimpleNamespace(elapsed_s=0.001, move_reason=None))
+    assert value(m, "kvroute_session_moves_total", reason="cost") == 2.0
+    assert value(m, "kvroute_session_moves_total", reason="retry") == 1.0
+    assert value(m, "kvroute_session_moves_total", reason="other") == 1.0
+    assert value(m, "kvroute_session_moves_total", reason="unavailable") == 0.0
+    assert value(m, "kvroute_session_placements_total", outcome="moved") == 4.0
+
+
 def test_observer_counts_identity_usage_and_per_call_tpot():
     m = RouterMetrics()
     outcome = CallOutcome("r", "200", events=12, ttft_s=0.5, duration_s=1.5,
@@ -155,6 +167,33 @@ def test_usage_from_json_and_sse_tails():
     assert usage_from_tail(b'data: {"usage": trunc') is None
 
 
+def test_usage_reads_anthropic_and_responses_counts():
+    # Anthropic: the prompt is input + cache read + cache creation; the cache read is cached
+    ant = {"input_tokens": 10, "cache_read_input_tokens": 90, "cache_creation_input_tokens": 5,
+           "output_tokens": 3}  # fmt: skip
+    assert Usage.from_json(ant) == Usage(105, 3, 90)
+    assert Usage.from_json({"input_tokens": 8, "output_tokens": 1}) == Usage(8, 1, None)
+    resp = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 16}, "output_tokens": 2}
+    assert Usage.from_json(resp) == Usage(40, 2, 16)
+    # streams: Responses' usage under response in its last event; Anthropic's prompt counts in
+    # message_start (the head), its output in message_delta (the tail)
+    completed = orjson.dumps({"type": "response.completed", "response": {"usage": resp}})
+    assert usage_from_tail(b"event: response.completed\ndata: " + completed + b"\n\n") == (
+        Usage(40, 2, 16)
+    )
+    start = orjson.dumps(
+        {"type": "message_start", "message": {"usage": {**ant, "output_tokens": 0}}}
+    )
+    head = b"event: message_start\ndata: " + start + b"\n\n"
+    tail = b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":20}}\n\n'
+    assert usage_from_stream(head, tail) == Usage(105, 20, 90)
+    assert usage_from_stream(b"", tail) == Usage(None, 20, None)
+    # vLLM's message_delta repeats the whole usage: the tail's counts win
+    full = b'data: {"type":"message_delta","usage":{"input_tokens":1,"cache_read_input_tokens":2,' \
+        b'"output_tokens":5}}\n\n'  # fmt: skip
+    assert usage_from_stream(head, full) == Usage(3, 5, 2)
+
+
 def test_usage_from_a_whole_json_answer_of_any_size():
     usage = {"prompt_tokens": 9, "total_tokens": 17, "completion_tokens": 8,
              "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
@@ -164,7 +203,8 @@ def test_usage_from_a_whole_json_answer_of_any_size():
         "usage": usage, "prompt_logprobs": None, "kv_transfer_params": None,
     })  # fmt: skip
     assert usage_from_body(answer) == Usage(9, 8, 4)
-    assert usage_from_tail(answer[-4096:]) is None  # what the tail alone cannot see
+    # the tail holds the usage but not its line's start: the usage object is read on its own
+    assert usage_from_tail(answer[-4096:]) == Usage(9, 8, 4)
     anthropic = b'{"content":[{"text":"usage"}],"usage" : {"input_tokens":5,"output_tokens":2}}'
     assert usage_from_body(anthropic) == Usage(5, 2, None)
     # a string that is just "usage" after the key is passed over

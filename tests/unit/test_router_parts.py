@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import orjson
 import pytest
 
 from router.config import ConfigError, load_config
@@ -73,12 +74,53 @@ def test_dynamo_final_flag_and_tenant_namespacing():
     assert a.final and not b.final and a.key != b.key
 
 
-def test_prefix_fallback_depends_on_leading_text_only():
-    sys_msg = {"role": "system", "content": "rules " * 1000}
-    a = identify({}, {"messages": [sys_msg, {"role": "user", "content": "one"}]})
-    b = identify({}, {"messages": [sys_msg, {"role": "user", "content": "two"}]})
-    c = identify({}, {"messages": [{"role": "system", "content": "other"}]})
+def _turns(shape: str, first: str, n: int, system: str = "be brief") -> dict:
+    """Turn ``n`` (0-based) of a conversation opened by ``first``, as each API sends it."""
+    if shape == "chat":
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+        for i in range(n):
+            msgs += [{"role": "assistant", "content": f"a{i}"},
+                     {"role": "user", "content": f"u{i}"}]  # fmt: skip
+        return {"messages": msgs}
+    if shape == "anthropic":
+        msgs = [{"role": "user", "content": [{"type": "text", "text": first}]}]
+        for i in range(n):
+            last = {"type": "text", "text": f"u{i}", "cache_control": {"type": "ephemeral"}}
+            msgs += [{"role": "assistant", "content": [{"type": "text", "text": f"a{i}"}]},
+                     {"role": "user", "content": [last]}]  # fmt: skip
+        return {"system": [{"type": "text", "text": system}], "messages": msgs}
+    items = [{"role": "developer", "content": "env"}, {"role": "user", "content": first}]
+    for i in range(n):
+        items += [{"type": "function_call", "name": "ls", "arguments": "{}", "call_id": f"c{i}"},
+                  {"type": "function_call_output", "call_id": f"c{i}", "output": f"o{i}"},
+                  {"role": "user", "content": [{"type": "input_text", "text": f"u{i}"}]},
+                  ]  # fmt: skip
+    return {"instructions": system, "input": items}
+
+
+@pytest.mark.parametrize("shape", ["chat", "anthropic", "responses"])
+def test_fallback_keys_a_conversation_on_its_head_not_its_growing_prompt(shape):
+    # five turns of one conversation with a short system prompt: one session (the prompt's
+    # first 4,096 characters changed every turn: five sessions)
+    turns = [identify({}, _turns(shape, "fix the bug", n)) for n in range(5)]
+    assert {t.source for t in turns} == {"prefix"}
+    assert len({t.session for t in turns}) == 1
+    other = identify({}, _turns(shape, "write a test", 3))  # another conversation
+    assert other.session != turns[0].session
+    # two conversations on one long system prompt (a coding agent's) are two sessions (the
+    # first 4,096 characters made them one)
+    long = "tools and rules " * 400
+    a, b = (identify({}, _turns(shape, f, 2, system=long)) for f in ("fix it", "test it"))
+    assert a.session != b.session
+
+
+def test_fallback_without_turns_keys_on_the_leading_characters():
+    a = identify({}, {"prompt": "rules " * 1000 + "one"})
+    b = identify({}, {"prompt": "rules " * 1000 + "two"})
+    c = identify({}, {"prompt": "other"})
     assert a.source == "prefix" and a.session == b.session != c.session
+    # a Responses input that is a bare string is the first user turn
+    assert identify({}, {"input": "hi"}).session != identify({}, {"input": "ho"}).session
 
 
 @pytest.mark.parametrize(
@@ -291,22 +333,23 @@ def test_breaker_probe_abandoned_by_the_client_frees_the_slot():
 
 
 def test_calls_finished_after_a_scrape_leave_the_engine_count():
-    """A stale scrape must not make a session's own finished call look like load, or
-    bounded-load affinity moves the session (its KV stays behind) between two turns."""
+    """A stale scrape must not make a finished call look like load, or bounded-load affinity
+    places a session away from its home (where its prefix may already be)."""
     from router.replicas import Replica
     from router.scheduling.session_affinity import ring_scores
 
     reps = [Replica(f"http://r{i}") for i in range(4)]
     for r in reps:
         r.running, r.waiting = 0.0, 0.0
-    home = reps[2]
-    home.running = 1.0  # scraped while the session's previous call was running
-    stale = ring_scores("sess", [r.view() for r in reps], 1.25, sticky=home.name)
-    assert stale.get(home.name, 0.0) < 1.0  # the stale count pushes the session away
+    idle = ring_scores("sess", [r.view() for r in reps], 1.25)
+    home = next(r for r in reps if idle.get(r.name) == 1.0)  # where the session is placed
+    home.running = 1.0  # scraped while a previous call was running there
+    stale = ring_scores("sess", [r.view() for r in reps], 1.25)
+    assert stale.get(home.name, 0.0) < 1.0  # the stale count pushes the placement away
 
     home.finished += 1  # the router saw that call end after the scrape
     assert home.view().running == 0.0 and home.view().load == 0.0
-    fresh = ring_scores("sess", [r.view() for r in reps], 1.25, sticky=home.name)
+    fresh = ring_scores("sess", [r.view() for r in reps], 1.25)
     assert fresh[home.name] == 1.0
 
     home.finished_at_scrape = home.finished  # a new scrape starts from the engine's own count
@@ -402,3 +445,26 @@ def test_the_replays_subagent_headers_name_the_parent_the_router_knows(conventio
     assert child_parent == main and child != main
     nested, nested_parent = key("grep-2", "explore-1")
     assert nested_parent == child and nested not in (main, child)
+
+
+def test_replica_error_bodies_are_put_in_the_routes_api_shape():
+    from router.errors import replica_error_body
+
+    ant, oai = "/v1/messages", "/v1/chat/completions"
+    shaped = {"type": "error", "error": {"type": "not_found_error", "message": "gone"}}
+    assert replica_error_body(ant, 404, orjson.dumps(shaped)) is None  # already Anthropic's
+    openai_err = orjson.dumps({"error": {"message": "m", "type": "BadRequestError", "code": 400}})
+    assert replica_error_body(oai, 400, openai_err) is None  # already OpenAI's
+    assert orjson.loads(replica_error_body(ant, 400, openai_err)) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "m"}}  # fmt: skip
+    old = orjson.dumps({"object": "error", "message": "too long", "type": "x", "code": 400})
+    assert replica_error_body(oai, 400, old) is None
+    assert orjson.loads(replica_error_body(ant, 400, old))["error"]["message"] == "too long"
+    # an empty body says its status; bytes that are not UTF-8 are kept as replacement chars
+    assert orjson.loads(replica_error_body(ant, 500, b""))["error"] == {
+        "type": "api_error", "message": "internal server error"}  # fmt: skip
+    got = orjson.loads(replica_error_body(oai, 502, b"bad \xff gateway"))["error"]
+    assert got["message"] == "bad \ufffd gateway" and got["code"] == 502
+    # JSON that is no error object we know: its whole text is the message
+    assert orjson.loads(replica_error_body(ant, 429, b'["slow down"]'))["error"] == {
+        "type": "rate_limit_error", "message": '["slow down"]'}  # fmt: skip

@@ -168,16 +168,41 @@ def test_session_affinity_is_stable_and_spreads_sessions():
     assert moved == {s for s, h in homes.items() if h == "d"}
 
 
-def test_session_affinity_follows_the_table_until_the_replica_is_over_its_bound():
+def test_session_affinity_keeps_a_known_session_whatever_the_load_and_bounds_new_ones():
     p = build_pipeline(
         {"scorers": [{"type": "session_affinity", "weight": 1, "params": {"load_factor": 1.25}}]}
     )
     rec = SessionRecord("-/s", "-", replica="c")
     eps = [ep("a", 1), ep("b", 1), ep("c", 1)]
     assert p.schedule(ctx("s"), snap(eps, rec)).endpoint.name == "c"
-    # c holds 10 of 12 requests: capacity = ceil(1.25 * 13 / 3) = 6 -> the session spills
+    # c holds 10 of 12 requests (capacity ceil(1.25 * 13 / 3) = 6): the known session stays
+    # (moving it recomputes its whole context elsewhere), a new session is placed elsewhere
     hot = [ep("a", 1), ep("b", 1), ep("c", 10)]
-    assert p.schedule(ctx("s"), snap(hot, rec)).endpoint.name in {"a", "b"}
+    d = p.schedule(ctx("s"), snap(hot, rec))
+    assert d.endpoint.name == "c" and d.move_reason is None
+    homes = {p.schedule(ctx(f"n{i}"), snap(hot)).endpoint.name for i in range(40)}
+    assert homes == {"a", "b"}
+
+
+def test_a_move_says_why():
+    rec = SessionRecord("-/s", "-", replica="c")
+    p = build_pipeline("session_affinity")
+    eps = [ep("a"), ep("b"), ep("c")]
+    retry = ctx("s")
+    retry.excluded = frozenset({"c"})  # c failed this call before its first byte
+    assert p.schedule(retry, snap(eps, rec)).move_reason == "retry"
+    gone = p.schedule(ctx("s"), snap(eps[:2], rec))
+    assert gone.move_reason == "unavailable" and gone.session_replica == "c"
+    down = p.schedule(ctx("s"), snap([*eps[:2], ep("c")._replace(healthy=False)], rec))
+    assert down.move_reason == "unavailable"
+    # another scorer outranks the session's replica: a score move
+    lb = build_pipeline({"scorers": [{"type": "session_affinity", "weight": 1},
+                                     {"type": "least_load", "weight": 5}]})  # fmt: skip
+    busy = [ep("a"), ep("b"), ep("c", 9)]
+    d = lb.schedule(ctx("s"), snap(busy, rec), explain=True)
+    assert d.endpoint.name != "c" and d.move_reason == d.explain["move_reason"] == "score"
+    assert p.schedule(ctx("s"), snap(eps, rec)).move_reason is None  # kept
+    assert p.schedule(ctx("s"), snap(eps)).move_reason is None  # new
 
 
 def test_prefix_hash_uses_block_keys_when_the_analyzer_gave_them():
