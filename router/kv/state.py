@@ -43,11 +43,11 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from costmodel.calibration import Calibration, Calibrator
-from costmodel.profiles import ReplicaProfile, load_profile
+from costmodel.profiles import ReplicaProfile, router_profile
 from router.kv.approx import TEXT_CHUNK, TEXT_LIMIT, ApproxCache, text_keys
 from router.kv.config import KVConfig
 from router.kv.index import BlockIndex
@@ -316,7 +316,7 @@ class KVState:
         """The cost-model profile of ``replica`` (configured by URL, else the default)."""
         p = self._profiles.get(replica)
         if p is None:
-            p = self._profile_override or load_profile(
+            p = self._profile_override or router_profile(
                 self.cfg.profiles.get(replica, self.cfg.profile)
             )
             self._profiles[replica] = p
@@ -338,8 +338,37 @@ class KVState:
         return self._lane.chars_per_token if self._lane is not None else 4.0
 
     def calibration(self, replica: str) -> Calibration:
+        """``replica``'s online calibration. Where its own window holds too few samples for a
+        fit (a replica that has had little traffic), its time scales are the **fleet's**: the
+        median fit over the replicas of the same profile that have one. Without that, a
+        profile far off the engines' real speed (no profile at all, ``profile: none``) is a
+        trap: the first replica to be calibrated looks several times cheaper (or dearer)
+        than every uncalibrated one, and takes all the traffic (found in the simulator: 64
+        of 64 calibrated calls on one of 4 replicas) or none of it."""
         c = self.calibrators.get(replica)
-        return c.current(self.clock()) if c is not None else Calibration()
+        now = self.clock()
+        own = c.current(now) if c is not None else Calibration()
+        need = c.min_samples if c is not None else Calibrator().min_samples
+        if own.ttft_samples >= need and own.itl_samples >= need:
+            return own
+        name = self.profile_of(replica).name
+        fits = [
+            f
+            for r, k in self.calibrators.items()
+            if r != replica and self.profile_of(r).name == name
+            for f in (k.current(now),)
+        ]
+        ttft = [f for f in fits if f.ttft_samples >= need]
+        itl = [f for f in fits if f.itl_samples >= need]
+        if own.ttft_samples < need and ttft:
+            own = replace(
+                own,
+                prefill_scale=statistics.median(f.prefill_scale for f in ttft),
+                ttft_offset_s=statistics.median(f.ttft_offset_s for f in ttft),
+            )
+        if own.itl_samples < need and itl:
+            own = replace(own, decode_scale=statistics.median(f.decode_scale for f in itl))
+        return own
 
     # ---- the analyzer: tokens + block keys ----------------------------------------------------
 
