@@ -144,7 +144,7 @@ TRUTHS: dict[str, Truth] = {
         Truth(
             "decode-fast-slow-link",
             "decode faster (HBM at 0.95 of peak, step overhead 2 ms, all-reduce 5 us, "
-            "per-sequence cost halved: 1.25-1.45x on the TP4 profile, 1.1-1.2x on one GPU, "
+            "per-sequence cost halved: 1.22-1.45x on the TP4 profile, 1.1-1.2x on one GPU, "
             "where weight reads dominate) with a host link half as fast and 4x its latency",
             hbm=0.95 / 0.85,
             overhead=0.5,
