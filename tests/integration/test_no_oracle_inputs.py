@@ -164,11 +164,8 @@ async def test_a_twin_says_nothing_of_its_truth_over_http():
     async with start_cluster(1, "cpu-tiny", truth="prefill-slow") as c:
         async with httpx.AsyncClient(base_url=c.urls[0], timeout=20) as h:
             seen = [await h.get("/metrics"), await h.get("/v1/models"), await h.get("/health")]
-            seen.append(
-                await h.post(
-                    "/v1/completions", json={"model": "tiny", "prompt": "hi there", "max_tokens": 3}
-                )  # fmt: skip
-            )
+            body = {"model": "tiny", "prompt": "hi there", "max_tokens": 3}
+            seen.append(await h.post("/v1/completions", json=body))
     assert all(r.status_code == 200 for r in seen)
     text = " ".join(f"{r.headers} {r.text}" for r in seen).lower()
     assert not [w for w in ("truth", "prefill-slow", "prefill_slow") if w in text]
