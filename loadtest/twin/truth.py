@@ -43,7 +43,7 @@ HBM efficiency              0.85       0.70 – 0.95    GEMV weight streaming an
                                                       attention reach 70–95% of the data sheet
 step overhead               4 ms       1.5 – 8 ms     scheduler, sampling, launches; CUDA graphs
                                                       and async scheduling move it a lot
-TP all-reduce bus bandwidth 360 GB/s   250 – 400      NVLink 4 custom/NCCL all-reduce, by size
+TP all-reduce bandwidth     360 GB/s   250 – 400      NVLink 4 custom/NCCL all-reduce, by size
 host link, per GPU          50 GB/s    20 – 55 GB/s   PCIe 5 x16 pinned copies reach ~55; two GPUs
                                                       behind one switch, or scattered per-layer
                                                       block copies, half that
@@ -54,9 +54,10 @@ mixed-step interference     (0)        0.2 – 1.0      decode ITL rises 1.2–2
 The ``nominal`` truth sits at the profile's central figures where the profile states one
 (prefill ≈ the profile's MFU for an 8k chunk, HBM 0.85, the same step overhead and link) and
 in the middle of the ranges for what the profile does not model. It is **not** costmodel's
-formula: its step times differ from costmodel's by about −5% to +20% depending on the step's
-shape (tests/unit/test_twin_truth.py holds the bounds), which is the error a router told the
-nominal profile faces even when its profile is "right".
+formula: its step times differ from costmodel's by about −7% to +30% depending on the step's
+shape (the most near the compute/memory ridge; tests/unit/test_twin_truth.py holds bounds on
+TP4), which is the error a router told the nominal profile faces even when its profile is
+"right".
 """
 
 from __future__ import annotations
