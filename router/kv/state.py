@@ -339,12 +339,16 @@ class KVState:
 
     def calibration(self, replica: str) -> Calibration:
         """``replica``'s online calibration. Where its own window holds too few samples for a
-        fit (a replica that has had little traffic), its time scales are the **fleet's**: the
-        median fit over the replicas of the same profile that have one. Without that, a
-        profile far off the engines' real speed (no profile at all, ``profile: none``) is a
-        trap: the first replica to be calibrated looks several times cheaper (or dearer)
-        than every uncalibrated one, and takes all the traffic (found in the simulator: 64
-        of 64 calibrated calls on one of 4 replicas) or none of it."""
+        fit (a replica that has had little traffic), a time scale is the **fleet's** when
+        that is lower: the median fit over the replicas of the same profile that have one,
+        capped at the uncalibrated 1 (and no offset). An unmeasured replica is so priced
+        optimistically, never dearer than its profile or its peers. Without that, a profile
+        far slower than the engines (no profile at all, ``profile: none``) is a trap: the
+        first replica calibrated looks several times cheaper than every uncalibrated one and
+        takes all the traffic (found in the simulator: 225 of 225 calls on one of 4
+        replicas). A fleet fit above 1 (engines slower than the profile, or queueing the
+        model missed) is not borrowed: the cold replica then looks cheaper, is tried, and
+        measures itself."""
         c = self.calibrators.get(replica)
         now = self.clock()
         own = c.current(now) if c is not None else Calibration()
@@ -358,16 +362,12 @@ class KVState:
             if r != replica and self.profile_of(r).name == name
             for f in (k.current(now),)
         ]
-        ttft = [f for f in fits if f.ttft_samples >= need]
-        itl = [f for f in fits if f.itl_samples >= need]
+        ttft = [f.prefill_scale for f in fits if f.ttft_samples >= need]
+        itl = [f.decode_scale for f in fits if f.itl_samples >= need]
         if own.ttft_samples < need and ttft:
-            own = replace(
-                own,
-                prefill_scale=statistics.median(f.prefill_scale for f in ttft),
-                ttft_offset_s=statistics.median(f.ttft_offset_s for f in ttft),
-            )
+            own = replace(own, prefill_scale=min(1.0, statistics.median(ttft)))
         if own.itl_samples < need and itl:
-            own = replace(own, decode_scale=statistics.median(f.decode_scale for f in itl))
+            own = replace(own, decode_scale=min(1.0, statistics.median(itl)))
         return own
 
     # ---- the analyzer: tokens + block keys ----------------------------------------------------

@@ -755,8 +755,8 @@ def test_retention_settings_default_to_the_engine_plugins():
 
 def test_a_replica_without_enough_samples_borrows_the_fleets_calibration():
     """Until a replica has its own fit, its time scales are the median of its peers' (same
-    profile): else, with a profile far off the engines' speed, the first replica calibrated
-    looks several times cheaper than the rest and takes every call."""
+    profile) when that is below 1: else, with a profile far slower than the engines, the first
+    replica calibrated looks several times cheaper than the rest and takes every call."""
     from costmodel.calibration import Calibrator
 
     st = KVState(
@@ -778,7 +778,16 @@ def test_a_replica_without_enough_samples_borrows_the_fleets_calibration():
         assert cal.prefill_scale == pytest.approx(0.3, rel=0.01)
         assert cal.decode_scale == pytest.approx(0.5, rel=0.01)
     assert st.calibration("E").hit_realization == 1.0  # its own (too few samples: 1)
+    assert st.calibration("E").ttft_offset_s == 0.0
     assert st.calibration("D").prefill_scale == 1.0  # another profile: nothing to borrow
+    # a fleet slower than its profile is not borrowed: the cold replica looks cheaper, is
+    # tried, and measures itself
+    for name in ("A", "B", "C"):
+        for i in range(10):
+            st.calibrators[name].observe_ttft(1.0 + i, 3.0 * (1.0 + i))
+            st.calibrators[name].observe_itl(0.02, 0.06)
+    assert st.calibration("A").prefill_scale > 1.5
+    assert st.calibration("F").prefill_scale == 1.0 and st.calibration("F").decode_scale == 1.0
 
 
 def test_no_profile_prices_with_the_generic_stand_in():
