@@ -416,6 +416,17 @@ def _raw_profile(name: str, depth: int = 0) -> dict[str, Any]:
     return dict(d)
 
 
+NO_PROFILE = "none"  # a router told no profile ...
+GENERIC_PROFILE = "generic"  # ... prices with this stand-in and calibrates it online
+
+
+def router_profile(name: str) -> ReplicaProfile:
+    """The profile a router prices ``name``'s replicas with: :func:`load_profile`, except
+    :data:`NO_PROFILE` (``none``: nothing is known), which is the :data:`GENERIC_PROFILE`
+    stand-in that the router's online calibration corrects."""
+    return load_profile(GENERIC_PROFILE if name == NO_PROFILE else name)
+
+
 @cache
 def load_profile(name: str) -> ReplicaProfile:
     """The shipped replica profile ``name`` (see :func:`list_profiles`)."""

@@ -46,12 +46,16 @@ def sim_policy(target: str) -> str | None:
 def simulate(
     cfg: dict[str, Any], policy: str, seed: int | None, scrape_s: float = 0.0
 ) -> dict[str, Any]:
-    from costmodel.profiles import load_profile
+    from costmodel.profiles import load_profile, router_profile
     from loadtest.sim.router_policy import RouterPolicy
     from loadtest.sim.trace import simulate_trace
     from loadtest.traces import load_trace
 
     prof = load_profile(cfg["profile"])
+    # the same engine timing and router profile as the HTTP run (runs before issue 42 had
+    # neither: their twins ran costmodel's formula, their router the twins' profile)
+    truth = cfg.get("truth", "costmodel")
+    router_prof = router_profile(cfg.get("router_profile") or cfg["profile"])
     trace = load_trace(
         cfg["trace"], max_gap_s=cfg["max_gap_s"], seed=cfg.get("seed", 0),
         max_sessions=cfg.get("max_sessions"), max_calls=cfg.get("max_calls"),
@@ -59,9 +63,11 @@ def simulate(
     modelled = cfg["duration_s"] * cfg["speedup"]
     res = simulate_trace(
         prof, cfg["replicas"], trace,
-        RouterPolicy(policy, prof, seed=seed or 0, scrape_interval_s=scrape_s * cfg["speedup"]),
+        RouterPolicy(policy, router_prof, seed=seed or 0,
+                     scrape_interval_s=scrape_s * cfg["speedup"]),
         concurrency=cfg["concurrency"][0], duration_s=modelled, seed=seed,
         stagger_s=cfg.get("stagger_s", 0.0), shared_prefix=cfg.get("shared_prefix", False),
+        truth=truth,
     )  # fmt: skip
     s = res.summary(warmup_s=cfg.get("warmup_s", 0.0))
     return {

@@ -111,6 +111,10 @@ pre {{ background: #f6f6f6; padding: 1em; font-size: 12px; }}
 {html.escape(str(cfg.get("profile")))} replica twins (speedup {cfg.get("speedup")}; all
 times are scaled back to modelled seconds). Machine: {html.escape(str(results.get("machine")))}.
 </p>
+<p>Truth (the twins' engine timing, which no router is told):
+<b>{html.escape(str(cfg.get("truth", "costmodel (before issue 42)")))}</b>; kvroute's KV
+policies price with the profile
+<b>{html.escape(str(cfg.get("router_profile", cfg.get("profile"))))}</b> and calibrate online.</p>
 <ul>{"".join(f"<li>{html.escape(n)}</li>" for n in notes)}</ul>
 <h2>Results</h2>
 <table><tr><th>target</th><th>concurrency</th><th>seed</th>{head}<th>CPU</th></tr>

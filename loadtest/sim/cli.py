@@ -13,6 +13,7 @@ import argparse
 from loadtest.twin.cli_common import (
     add_overrides_arg,
     add_plugin_args,
+    add_truth_arg,
     plugin_from_args,
     profile_from_args,
 )
@@ -37,10 +38,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_overrides_arg(p)
     add_plugin_args(p)
+    add_truth_arg(p)
     p.add_argument(
         "--engine-hints",
         action="store_true",
         help="router:<policy> sends retention hints (the router's engine_hints)",
+    )
+    p.add_argument(
+        "--router-profile",
+        default=None,
+        help="the profile router:<policy> prices with (default: --profile, the nominal "
+        "profile; never the truth); 'none': no profile (a generic stand-in, calibrated online)",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summaries")
 
@@ -49,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from costmodel.profiles import ProfileError
+    from costmodel.profiles import ProfileError, router_profile
     from loadtest.sim.router_policy import RouterPolicy
     from loadtest.sim.simulator import ROUTERS, RouteFn, Simulator, synthetic_agentx
 
@@ -59,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         prof = profile_from_args(args)
         plugin = plugin_from_args(args)
+        # what the router is told: the nominal profile (with the same --set), or a named one
+        router_prof = prof if args.router_profile is None else router_profile(args.router_profile)
+        if router_prof.block_size != prof.block_size:
+            raise ValueError("the router profile's block size differs from the replicas'")
     except (ProfileError, ValueError) as e:
         print(f"kvroute sim: {e}")
         return 2
@@ -66,11 +78,12 @@ def run(args: argparse.Namespace) -> int:
     n_sessions = args.sessions or max(1, round(6 * args.replicas * args.hours))
     sessions = synthetic_agentx(n_sessions, dur, seed=args.seed)
     out = {}
+    print(f"truth {args.truth} (the engines' timing); router profile {router_prof.name}")
     for policy in args.policy or ["router:kv_cost"]:
         route: RouteFn
         try:
             if policy.startswith("router:"):
-                route = RouterPolicy(policy.removeprefix("router:"), prof, seed=args.seed,
+                route = RouterPolicy(policy.removeprefix("router:"), router_prof, seed=args.seed,
                                      engine_hints=args.engine_hints)  # fmt: skip
             elif policy in ROUTERS:
                 route = ROUTERS[policy]()
@@ -84,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvroute sim: {e}")
             return 2
         try:
-            sim = Simulator(prof, args.replicas, route, plugin=plugin)
+            sim = Simulator(prof, args.replicas, route, plugin=plugin, truth=args.truth)
         except ValueError as e:  # e.g. retention without a host tier
             print(f"kvroute sim: {e}")
             return 2
@@ -104,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "profile": prof.name,
+                    "truth": args.truth,
+                    "router_profile": router_prof.name,
                     "replicas": args.replicas,
                     "sessions": n_sessions,
                     "hours": args.hours,

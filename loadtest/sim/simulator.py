@@ -49,6 +49,7 @@ from engine_patches.retention_rule import parse_hint
 from loadtest.metrics import CallNumbers, UnlimitedCache, agentx_numbers
 from loadtest.traces.synthetic import agentx_chains
 from loadtest.twin.engine import RUNNING, Engine, EnginePlugin, Request, Step
+from loadtest.twin.truth import Truth
 
 MASK64 = (1 << 64) - 1
 
@@ -515,16 +516,19 @@ class Simulator:
         burst: bool = True,
         max_burst_steps: int = 256,
         plugin: EnginePlugin | None = None,
+        truth: str | Truth | None = None,
     ):
         if n_replicas < 1:
             raise ValueError("need at least one replica")
         self.profile = profile
+        self.truth = truth  # the engines' timing (loadtest.twin.truth); None: costmodel's
         self.observer: Any = route if hasattr(route, "on_finish") else None
         events = bool(getattr(route, "wants_events", False))
         self._on_events = route.on_events if events else None  # type: ignore[attr-defined]
         self.plugin = plugin or EnginePlugin()
         self._params = getattr(route, "kv_transfer_params", None)
-        self.replicas = [_Replica(Engine(profile, emit_events=events, plugin=self.plugin))
+        self.replicas = [_Replica(Engine(profile, emit_events=events, plugin=self.plugin,
+                                         truth=truth))
                          for _ in range(n_replicas)]  # fmt: skip
         self.views = [ReplicaView(i, r.engine) for i, r in enumerate(self.replicas)]
         self.route = route
@@ -596,12 +600,11 @@ class Simulator:
         eng = rep.engine
         b = len(eng.running)
         ctx = float(sum(r.num_computed for r in eng.running))
-        step = eng.coeffs.step
+        step = eng.timing.decode_step
         ends = []
         t = now
         for j in range(k):
-            c = ctx + j * b
-            t += step(b, c, c)
+            t += step(b, ctx + j * b)
             ends.append(t)
         rep.burst = (now, ends, b)
         rep.version += 1

@@ -59,6 +59,15 @@ class SweepConfig:
     warmup_s: float = 0.0  # modelled seconds left out of each point's summary
     model: str = "tiny"  # the twins' served model name (peers may not list models)
     progress: bool = True
+    # the twins' engine timing (loadtest.twin.truth), which no router is told ...
+    truth: str = "nominal"
+    # ... and the profile kvroute's KV layer prices with: None = ``profile`` (the nominal
+    # profile), "none" = no profile (the generic stand-in, calibrated online)
+    router_profile: str | None = None
+
+    @property
+    def router_profile_name(self) -> str:
+        return self.router_profile or self.profile
 
 
 def machine() -> str:
@@ -80,6 +89,9 @@ def notes_for(cfg: SweepConfig, trace_block: int, block: int, tpi: int) -> list[
     n = [
         f"Each point restarts {cfg.replicas} twins ({cfg.profile}, speedup {cfg.speedup:g}): "
         "caches start cold; times and throughput are scaled back to modelled seconds.",
+        f"Truth {cfg.truth}: the twins' engine timing, which no router is told; kvroute's KV "
+        f"layer prices with the profile {cfg.router_profile_name!r} and calibrates online "
+        "(docs/twin.md#truths).",
         f"Trace blocks of {trace_block} tokens become {tpi} tokens ({tpi // block} replica "
         f"block(s) of {block}); token counts are "
         + ("kept." if tpi == trace_block else f"scaled by {tpi / trace_block:g}."),
@@ -102,12 +114,18 @@ def run_point(
     builder: PromptBuilder,
     seed: int | None = None,
 ) -> dict[str, Any]:
-    point: dict[str, Any] = {"target": target, "concurrency": conc, "seed": seed}
+    point: dict[str, Any] = {
+        "target": target,
+        "concurrency": conc,
+        "seed": seed,
+        "truth": cfg.truth,
+        "router_profile": router_profile_of(cfg, target),
+    }
     d = out / "points" / target.replace(":", "_") / f"c{conc}"
     if seed is not None:
         d = d / f"s{seed}"
     events = "tcp://127.0.0.1:*" if needs_events(target) else None
-    cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup, kv_events=events)
+    cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup, kv_events=events, truth=cfg.truth)
     try:
         cluster.start()
         extra = {}
@@ -121,7 +139,7 @@ def run_point(
             event_endpoints=cluster.event_endpoints,
             block_size=_profile(cfg.profile).block_size,
             model=cfg.model,
-            profile=cfg.profile,
+            profile=cfg.router_profile_name,
             speedup=cfg.speedup,
             extra_env=extra,
         )
@@ -152,6 +170,9 @@ def run_point(
                 point["cpu"] = watch.stop()
             if target.startswith("kvroute:"):
                 point["router_metrics"] = router_state(router.url)
+        # every run says under which truth, and with which router profile, it was measured
+        summary = {**summary, "truth": point["truth"], "router_profile": point["router_profile"]}
+        (d / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         point["summary"] = summary
         point["dir"] = str(d.relative_to(out))
     except (StackError, RuntimeError, OSError) as e:
@@ -165,6 +186,13 @@ def run_point(
         cluster.stop()
         cleanup(cluster.workdir)
     return point
+
+
+def router_profile_of(cfg: SweepConfig, target: str) -> str | None:
+    """The profile ``target`` prices with: kvroute's KV policies get
+    :attr:`SweepConfig.router_profile_name`; other routers read no profile (None)."""
+    kv = target.startswith("kvroute:") and needs_events(target)
+    return cfg.router_profile_name if kv else None
 
 
 # The router's own view at the end of a point, kept for diagnosis (docs/router.md has them).
@@ -209,6 +237,14 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
         max_gap_s=cfg.max_gap_s,
         seed=cfg.seed,
     )
+    from loadtest.twin.truth import TRUTH_NAMES, describe
+
+    if cfg.truth not in TRUTH_NAMES:
+        raise ValueError(f"unknown truth {cfg.truth!r}; known: {', '.join(TRUTH_NAMES)}")
+    if cfg.router_profile not in (None, "none"):
+        rp = _profile(cfg.router_profile)  # an unknown name fails before any point runs
+        if rp.block_size != _profile(cfg.profile).block_size:
+            raise ValueError("the router profile's block size differs from the twins'")
     block = _profile(cfg.profile).block_size
     # Prompts longer than the profile's context are cut (from the end) to fit with the output.
     mml = _profile(cfg.profile).max_model_len
@@ -222,7 +258,8 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
         max_prompt_tokens=max_prompt,
     )
     results: dict[str, Any] = {
-        "config": asdict(cfg),
+        "config": {**asdict(cfg), "router_profile": cfg.router_profile_name},
+        "truth": describe(cfg.truth),
         "machine": machine(),
         "command": command or " ".join(shlex.quote(a) for a in sys.argv),
         "trace_stats": trace.stats(),
@@ -318,5 +355,7 @@ def aggregate(
             )
         if out is not None:
             row.update(pooled_ttft(out, used, warmup_s))
+        row["truth"] = pts[0].get("truth")
+        row["router_profile"] = pts[0].get("router_profile")
         rows.append(row)
     return rows

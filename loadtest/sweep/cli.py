@@ -47,10 +47,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="modelled seconds over which lanes' first sessions start (default 60 with --seeds)",
     )  # fmt: skip
     p.add_argument("--warmup", type=float, default=0.0, help="modelled seconds left out")
+    p.add_argument(
+        "--truth",
+        default="nominal",
+        help="the twins' engine timing, which no router is told: nominal (default), "
+        "prefill-slow, decode-fast-slow-link, or costmodel (the router's own formula); "
+        "a comma-separated list runs the whole sweep under each, into OUT/<truth>/",
+    )
+    p.add_argument(
+        "--router-profile",
+        default=None,
+        help="the profile kvroute's KV layer prices with (default: --profile, the nominal "
+        "profile); 'none': no profile (a generic stand-in, calibrated online)",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from loadtest.twin.truth import TRUTH_NAMES
+
+    truths = [t for t in args.truth.split(",") if t]
+    bad = [t for t in truths if t not in TRUTH_NAMES]
+    if bad or not truths:
+        print(f"kvroute bench: unknown truth {bad}; known: {', '.join(TRUTH_NAMES)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+
+    seeds: list[int | None] = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [None]
+    stagger = args.stagger if args.stagger is not None else (60.0 if args.seeds else 0.0)
+    code = 1  # 0 when any sweep measured something
+    for truth in truths:
+        out = args.out if len(truths) == 1 else str(Path(args.out) / truth)
+        code = min(code, _run_one(args, truth, out, seeds, stagger))
+        if code == 2:
+            return 2
+    return code
+
+
+def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagger: float) -> int:
     import sys
 
     from loadtest.prompts import PromptError
@@ -58,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
     from loadtest.sweep.bench import SweepConfig, run_sweep
     from loadtest.traces import TraceError
 
-    seeds: list[int | None] = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [None]
-    stagger = args.stagger if args.stagger is not None else (60.0 if args.seeds else 0.0)
     cfg = SweepConfig(
         trace=args.trace,
         targets=[t for t in args.targets.split(",") if t],
@@ -80,14 +115,20 @@ def run(args: argparse.Namespace) -> int:
         seeds=seeds,
         stagger_s=stagger,
         warmup_s=args.warmup,
+        truth=truth,
+        router_profile=args.router_profile,
     )
     try:
-        res = run_sweep(cfg, args.out, command="kvroute bench " + " ".join(sys.argv[2:]))
+        res = run_sweep(cfg, out, command="kvroute bench " + " ".join(sys.argv[2:]))
     except (TraceError, PromptError, ValueError) as e:
         print(f"kvroute bench: {e}", file=sys.stderr)
         return 2
     rows = {_label(p): p.get("summary") or {"error": p.get("error")} for p in res["points"]}
-    print_summary(rows, title=f"kvroute bench: {res['config']['trace']}")
+    print_summary(
+        rows,
+        title=f"kvroute bench: {res['config']['trace']} | truth {truth} | router profile "
+        f"{res['config']['router_profile']}",
+    )
     for p in res["points"]:
         if p.get("error"):
             print(f"  {_label(p)}: {p['error']}")
@@ -95,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         if cpu.get("saturated"):
             print(f"  {_label(p)}: CPU-saturated, not used: {'; '.join(cpu['why'])}")
     if any(p.get("seed") is not None for p in res["points"]):
-        print_aggregate(res["aggregate"])
+        print_aggregate(res["aggregate"], title=f"over seeds, truth {truth}")
     print(f"report: {res['report']}")
     return 0 if any(p.get("summary") for p in res["points"]) else 1
 

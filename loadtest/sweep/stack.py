@@ -53,6 +53,7 @@ class TwinCluster:
     profile: str = "h200-70b-fp8"
     speedup: float = 10.0
     kv_events: str | None = None
+    truth: str | None = None  # the engines' timing (loadtest.twin.truth); None: the CLI's default
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvroute-sw-")))
     urls: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
@@ -73,6 +74,8 @@ class TwinCluster:
         ]
         if self.kv_events:
             argv += ["--kv-events", self.kv_events]
+        if self.truth:
+            argv += ["--truth", self.truth]
         env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
         log = self.workdir / f"cluster-{uuid.uuid4().hex[:6]}.log"
         self._proc = ManagedProcess(argv, env, log, Path.cwd())
@@ -173,6 +176,7 @@ class Router:
     event_endpoints: dict[str, str] = field(default_factory=dict)  # replica url -> endpoint
     block_size: int = 64
     model: str = "tiny"
+    # the profile kvroute's KV layer prices with (never the twins' truth); "none": no profile
     profile: str = "h200-70b-fp8"
     model_dir: str | None = None  # the twins' tokenizer folder (kvroute's KV layer)
     speedup: float = 1.0  # the twins' --speedup (kvroute's KV layer calibrates in profile time)

@@ -3,7 +3,8 @@
 Owns the ``--set KEY=VALUE`` profile overrides and turning ``--profile`` + ``--set`` into a
 :class:`costmodel.profiles.ReplicaProfile` (raises ``ProfileError`` on bad input), and the
 engine plugin's settings (``--retention``, ``--cadence-interval``, ...) into an
-:class:`loadtest.twin.engine.EnginePlugin`.
+:class:`loadtest.twin.engine.EnginePlugin`, and ``--truth`` (the engine's timing,
+:mod:`loadtest.twin.truth`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 
 from costmodel.profiles import ReplicaProfile, load_profile, parse_overrides, with_overrides
 from loadtest.twin.engine import EnginePlugin
+from loadtest.twin.truth import NOMINAL, TRUTH_NAMES
 
 
 def add_overrides_arg(p: argparse.ArgumentParser) -> None:
@@ -68,3 +70,14 @@ def plugin_from_args(args: argparse.Namespace) -> EnginePlugin:
     given = {k: v for k, v in names.items() if v is not None}
     cadence = given if (args.cadence or given) else None
     return EnginePlugin.from_settings(retention, cadence)
+
+
+def add_truth_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--truth",
+        default=NOMINAL,
+        choices=TRUTH_NAMES,
+        help="the engine's timing, which no router is told (docs/twin.md#truths): nominal "
+        "(default), prefill-slow, decode-fast-slow-link, or costmodel (the router's own "
+        "formula: the twin's timing before issue 42)",
+    )

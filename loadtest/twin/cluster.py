@@ -29,6 +29,7 @@ from loadtest.twin.publisher import publisher_binds
 from loadtest.twin.replica import TwinConfig, TwinReplica
 from loadtest.twin.server import runner_port, serve
 from loadtest.twin.tokenize import ModelTokenizer
+from loadtest.twin.truth import timing
 
 
 @dataclass
@@ -80,6 +81,7 @@ async def start_cluster(
     enable_auto_tool_choice: bool = False,
     zmq_ctx: Any = None,
     plugin: EnginePlugin | None = None,
+    truth: str | None = None,
 ) -> AsyncIterator[Cluster]:
     """Start ``n`` twins (ports ``base_port + i``, or free ports when ``base_port`` is 0).
 
@@ -92,6 +94,8 @@ async def start_cluster(
     port (see :attr:`Cluster.replay_endpoints`). Connecting publishers wait up to
     ``subscribe_wait_s`` (in all) for their subscriber's subscription before the cluster is
     handed out, so a subscriber bound beforehand sees every batch from ``seq`` 0.
+    ``truth``: the engines' timing (:mod:`loadtest.twin.truth`, e.g. ``"nominal"``); None
+    times steps by ``costmodel.steptime`` (the router's own model).
     """
     if n < 1:
         raise ValueError("a cluster needs at least one replica")
@@ -102,6 +106,8 @@ async def start_cluster(
             "tcp://127.0.0.1:*"
         )
     prof = load_profile(profile) if isinstance(profile, str) else profile
+    if truth is not None:
+        timing(prof, truth)  # an unknown name fails here, not in the first step
     if model_dir is None:
         from loadtest import tinymodel
 
@@ -127,6 +133,7 @@ async def start_cluster(
                 kv_events_replay=f"tcp://{host}:*" if kv_events_replay else None,
                 enable_auto_tool_choice=enable_auto_tool_choice,
                 plugin=plugin or EnginePlugin(),
+                truth=truth,
             )
             twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx)
             # owned by the cluster before serve() can fail (a busy --base-port), so the

@@ -11,6 +11,7 @@ import argparse
 from loadtest.twin.cli_common import (
     add_overrides_arg,
     add_plugin_args,
+    add_truth_arg,
     plugin_from_args,
     profile_from_args,
 )
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name-prefix", default="twin")
     add_overrides_arg(p)
     add_plugin_args(p)
+    add_truth_arg(p)
     p.add_argument(
         "--kv-events-replay",
         action="store_true",
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             kv_events_replay=args.kv_events_replay,
             plugin=plugin_from_args(args),
+            truth=args.truth,
         ) as c:
             for name, url in zip(c.names, c.urls, strict=True):
                 print(f"{name} {url}", flush=True)

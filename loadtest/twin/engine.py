@@ -2,7 +2,9 @@
 
 Owns: the state machine one replica runs — requests, the FCFS waiting queue, the running
 batch, the GPU block pool with prefix caching, the optional host-DRAM and storage tiers, KV
-event generation — and the duration of each step (from :mod:`costmodel.steptime`). It does
+event generation — and the duration of each step (from a timing model,
+:mod:`loadtest.twin.truth`: a truth the router is not told, or ``costmodel.steptime``'s
+formula by default in Python). It does
 not own time: a driver (the HTTP replica's asyncio loop, or the discrete-event simulator)
 calls ``schedule(now)`` to get a :class:`Step`, waits ``step.duration`` and calls
 ``complete(step, end)``. No sockets, no HTTP, no asyncio; must not import aiohttp or zmq.
@@ -83,9 +85,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costmodel.profiles import ReplicaProfile
-from costmodel.steptime import StepCoefficients, attended_pairs, coefficients, load_time
+from costmodel.steptime import attended_pairs
 from engine_patches.cadence import CadenceConfig, PendingPrefill, PrefillCadence, eligible_flags
 from engine_patches.retention_rule import Hint, RetentionConfig, RetentionTable
+from loadtest.twin.truth import StepTiming, Truth, timing
 from router.vllm.hashing import MASK64, BlockHasher
 from router.vllm.kvevents import encode_all_cleared, encode_block_removed, encode_block_stored
 
@@ -604,10 +607,12 @@ class Engine:
         output_token: Callable[[Request, int], int] | None = None,
         keep_digests: bool = False,
         plugin: EnginePlugin | None = None,
+        truth: str | Truth | None = None,
     ):
         self.profile = profile
         self.plugin = plugin = plugin or EnginePlugin()
-        self.coeffs: StepCoefficients = coefficients(profile)
+        # step and load times: a truth (loadtest.twin.truth), None = costmodel's formula
+        self.timing: StepTiming = timing(profile, truth)
         self.block_size = profile.block_size
         self.hasher = hasher
         if hasher is not None and hasher.block_size != profile.block_size:
@@ -932,11 +937,7 @@ class Engine:
         if lower:
             req.load_blocks = lower
             req.status = LOADING
-            req.ready_at = (
-                now
-                + load_time(self.profile, n_cpu, "cpu")
-                + load_time(self.profile, n_sto, "storage")
-            )
+            req.ready_at = now + self.timing.load(n_cpu, "cpu") + self.timing.load(n_sto, "storage")
             req.host_next = max(req.host_next, n_gpu + len(lower))
             if cpu is not None:
                 cpu.pin(lower)
@@ -1173,20 +1174,18 @@ class Engine:
                 if horizon > req.host_next:
                     self._keys_upto(req, horizon)
                     self._store_lower(req, horizon, now)
-        c = self.coeffs
-        tokens = attended = kv_read = 0.0
+        pf_att = pf_kv = dc_kv = 0.0
         pf = dc = 0
         for req, n in scheduled:
             ctx = req.num_computed
-            tokens += n
-            kv_read += ctx
             if n == 1:
-                attended += ctx
+                dc_kv += ctx
                 dc += 1
             else:
-                attended += attended_pairs(n, ctx)
+                pf_att += attended_pairs(n, ctx)
+                pf_kv += ctx
                 pf += n
-        dur = c.step(tokens, attended, kv_read) + self._write_back(now)
+        dur = self.timing.step(pf, pf_att, pf_kv, dc, dc_kv) + self._write_back(now)
         self.step_count += 1
         return Step(scheduled, dur, now, pf, dc, preempted)
 
@@ -1209,7 +1208,7 @@ class Engine:
         if not new:
             return 0.0
         self._writing.append(new)
-        return load_time(self.profile, len(new), "cpu")
+        return self.timing.load(len(new), "cpu")
 
     def complete(self, step: Step, end: float) -> StepResult:
         """Apply a step's computation at time ``end``: tokens, first tokens, finishes."""

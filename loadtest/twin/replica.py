@@ -69,6 +69,9 @@ class TwinConfig:
     # the engine plugin's retention (hints) and bounded cadence, as the twin models them;
     # off by default (docs/twin.md). Its times (TTL, deferral bound) are model seconds.
     plugin: EnginePlugin = field(default_factory=EnginePlugin)
+    # the engine's timing (loadtest.twin.truth): a truth name, or None for costmodel's formula.
+    # Never exposed over HTTP (no header, metric or field names it): a router cannot read it
+    truth: str | None = None
 
     def __post_init__(self) -> None:
         if not self.speedup > 0:
@@ -103,6 +106,7 @@ class TwinReplica:
             output_token=self._output_token,
             keep_digests=not cfg.int_hashes,
             plugin=cfg.plugin,
+            truth=cfg.truth,
         )
         self.topic = cfg.kv_events_topic or f"kv@{cfg.name}"
         self.publisher = (

@@ -1,7 +1,8 @@
 """``kvroute twin``: run one simulated vLLM replica (the replica twin) on loopback.
 
 Speaks vLLM's OpenAI-compatible API and publishes KV events in vLLM's wire format; timing
-follows a replica profile (``costmodel/profiles/``), compressed by ``--speedup``.
+follows a replica profile (``costmodel/profiles/``) under a truth (``--truth``,
+:mod:`loadtest.twin.truth`), compressed by ``--speedup``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 from loadtest.twin.cli_common import (
     add_overrides_arg,
     add_plugin_args,
+    add_truth_arg,
     plugin_from_args,
     profile_from_args,
 )
@@ -55,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="publish 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
     )
     add_plugin_args(p)
+    add_truth_arg(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         kv_events_replay=args.kv_events_replay,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         plugin=plugin,
+        truth=args.truth,
     )
 
     async def main() -> None:
@@ -94,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             twin.publisher.wait_subscribed(1.0)  # so the first events are not dropped
         runner = await serve(twin, args.host, args.port)
         print(
-            f"twin {cfg.name} ({prof.name}, speedup {cfg.speedup}) on "
+            f"twin {cfg.name} ({prof.name}, truth {args.truth}, speedup {cfg.speedup}) on "
             f"http://{args.host}:{runner_port(runner)}",
             flush=True,
         )

@@ -93,3 +93,79 @@ async def test_http_replay_sends_the_agent_cap_and_gives_lengths_only_to_twins(t
     caps = sorted(b["max_tokens"] for b, _ in SEEN)
     assert caps == sorted(min(AGENT_MAX_TOKENS, window - r.prompt_tokens) for r in calls)
     assert not any(final for _, final in SEEN)
+
+
+# ---- the twins' truth (issue 42): the engines' timing never reaches the router -------------
+
+TRUTH_WORDS = ("truth", "nominal", "prefill-slow", "decode-fast-slow-link", "costmodel")
+
+
+@pytest.mark.parametrize("router_profile", [None, "none"])
+def test_the_bench_gives_the_truth_to_the_twins_and_only_a_profile_to_the_router(
+    monkeypatch, tmp_path, router_profile
+):
+    """What ``kvroute bench --truth prefill-slow`` starts: the twin cluster with the truth,
+    kvroute with the nominal profile (or ``none``) and no argument or variable that names the
+    truth or any of its figures (the decision log's output path aside)."""
+    import os
+
+    from loadtest.sweep import bench, stack
+    from loadtest.twin.truth import TRUTHS
+
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    class FakeProcess:
+        def __init__(self, argv, env, log, cwd):
+            self.argv, self.env, self.proc = list(argv), env, None
+            started.append((self.argv, env))
+
+        def start(self):
+            if "serve" in self.argv:  # the router: seen, now stop the point here
+                raise stack.StackError("stopped by the test")
+
+        def alive(self):
+            return True
+
+        def stop(self, grace_s=5.0):
+            pass
+
+    def ready(self, log, timeout_s):
+        self.names, self.urls = ["twin-0", "twin-1"], ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+        self.event_endpoints = {u: f"tcp://127.0.0.1:{9 + i}" for i, u in enumerate(self.urls)}
+
+    monkeypatch.setattr(stack, "ManagedProcess", FakeProcess)
+    monkeypatch.setattr(stack.TwinCluster, "_wait_ready", ready)
+    cfg = bench.SweepConfig(
+        trace="t", replicas=2, profile="h200-70b-fp8-tp4", truth="prefill-slow",
+        router_profile=router_profile,
+    )  # fmt: skip
+    point = bench.run_point(cfg, "kvroute:kv_cost", 4, tmp_path, None, None)
+    assert "stopped by the test" in point["error"]
+    assert point["truth"] == "prefill-slow"
+    assert point["router_profile"] == (router_profile or "h200-70b-fp8-tp4")
+    (cluster_argv, _), (router_argv, router_env) = started
+    assert cluster_argv[cluster_argv.index("--truth") + 1] == "prefill-slow"
+    assert cluster_argv[cluster_argv.index("--profile") + 1] == "h200-70b-fp8-tp4"
+    # the router: its own arguments and the variables the bench set for it
+    given = {k: v for k, v in router_env.items() if os.environ.get(k) != v}
+    given.pop("KVROUTE_DECISION_LOG")  # where it writes, under the sweep's output folder
+    assert given["KVROUTE_KV_PROFILE"] == (router_profile or "h200-70b-fp8-tp4")
+    text = " ".join([*router_argv, *given, *given.values()]).lower()
+    assert not [w for w in TRUTH_WORDS if w in text], text
+    figures = {f"{v!r}" for t in TRUTHS.values() for v in t.as_dict().values()}
+    assert not figures & set(text.split()), figures & set(text.split())
+
+
+@pytest.mark.timeout(60)
+async def test_a_twin_says_nothing_of_its_truth_over_http():
+    """A router reads the twins' headers, /metrics and models list: none names the truth."""
+    import httpx
+
+    async with start_cluster(1, "cpu-tiny", truth="prefill-slow") as c:
+        async with httpx.AsyncClient(base_url=c.urls[0], timeout=20) as h:
+            seen = [await h.get("/metrics"), await h.get("/v1/models"), await h.get("/health")]
+            body = {"model": "tiny", "prompt": "hi there", "max_tokens": 3}
+            seen.append(await h.post("/v1/completions", json=body))
+    assert all(r.status_code == 200 for r in seen)
+    text = " ".join(f"{r.headers} {r.text}" for r in seen).lower()
+    assert not [w for w in ("truth", "prefill-slow", "prefill_slow") if w in text]

@@ -751,3 +751,46 @@ def test_retention_settings_default_to_the_engine_plugins():
     assert ROUTER_HOLDING == HOLDING  # router/ keeps its own copy: it does not import the plugin
     with pytest.raises(ValueError, match="retention_share"):
         KVConfig(retention_share=1.5)
+
+
+def test_a_replica_without_enough_samples_borrows_the_fleets_calibration():
+    """Until a replica has its own fit, its time scales are the median of its peers' (same
+    profile) when that is below 1: else, with a profile far slower than the engines, the first
+    replica calibrated looks several times cheaper than the rest and takes every call."""
+    from costmodel.calibration import Calibrator
+
+    st = KVState(
+        KVConfig(block_size=BS, profile="h200-70b-fp8-offload", profiles={"D": "h200-8b"}),
+        clock=lambda: 0.0,
+    )
+    for name, scale in (("A", 0.3), ("B", 0.32), ("C", 0.28)):
+        cal = st.calibrators.setdefault(name, Calibrator())
+        for i in range(10):
+            cal.observe_ttft(1.0 + i, scale * (1.0 + i))
+            cal.observe_itl(0.02, 0.5 * 0.02)
+    few = st.calibrators.setdefault("E", Calibrator())
+    for _ in range(3):
+        few.observe_ttft(1.0, 3.0)
+        few.observe_hit(1000, 500)
+    assert st.calibration("A").prefill_scale == pytest.approx(0.3, rel=0.01)  # its own
+    for cold in ("E", "F"):  # a few samples, or none: the fleet's median
+        cal = st.calibration(cold)
+        assert cal.prefill_scale == pytest.approx(0.3, rel=0.01)
+        assert cal.decode_scale == pytest.approx(0.5, rel=0.01)
+    assert st.calibration("E").hit_realization == 1.0  # its own (too few samples: 1)
+    assert st.calibration("E").ttft_offset_s == 0.0
+    assert st.calibration("D").prefill_scale == 1.0  # another profile: nothing to borrow
+    # a fleet slower than its profile is not borrowed: the cold replica looks cheaper, is
+    # tried, and measures itself
+    for name in ("A", "B", "C"):
+        for i in range(10):
+            st.calibrators[name].observe_ttft(1.0 + i, 3.0 * (1.0 + i))
+            st.calibrators[name].observe_itl(0.02, 0.06)
+    assert st.calibration("A").prefill_scale > 1.5
+    assert st.calibration("F").prefill_scale == 1.0 and st.calibration("F").decode_scale == 1.0
+
+
+def test_no_profile_prices_with_the_generic_stand_in():
+    st = KVState(KVConfig(block_size=BS, profile="none"), clock=lambda: 0.0)
+    assert st.profile_of("A").name == "generic"
+    assert st.profile_of("A").block_size == BS
