@@ -63,8 +63,11 @@ test-kernels: venv
 demo: setup
 	$(BIN)/kvroute demo
 
+# Every loadtest/bench/bench_*.py: the fast ones; the slow ones (real vLLM-CPU replicas) are
+# listed, and run with BENCH_ARGS=--slow or BENCH_ARGS='--only cadence' (--list: all of them).
+BENCH_ARGS ?=
 bench: setup
-	$(BIN)/python -m loadtest.benchmarks
+	$(BIN)/python -m loadtest.benchmarks $(BENCH_ARGS)
 
 # GPU hosts only (CUDA + Triton): every kernel benchmark in one run, JSON under out/kernels-bench.
 bench-kernels: venv

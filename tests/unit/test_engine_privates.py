@@ -50,11 +50,11 @@ def private_uses(files: list[Path]) -> list[tuple[str, str, int]]:
     trees = {p: ast.parse(p.read_text()) for p in files}
     own: set[str] = set()  # module-level names of the scanned files (theirs, not vLLM's)
     for tree in trees.values():
-        for n in tree.body:
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                own.add(n.name)
-            elif isinstance(n, ast.Assign | ast.AnnAssign):
-                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+        for stmt in tree.body:
+            if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                own.add(stmt.name)
+            elif isinstance(stmt, ast.Assign | ast.AnnAssign):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 own |= {t.id for t in targets if isinstance(t, ast.Name)}
     uses: list[tuple[str, str, int]] = []
     for path, tree in trees.items():
@@ -91,7 +91,7 @@ def private_uses(files: list[Path]) -> list[tuple[str, str, int]]:
                         s for a in n.names if a.name.startswith("vllm") for s in a.name.split(".")
                     ]
                 elif (n.module or "").split(".")[0] == "vllm":
-                    names = [*n.module.split("."), *(a.name for a in n.names)]
+                    names = [*(n.module or "").split("."), *(a.name for a in n.names)]
                 else:
                     names = []
                 uses += [(path.name, s, n.lineno) for s in names if PRIVATE.match(s)]
