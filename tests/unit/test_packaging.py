@@ -216,3 +216,12 @@ def imports_of(folder: Path) -> dict[str, set[str]]:
 def test_the_product_never_imports_the_harness(package: str, forbidden: set[str]) -> None:
     bad = {f: sorted(t & forbidden) for f, t in imports_of(ROOT / package).items() if t & forbidden}
     assert not bad, bad
+
+
+def test_an_unknown_flag_of_a_product_command_is_still_an_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["engine", "versions", "--bogus"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
