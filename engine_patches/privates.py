@@ -163,6 +163,27 @@ PRIVATES: tuple[Private, ...] = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class OwnState:
+    """Underscore attributes and methods a plugin subclass adds to a vLLM class: the plugin's
+    own, not vLLM's (newer code names them ``_kvroute_*``, which the scan knows). Listed so
+    the scan can tell them from vLLM's, and so :func:`check` can catch the day vLLM's class
+    gains one of these names (the subclass would shadow it)."""
+
+    file: str
+    owner: str  # the vLLM class subclassed
+    names: tuple[str, ...]
+
+
+OWN_STATE: tuple[OwnState, ...] = (
+    OwnState(
+        "pool.py",
+        "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager",
+        ("_lock", "_removed", "_stores", "_sweeping", "_last_sweep", "_start_sweep", "_sweep"),
+    ),
+)
+
+
 def markdown() -> str:
     """The table docs/engine.md carries (tests/unit/test_engine_privates.py compares them)."""
     rows = [
@@ -225,12 +246,18 @@ def exists(p: Private) -> bool:
 
 def check(version: str | None = None) -> list[str]:
     """``owner.symbol`` of every entry the installed vLLM (``version``, by default the
-    installed one's) should have and lacks. Imports vLLM."""
+    installed one's) should have and lacks, and of every :data:`OWN_STATE` name the vLLM class
+    has too (a clash). Imports vLLM."""
     from engine_patches import versions
 
     v = versions.normalize(version or versions.installed_version())
     due = [p for p in PRIVATES if not p.versions or v in p.versions]
-    return [f"{p.owner}.{p.symbol} ({p.file})" for p in due if not exists(p)]
+    wrong = [f"{p.owner}.{p.symbol} ({p.file})" for p in due if not exists(p)]
+    for o in OWN_STATE:
+        for name in o.names:
+            if exists(Private(o.file, o.owner, name, "", "", "")):
+                wrong.append(f"{o.owner}.{name} ({o.file}: vLLM has it too, the plugin shadows it)")
+    return wrong
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ that no ``bench_*.py`` sits elsewhere in loadtest/ but the GPU kernel bench,
 
 A ``bench_*`` module that is none of these is reported as broken and fails the run.
 Results are printed as a table and written as JSON to ``out/bench/<module>.json`` so
-docs/benchmarks.md can quote them with the command.
+docs/results.md and docs/benchmarks-log.md can quote them with the command.
 
     python -m loadtest.benchmarks [--only NAME ...] [--quick] [--slow] [--list]
 """

@@ -45,6 +45,24 @@ def _own_member(node: ast.Attribute, parents: dict[ast.AST, ast.AST], from_vllm:
     return node.attr in {m.name for m in cls.body if isinstance(m, ast.FunctionDef)}
 
 
+def _names_an_attribute(node: ast.Constant, parents: dict[ast.AST, ast.AST]) -> bool:
+    """A string that names an attribute: ``getattr(x, "_y")`` and its kin, a key of the
+    namespace given to ``type()`` (a dict with ``"__module__"``: a method overridden), or a
+    path element of a kernel patch ``Target``."""
+    parent = parents.get(node)
+    if isinstance(parent, ast.Tuple):
+        parent = parents.get(parent)
+    if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name):
+        name = parent.func.id
+        return name == "Target" or (
+            name in ("getattr", "hasattr", "setattr", "delattr") and parent.args[1:2] == [node]
+        )
+    if isinstance(parent, ast.Dict) and node in parent.keys:
+        keys = [k.value for k in parent.keys if isinstance(k, ast.Constant)]
+        return "__module__" in keys
+    return False
+
+
 def private_uses(files: list[Path]) -> list[tuple[str, str, int]]:
     """(file name, symbol, line) of every vLLM private the files reach."""
     trees = {p: ast.parse(p.read_text()) for p in files}
@@ -60,7 +78,10 @@ def private_uses(files: list[Path]) -> list[tuple[str, str, int]]:
     for path, tree in trees.items():
         parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
         from_vllm: set[str] = set()  # names bound to vLLM modules or classes in this file
+        own_modules: set[str] = set()  # names bound to engine_patches modules in this file
         for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module == "engine_patches":
+                own_modules |= {a.asname or a.name for a in n.names}
             if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "vllm":
                 from_vllm |= {a.asname or a.name for a in n.names}
             elif isinstance(n, ast.Import):
@@ -75,16 +96,16 @@ def private_uses(files: list[Path]) -> list[tuple[str, str, int]]:
                     uses.append((path.name, "__class__", n.lineno))
                 elif (
                     PRIVATE.match(n.attr)
-                    and n.attr not in own
+                    and not (_root_name(n) in own_modules and n.attr in own)
                     and not _own_member(n, parents, from_vllm)
                 ):
                     uses.append((path.name, n.attr, n.lineno))
             elif isinstance(n, ast.Constant) and isinstance(n.value, str):
-                if PRIVATE.match(n.value):
-                    uses.append((path.name, n.value, n.lineno))
-                elif n.value.startswith("vllm."):
+                if n.value.startswith("vllm."):
                     segs = [s for s in n.value.split(".") if PRIVATE.match(s)]
                     uses += [(path.name, s, n.lineno) for s in segs]
+                elif PRIVATE.match(n.value) and _names_an_attribute(n, parents):
+                    uses.append((path.name, n.value, n.lineno))
             elif isinstance(n, ast.Import | ast.ImportFrom):
                 if isinstance(n, ast.Import):
                     names = [
@@ -99,10 +120,11 @@ def private_uses(files: list[Path]) -> list[tuple[str, str, int]]:
 
 
 def listed(file: str, symbol: str) -> bool:
+    """A vLLM private with an entry, or the plugin's own state on a vLLM subclass."""
     return any(
         p.file == file and (p.symbol == symbol or symbol in p.owner.split("."))
         for p in privates.PRIVATES
-    )
+    ) or any(o.file == file and symbol in o.names for o in privates.OWN_STATE)
 
 
 def test_every_private_the_plugin_reaches_is_listed() -> None:
@@ -124,6 +146,10 @@ def test_every_entry_is_still_used_and_complete() -> None:
         assert p.owner.startswith("vllm"), p
         assert p.why and p.public and p.use, p
         assert set(p.versions) <= {"0.32.0", "0.33.0"}, p
+    for o in privates.OWN_STATE:
+        text = (ROOT / "engine_patches" / o.file).read_text()
+        assert o.owner.rsplit(".", 1)[1] in text, o
+        assert all(f"self.{name}" in text for name in o.names), o
 
 
 def test_every_kernel_patch_target_is_listed() -> None:
@@ -156,6 +182,7 @@ def test_the_scan_finds_each_kind_of_use(tmp_path: Path) -> None:
         "    mgr.__class__ = Ours\n"
         "    base._method(mgr)\n"
         "    getattr(mgr, '_by_name', None)\n"
+        "    mgr.path.rpartition('_g')\n"
         "    _helper()\n"
         "    mgr._kvroute_flag = True\n"
         "    return {'_override': 1, '__module__': __name__, 'x': 'vllm._mod.fn'}\n"

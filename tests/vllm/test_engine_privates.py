@@ -3,7 +3,8 @@
 One subprocess of the vLLM venv (this clone on PYTHONPATH; no replica, no model): each entry's
 owner imports and has the symbol (an attribute, a method, a submodule, or an instance
 attribute its ``__init__`` sets), for the entries due on that version. Two made-up entries
-must be found missing, so the check can fail.
+must be found missing, so the check can fail; none of the plugin's own attribute names on
+vLLM subclasses (``OWN_STATE``) may exist in the vLLM class (``check`` reports a clash).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ print("PRIVATES " + json.dumps({
     "fake_found": [privates.exists(p) for p in fake],
     "instance_attr_found": privates.exists(privates.Private(
         "x.py", privates._CPU_MGR, "_free_list", "read", "-", "-")),
+    "own_state_owners": [privates.exists(privates.Private(o.file, o.owner, "__class__", "", "", ""))
+                         for o in privates.OWN_STATE],
+    "clash_found": privates.exists(privates.Private(
+        "x.py", privates.OWN_STATE[0].owner, "_store_job_keys", "read", "-", "-")),
 }))
 """
 
@@ -52,3 +57,7 @@ def test_every_listed_private_exists_in_the_installed_vllm() -> None:
     assert got["listed"] >= 30
     assert got["fake_found"] == [False, False]  # the check can say no
     assert got["instance_attr_found"] is True  # set in __init__, not a class attribute
+    # the plugin's own state on vLLM subclasses: each class is there, and a name the vLLM
+    # class does set is found (so check() would report a clash)
+    assert got["own_state_owners"] and all(got["own_state_owners"])
+    assert got["clash_found"] is True
