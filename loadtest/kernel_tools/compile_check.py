@@ -3,7 +3,7 @@
 The interpreter accepts code the GPU compiler rejects (``break``, branches whose types
 differ, 1-row ``tl.dot``), so the CPU tests also compile each variant that the launchers
 can pick, down to a cubin (Triton's bundled ptxas; no driver needed). Run as a separate
-process, ``python -m kernels.compile_check [--arch 90]``, so the kernels are decorated
+process, ``python -m loadtest.kernel_tools.compile_check [--arch 90]``, so the kernels are decorated
 without ``TRITON_INTERPRET``; it prints one JSON line per variant and exits non-zero if
 any variant fails.
 """

@@ -3,9 +3,9 @@
 # triton and pytest installed: the kernels tier with the *compiled* kernels on the GPU (the
 # fp8 tests must pass there), then — where vLLM (0.32.0/0.33.0) imports — the engine
 # plugin's kernel patches (KVROUTE_KERNELS) installed by register() on the CUDA platform and
-# each patched vLLM function against vLLM's original on GPU tensors (kernels/vllm_patch_check.py;
-# no engine, no model), then every benchmark (kernels/bench_all.py). Under 5 min in all.
-#   bash kernels/gpu_session.sh [OUT_DIR]     (default: $OUT, else out/kernels-gpu)
+# each patched vLLM function against vLLM's original on GPU tensors (vllm_patch_check.py here;
+# no engine, no model), then every benchmark (bench_all.py here). Under 5 min in all.
+#   bash loadtest/kernel_tools/gpu_session.sh [OUT_DIR]     (default: $OUT, else out/kernels-gpu)
 set -uo pipefail
 out="${1:-${OUT:-out/kernels-gpu}}"
 py="${PYTHON:-python3}"
@@ -17,14 +17,14 @@ budget="${KVROUTE_GPU_SESSION_S:-290}"  # the whole script stays under 5 min: be
 timeout 110 "$py" -m pytest tests/kernels -q -p no:cacheprovider > "$out/pytest.txt" 2>&1
 echo "pytest rc=$?" >> "$out/pytest.txt"
 if timeout 60 "$py" -c "import vllm" > /dev/null 2>&1; then
-  timeout 60 "$py" -m kernels.vllm_patch_check --device cuda --impl triton \
+  timeout 60 "$py" -m loadtest.kernel_tools.vllm_patch_check --device cuda --impl triton \
     --json "$out/vllm_patches.json" > "$out/vllm_patches.txt" 2>&1
   echo "vllm_patch_check rc=$?" >> "$out/vllm_patches.txt"
 else
   echo "vllm_patch_check skipped: vLLM does not import with $py" > "$out/vllm_patches.txt"
 fi
 left=$((budget - SECONDS)); [ "$left" -lt 30 ] && left=30
-timeout "$left" "$py" -m kernels.bench_all --out "$out" > "$out/bench.txt" 2>&1
+timeout "$left" "$py" -m loadtest.kernel_tools.bench_all --out "$out" > "$out/bench.txt" 2>&1
 echo "bench_all rc=$?" >> "$out/bench.txt"
 tail -n 6 "$out/pytest.txt"
 tail -n 1 "$out/vllm_patches.txt"

