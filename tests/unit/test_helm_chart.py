@@ -621,18 +621,35 @@ CONTRADICTIONS = [
         "offload.retention holds host-tier KV; set offload.hostBytes too",
     ),
     (
-        {"workers": {"defaults": {"offload": {"hostBytes": 1, "mode": "write-back",
-                                              "diskDir": "/d"}}}},
+        {
+            "workers": {
+                "defaults": {"offload": {"hostBytes": 1, "mode": "write-back", "diskDir": "/d"}}
+            }
+        },
         "the write-back host tier takes no disk tier",
     ),
     (
-        {"workers": {"defaults": {"offload": {"hostBytes": 1, "mode": "write-back",
-                                              "retention": {"enabled": True}}}}},
+        {
+            "workers": {
+                "defaults": {
+                    "offload": {
+                        "hostBytes": 1,
+                        "mode": "write-back",
+                        "retention": {"enabled": True},
+                    }
+                }
+            }
+        },
         "the write-back host tier is vLLM's LRU block pool and takes no retention",
     ),
     (
-        {"workers": {"defaults": {"offload": {"hostBytes": 1, "mode": "write-back",
-                                              "evictionPolicy": "arc"}}}},
+        {
+            "workers": {
+                "defaults": {
+                    "offload": {"hostBytes": 1, "mode": "write-back", "evictionPolicy": "arc"}
+                }
+            }
+        },
         "the write-back host tier evicts in LRU order only",
     ),
     (

@@ -167,7 +167,8 @@ def test_twin_host_tier_matches_real_vllm_hits_by_tier_and_cpu_events(tiered_pai
         "cpu_removed_same_order": real_removed == twin_removed,
         "cpu_removed_same_set": set(real_removed) == set(twin_removed),
         "cpu_removed_first_diff": next(
-            (i for i, (x, y) in enumerate(zip(real_removed, twin_removed)) if x != y), None
+            (i for i, (x, y) in enumerate(zip(real_removed, twin_removed, strict=False)) if x != y),
+            None,
         ),
         "storage_stored_real": len(real_disk),
         "storage_stored_twin": len(twin_disk),
