@@ -74,6 +74,11 @@ class TwinCluster:
         ]
         if self.kv_events:
             argv += ["--kv-events", self.kv_events]
+            if "*" in self.kv_events:
+                # one endpoint per twin names the twin: publish on vLLM's default topic, the
+                # empty one (vllm-router's static sources take nothing else; kv@<name> made
+                # its kv_aware credit no prefix at all)
+                argv += ["--kv-events-topic", ""]
         if self.truth:
             argv += ["--truth", self.truth]
         env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}

@@ -1,15 +1,20 @@
-"""``dynamo:kv``: NVIDIA Dynamo's real KV router (``ai-dynamo-runtime``'s SelectionService)
-behind the harness's front (:mod:`loadtest.sweep.dynamo_front`), in front of two twins whose
-KV events it subscribes to itself.
+"""Peers that route on the twins' KV events, each in front of two twins publishing as the
+bench runs them (one bound endpoint per twin, vLLM's default empty topic):
+
+* ``dynamo:kv``: NVIDIA Dynamo's real KV router (``ai-dynamo-runtime``'s SelectionService)
+  behind the harness's front (:mod:`loadtest.sweep.dynamo_front`);
+* ``vllm-router:kv_aware`` (0.1.17), which credited no prefix at all while the twins
+  published on their own ``kv@<name>`` topics.
 
 The prefix test places each session's first call on a replica of our choosing by sending it
-to that twin directly (not through the front), so Dynamo can learn where the prefix lives
-only from the twins' ``BlockStored`` events (their ``token_ids``, from which it recomputes its
-block hashes). The two sessions are placed on different replicas: a front that ignored the
-events (a fixed or tie-broken choice) sends at least one second call to the wrong one.
+to that twin directly (not through the router), so the router can learn where the prefix
+lives only from the twins' ``BlockStored`` events (their ``token_ids``, from which both
+recompute their own block hashes). The two sessions are placed on different replicas: a
+router that ignored the events (a fixed or tie-broken choice) sends at least one second call
+to the wrong one.
 
-Skipped only when the Dynamo venv is absent (``make peers`` / ``scripts/setup_peers.sh
-dynamo`` installs it from the package index in well under a minute).
+Each target is skipped only when its venv is absent (``make peers`` installs Dynamo's from
+the package index in well under a minute; ``make bench-peers`` adds vllm-router's).
 """
 
 from __future__ import annotations
@@ -28,12 +33,18 @@ from loadtest import tinymodel
 from loadtest.sweep.stack import Router, cleanup, peer_python
 from loadtest.twin.cluster import start_cluster
 
-pytestmark = [
-    pytest.mark.timeout(180),
-    pytest.mark.skipif(
-        peer_python("dynamo") is None,
-        reason="Dynamo venv absent: run `make peers` (scripts/setup_peers.sh dynamo)",
-    ),
+pytestmark = pytest.mark.timeout(180)
+DYNAMO = pytest.mark.skipif(
+    peer_python("dynamo") is None,
+    reason="Dynamo venv absent: run `make peers` (scripts/setup_peers.sh dynamo)",
+)
+VLLM_ROUTER = pytest.mark.skipif(
+    peer_python("vllm-router") is None,
+    reason="vllm-router venv absent: run `make bench-peers` (scripts/setup_peers.sh vllm-router)",
+)
+TARGETS = [
+    pytest.param("dynamo:kv", marks=DYNAMO),
+    pytest.param("vllm-router:kv_aware", marks=VLLM_ROUTER),
 ]
 
 PROFILE = "cpu-tiny"  # block size 32
@@ -59,20 +70,23 @@ async def _until(pred, what: str, timeout_s: float = 20.0) -> None:
 
 
 @pytest.fixture
-async def stack():
-    """Two twins binding their own event ports, and the Dynamo front subscribed to them."""
-    workdir = Path(tempfile.mkdtemp(prefix="kvroute-dynamo-"))
+async def stack(request):
+    """Two twins binding their own event ports (vLLM's default topic, as ``kvroute bench``
+    runs them), and the router (``request.param``) subscribed to them."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-kvpeer-"))
     prof = load_profile(PROFILE)
     try:
-        async with start_cluster(2, PROFILE, kv_events="tcp://127.0.0.1:*") as c:
+        async with start_cluster(
+            2, PROFILE, kv_events="tcp://127.0.0.1:*", kv_events_topic=""
+        ) as c:
             eps = dict(zip(c.urls, c.event_endpoints, strict=True))
-            router = Router("dynamo:kv", c.urls, workdir, event_endpoints=eps,
+            router = Router(request.param, c.urls, workdir, event_endpoints=eps,
                             block_size=prof.block_size, model="tiny")  # fmt: skip
             await asyncio.to_thread(router.start)  # health polls off the twins' loop
             try:
-                for twin in c.replicas:  # Dynamo's SUB socket has connected to each twin
+                for twin in c.replicas:  # the router's SUB socket has connected to each twin
                     assert twin.publisher is not None
-                    assert twin.publisher.wait_subscribed(10.0), "Dynamo never subscribed"
+                    assert twin.publisher.wait_subscribed(10.0), "the router never subscribed"
                 async with aiohttp.ClientSession() as http:
                     yield c, router, http
             finally:
@@ -81,8 +95,10 @@ async def stack():
         cleanup(workdir)
 
 
-async def test_second_call_follows_the_prefix_dynamo_learned_from_kv_events(stack):
+@pytest.mark.parametrize("stack", TARGETS, indirect=True)
+async def test_second_call_follows_the_prefix_learned_from_kv_events(stack):
     c, router, http = stack
+    dynamo = router.name.startswith("dynamo:")
     rng = random.Random(7)
     # session -> the twin its first call is placed on (directly, past the router)
     placed = {"a": 1, "b": 0}
@@ -104,8 +120,11 @@ async def test_second_call_follows_the_prefix_dynamo_learned_from_kv_events(stac
             ws = {w["worker_id"]: w["device_blocks"] for w in (await r.json())["workers"]}
         return ws.get(i + 1, 0) > 0 and ws.get(2 - i, 0) == 0  # worker ids are 1-based
 
-    for sid, i in placed.items():
-        await _until(lambda sid=sid, i=i: holds(sid, i), f"Dynamo never saw {sid}'s blocks")
+    if dynamo:
+        for sid, i in placed.items():
+            await _until(lambda sid=sid, i=i: holds(sid, i), f"Dynamo never saw {sid}'s blocks")
+    else:  # vllm-router shows no index: give its subscribers (10 ms polls) time to apply
+        await asyncio.sleep(2.0)
 
     served = {}
     for sid in ("a", "b"):
@@ -116,14 +135,14 @@ async def test_second_call_follows_the_prefix_dynamo_learned_from_kv_events(stac
             {"role": "user", "content": words(40, rng)},
         ]
         body["stream"] = True
-        status, headers, text = await _post(
-            http, router.url + "/v1/chat/completions", body, {"X-Dynamo-Session-ID": sid}
-        )
+        hdr = {"X-Dynamo-Session-ID": sid} if dynamo else {"x-session-id": sid}
+        status, headers, text = await _post(http, router.url + "/v1/chat/completions", body, hdr)
         assert status == 200, text
         assert text.rstrip().endswith("data: [DONE]"), text[-200:]  # streamed through
         served[sid] = headers["x-twin-replica"]
     assert served == {sid: f"twin-{i}" for sid, i in placed.items()}
-
+    if not dynamo:
+        return
     # the lifecycle was reported: every reservation was freed, nothing is left in flight
     async with http.get(router.url + "/state") as r:
         st = await r.json()
@@ -133,6 +152,7 @@ async def test_second_call_follows_the_prefix_dynamo_learned_from_kv_events(stac
     assert all(w["potential_prefill_tokens"] == 0 for w in loads), loads
 
 
+@pytest.mark.parametrize("stack", TARGETS[:1], indirect=True)
 async def test_bad_input_gets_the_api_familys_error(stack):
     _, router, http = stack
     async with http.post(router.url + "/v1/chat/completions", data=b"{nope") as r:
