@@ -154,8 +154,8 @@ def prompt_tokens(tok: Any, route: str, body: dict[str, Any], session: str | Non
         raise BadRequest("input: required")
     try:
         ids = list(tok.encode_body(body, session, route=route))
-    except TemplateError as e:
-        raise BadRequest(f"the prompt cannot be rendered: {e}") from e
+    except TemplateError as e:  # fixed text: error messages never echo request bytes
+        raise BadRequest("the messages cannot be rendered by the model's chat template") from e
     if not ids:
         raise BadRequest("the prompt is empty")
     return ids
