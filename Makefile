@@ -43,8 +43,11 @@ model: $(STAMP)
 
 # sglang-router (its venv under $(KVROUTE_CACHE)): the demo compares against it and the
 # integration tier holds kvroute's sglang_tree to its decisions (test_sglang_agreement.py).
+# Dynamo's KV router (ai-dynamo-runtime) with the harness's front: the `dynamo:kv` bench target
+# and test_dynamo_peer.py (~30 s from the package index).
 peers:
 	@bash scripts/setup_peers.sh sglang >/dev/null
+	@bash scripts/setup_peers.sh dynamo >/dev/null
 
 setup: venv redis vllm-env model peers
 

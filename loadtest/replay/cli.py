@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--convention",
-        choices=["claude", "codex", "opencode", "none"],
+        choices=["claude", "codex", "opencode", "dynamo", "none"],
         default="claude",
         help="session headers to send",
     )

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-CONVENTIONS = ("claude", "codex", "opencode", "none")
+CONVENTIONS = ("claude", "codex", "opencode", "dynamo", "none")
 # Response headers that name the replica a router picked, in order of preference.
 REPLICA_HEADERS = ("x-kvroute-replica", "x-twin-replica", "x-replica", "x-served-by")
 
@@ -47,6 +47,11 @@ def session_headers(
             return {"x-session-id": session}
         parent = session if (parent_agent in (None, "main")) else f"{session}/{parent_agent}"
         return {"x-session-id": f"{session}/{agent}", "x-parent-session-id": parent}
+    if convention == "dynamo":  # Dynamo's agent headers, subagents as child sessions
+        if agent == "main":
+            return {"x-dynamo-session-id": session}
+        parent = session if (parent_agent in (None, "main")) else f"{session}/{parent_agent}"
+        return {"x-dynamo-session-id": f"{session}/{agent}", "x-dynamo-parent-session-id": parent}
     raise ValueError(f"unknown session convention {convention!r}; one of {CONVENTIONS}")
 
 

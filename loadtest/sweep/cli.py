@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix", action="store_true")
     p.add_argument("--open-loop", action="store_true")
     p.add_argument(
-        "--convention", default="claude", choices=["claude", "codex", "opencode", "none"]
+        "--convention", default="claude", choices=["claude", "codex", "opencode", "dynamo", "none"]
     )
     p.add_argument(
         "--seeds",

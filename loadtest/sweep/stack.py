@@ -74,6 +74,11 @@ class TwinCluster:
         ]
         if self.kv_events:
             argv += ["--kv-events", self.kv_events]
+            if "*" in self.kv_events:
+                # one endpoint per twin names the twin: publish on vLLM's default topic, the
+                # empty one (vllm-router's static sources take nothing else; kv@<name> made
+                # its kv_aware credit no prefix at all)
+                argv += ["--kv-events-topic", ""]
         if self.truth:
             argv += ["--truth", self.truth]
         env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
@@ -138,6 +143,11 @@ class TwinCluster:
 # (the OpenCode convention). vllm-router's kv_aware needs one ZMQ publisher endpoint per
 # worker that it can connect to (``--kv-event-source URL=ENDPOINT``): the bench starts the
 # twins with ``--kv-events tcp://127.0.0.1:*`` (each twin binds its own loopback port) for it.
+# ``dynamo:kv`` is NVIDIA Dynamo's KV router (``ai-dynamo-runtime`` 1.6.1's SelectionService)
+# behind the harness's HTTP front (:mod:`loadtest.sweep.dynamo_front`), fed by the same
+# per-twin event endpoints, with Dynamo's defaults (no session affinity);
+# ``dynamo:kv_affinity`` adds its session affinity (an idle TTL of an hour) keyed on
+# ``X-Dynamo-Session-ID``, the header its frontend reads (the ``dynamo`` convention).
 PEERS: dict[str, tuple[str, str, str]] = {
     "sglang:cache_aware": ("sglang", "cache_aware", "claude"),
     "sglang:round_robin": ("sglang", "round_robin", "claude"),
@@ -145,7 +155,10 @@ PEERS: dict[str, tuple[str, str, str]] = {
     "vllm-router:consistent_hash": ("vllm-router", "consistent_hash", "opencode"),
     "vllm-router:round_robin": ("vllm-router", "round_robin", "opencode"),
     "vllm-router:kv_aware": ("vllm-router", "kv_aware", "opencode"),
+    "dynamo:kv": ("dynamo", "kv", "dynamo"),
+    "dynamo:kv_affinity": ("dynamo", "kv_affinity", "dynamo"),
 }
+DYNAMO_AFFINITY_TTL_S = 3600.0
 # kvroute policies that use its KV layer (block index fed by the twins' events, tokenizer).
 KV_POLICIES = {"kv_cost", "llmd", "sglang_tree"}
 
@@ -154,7 +167,7 @@ def needs_events(name: str) -> bool:
     """Whether a router is fed by the twins' KV events (one bound endpoint per twin)."""
     if name.startswith("kvroute:"):
         return name.split(":", 1)[1] in KV_POLICIES
-    return name == "vllm-router:kv_aware"
+    return name == "vllm-router:kv_aware" or name.startswith("dynamo:")
 
 
 def peer_python(kind: str) -> Path | None:
@@ -216,6 +229,8 @@ class Router:
         py = peer_python(kind)
         if py is None:
             raise StackError(f"{self.name}: peer not installed (run `make bench-peers`)")
+        if kind == "dynamo":
+            return self._dynamo_argv(py, policy), "/health"
         module = "sglang_router.launch_router" if kind == "sglang" else "vllm_router.launch_router"
         # both peers bind a Prometheus exporter on 29000 by default: a second instance (or the
         # other peer still stopping) panics with "Address already in use"; give each its own
@@ -229,6 +244,35 @@ class Router:
             for url, ep in self.event_endpoints.items():
                 argv += ["--kv-event-source", f"{url}={ep}"]
         return argv, "/health"
+
+    def _dynamo_argv(self, py: Path, policy: str) -> list[str]:
+        """The harness's front over Dynamo's SelectionService, run by the Dynamo venv."""
+        from loadtest import tinymodel
+
+        if not self.event_endpoints:
+            raise StackError(f"{self.name} needs the twins' KV event endpoints")
+        argv = [str(py), "-m", "loadtest.sweep.dynamo_front", "--host", "127.0.0.1",
+                "--port", str(self.port), "--model", self.model,
+                "--block-size", str(self.block_size),
+                "--tokenizer", str(self.model_dir or tinymodel.ensure())]  # fmt: skip
+        missing = [u for u in self.replicas if u not in self.event_endpoints]
+        if missing:
+            raise StackError(f"{self.name}: no KV event endpoint for {missing}")
+        for url in self.replicas:
+            argv += ["--worker", f"{url}={self.event_endpoints[url]}"]
+        if policy == "kv_affinity":
+            argv += ["--session-affinity-ttl-secs", repr(DYNAMO_AFFINITY_TTL_S)]
+        return argv
+
+    def peer_env(self) -> dict[str, str]:
+        """The Dynamo front imports the twins' tokenizer from this checkout; Dynamo's own
+        logs at warn (its INFO line per selection costs the front's CPU)."""
+        if not self.name.startswith("dynamo:"):
+            return {}
+        root = str(Path(__file__).resolve().parents[2])
+        pp = os.environ.get("PYTHONPATH")
+        return {"PYTHONPATH": root + (os.pathsep + pp if pp else ""),
+                "DYN_LOG": os.environ.get("DYN_LOG", "warn")}  # fmt: skip
 
     def kv_env(self) -> dict[str, str]:
         """``KVROUTE_KV_*`` for kvroute's KV layer: tokenizer, blocks, profile, event sources."""
@@ -255,6 +299,7 @@ class Router:
         argv += self.extra_args
         env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
         env.update(self.kv_env())
+        env.update(self.peer_env())
         env.update(self.extra_env)
         log = self.workdir / f"router-{self.name.replace(':', '-')}-{self.port}.log"
         self._proc = ManagedProcess(argv, env, log, Path.cwd())

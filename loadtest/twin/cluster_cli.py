@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ZMQ endpoint the replicas connect to (a subscriber binds it); "
         "tcp://127.0.0.1:* makes each replica bind its own port (printed)",
     )
+    p.add_argument(
+        "--kv-events-topic",
+        default=None,
+        metavar="TOPIC",
+        help="every replica's KV-event topic (\"\" is vLLM's default; default: kv@<name>)",
+    )
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--name-prefix", default="twin")
     add_overrides_arg(p)
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             base_port=args.base_port,
             host=args.host,
             kv_events=args.kv_events,
+            kv_events_topic=args.kv_events_topic,
             model_dir=args.model,
             served_model_name=args.served_model_name,
             name_prefix=args.name_prefix,
@@ -76,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
             if args.kv_events:
                 rows = zip(c.names, c.topics, c.event_endpoints, c.replay_endpoints, strict=True)
                 for name, topic, ep, replay in rows:
+                    topic = topic or '""'  # vLLM's default, the empty topic: keep the columns
                     print(f"kv-events {name} {topic} {ep} {replay or '-'}", flush=True)
             await asyncio.Event().wait()
 

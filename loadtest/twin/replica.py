@@ -56,7 +56,7 @@ class TwinConfig:
     served_model_name: str = "tiny"
     speedup: float = 1.0
     kv_events_endpoint: str | None = None  # vLLM semantics: bind if "*"/"::"/ipc/inproc
-    kv_events_topic: str | None = None  # default "kv@<name>"
+    kv_events_topic: str | None = None  # None: "kv@<name>"; "" is vLLM's default
     kv_events_replay: str | None = None  # ROUTER endpoint for replays (binds; "...:*" ok)
     hash_algo: str = "sha256_cbor"
     hash_seed: str | None = None  # the engine's PYTHONHASHSEED
@@ -108,7 +108,7 @@ class TwinReplica:
             plugin=cfg.plugin,
             truth=cfg.truth,
         )
-        self.topic = cfg.kv_events_topic or f"kv@{cfg.name}"
+        self.topic = f"kv@{cfg.name}" if cfg.kv_events_topic is None else cfg.kv_events_topic
         self.publisher = (
             KVEventPublisher(
                 cfg.kv_events_endpoint,

@@ -428,7 +428,7 @@ def test_non_streamed_calls_have_no_first_byte_deadline_unless_set():
     assert RouterConfig(unstreamed_first_byte_timeout_s=120).first_byte_deadline_s(False) == 120
 
 
-@pytest.mark.parametrize("convention", ["claude", "opencode"])
+@pytest.mark.parametrize("convention", ["claude", "opencode", "dynamo"])
 def test_the_replays_subagent_headers_name_the_parent_the_router_knows(convention):
     """A subagent's headers, as the replay sends them, give the router a parent key equal to
     its parent agent's own key (the lineage kv_cost pins and hints on): for a child of the
