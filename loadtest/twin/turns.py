@@ -171,10 +171,10 @@ def example_arguments(schema: Any) -> Any:
     ``required`` properties only; ``const`` / ``enum`` / ``default`` are used when given;
     strings are ``"kvroute-twin"`` (padded or cut to ``minLength`` / ``maxLength``), numbers
     the smallest allowed (1 when unbounded), arrays ``max(1, minItems)`` items; local
-    ``$ref``s (``#/$defs/...``, ``#/definitions/...``) are followed. A value an agent runs
-    is harmless: no real path or command is named."""
+    ``$ref``s (``#/$defs/...``, ``#/definitions/...``) are followed; a schema with no type
+    is an object. A value an agent runs is harmless: no real path or command is named."""
     root = schema if isinstance(schema, Mapping) else {}
-    return _value(schema if isinstance(schema, Mapping) else {"type": "object"}, root, 0)
+    return _value({"type": "object", **root}, root, 0)  # a tool's arguments are an object
 
 
 def _resolve(schema: Mapping[str, Any], root: Mapping[str, Any], depth: int) -> Mapping:
