@@ -1,18 +1,21 @@
 """The twin's agent APIs beyond chat/completions: Anthropic Messages and OpenAI Responses.
 
 Owns: ``POST /v1/messages`` (non-streamed, and streamed with Anthropic's events
-``message_start``, ``content_block_start``, ``content_block_delta`` /
-``text_delta``, ``content_block_stop``, ``message_delta``, ``message_stop``; ``event: error``
-when the engine dies), ``POST /v1/messages/count_tokens`` (``{"input_tokens": n}``) and
-``POST /v1/responses`` (non-streamed, and streamed with the Responses events
-``response.created`` … ``response.output_text.delta`` … ``response.completed`` /
-``response.incomplete``, each with its ``sequence_number``) — what Claude Code, Codex and the
-Anthropic and OpenAI SDKs send. Prompts are rendered the way the router renders them
-(:func:`router.vllm.chat_template.request_prompt` on the route), so the twin's blocks and the
-router's block keys agree. Tools follow the chat rule (:func:`loadtest.twin.server.
-_check_tool_choice`: ``auto`` needs ``--enable-auto-tool-choice``); the twin's stand-in output
-is never parsed as a tool call (a real model's tool parser would find none in it either).
-Errors are Anthropic-shaped on ``/v1/messages*``. Must not import torch or vllm.
+``message_start``, ``content_block_start``, ``content_block_delta`` (``text_delta``, or
+``input_json_delta`` for a ``tool_use`` block), ``content_block_stop``, ``message_delta``,
+``message_stop``; ``event: error`` when the engine dies), ``POST /v1/messages/count_tokens``
+(``{"input_tokens": n}``) and ``POST /v1/responses`` (non-streamed, and streamed with the
+Responses events ``response.created`` … ``response.output_text.delta`` (or
+``response.function_call_arguments.delta`` for a ``function_call`` item) …
+``response.completed`` / ``response.incomplete``, each with its ``sequence_number``) — what
+Claude Code, Codex and the Anthropic and OpenAI SDKs send. Prompts are rendered the way the
+router renders them (:func:`router.vllm.chat_template.request_prompt` on the route), so the
+twin's blocks and the router's block keys agree. How a reply ends — its length (the replay's
+override counts here as on chat), ``end_turn`` / ``max_tokens`` / ``tool_use`` and
+``completed`` / ``incomplete``, and whether it calls one of the offered function tools — is
+:mod:`loadtest.twin.turns`'s plan; tool choice follows the chat rule
+(:func:`loadtest.twin.server._check_tool_choice`). Errors are Anthropic-shaped on
+``/v1/messages*``. Must not import torch or vllm.
 """
 
 from __future__ import annotations

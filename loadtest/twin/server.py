@@ -5,7 +5,9 @@ and not), ``/v1/messages`` (+ ``count_tokens``) and ``/v1/responses`` (in
 :mod:`loadtest.twin.apis`), ``/v1/models``, ``/tokenize``, ``/health``, ``/load``,
 ``/metrics`` (vLLM's metric names, :mod:`loadtest.twin.exporter`),
 ``POST /reset_prefix_cache`` — with vLLM's error shapes and status codes, and :func:`serve`
-to run one. The engine loop is :mod:`loadtest.twin.replica`'s, the event publisher
+to run one. How each reply ends (its length, ``finish_reason`` ``stop`` / ``length`` /
+``tool_calls``, a tool call in the chat shape) is planned by :mod:`loadtest.twin.turns`
+(:func:`_turn`). The engine loop is :mod:`loadtest.twin.replica`'s, the event publisher
 :mod:`loadtest.twin.publisher`'s. Must not import torch or vllm.
 """
 
