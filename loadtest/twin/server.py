@@ -315,8 +315,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         ids = _prompt_ids(twin, body, chat, session)
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         if chat:
-            msgs = body.get("messages")
-            after = isinstance(msgs[-1], dict) and msgs[-1].get("role") == "tool"
+            last = body["messages"][-1]  # a non-empty list (_prompt_ids)
+            after = isinstance(last, dict) and last.get("role") == "tool"
             turn = _turn(twin, body, ids, mt, body.get("tools"), body.get("tool_choice"), after)
         else:
             turn = _turn(twin, body, ids, mt)

@@ -240,8 +240,8 @@ def _value(schema: Any, root: Mapping[str, Any], depth: int) -> Any:
         names = [k for k in req if isinstance(k, str)] if isinstance(req, list) else []
         return {k: _value(props.get(k, {}), root, depth + 1) for k in names}
     if kind == "array":
-        lo = _int(schema.get("minItems"), 0)
-        hi = _int(schema.get("maxItems"), None)
+        lo = _int(schema.get("minItems")) or 0
+        hi = _int(schema.get("maxItems"))
         n = max(1, lo) if hi is None else min(max(1, lo), hi)
         items = schema.get("prefixItems") or schema.get("items")
         if isinstance(items, list):
@@ -255,8 +255,8 @@ def _value(schema: Any, root: Mapping[str, Any], depth: int) -> Any:
     if kind == "null":
         return None
     s = PLACEHOLDER
-    lo = _int(schema.get("minLength"), 0)
-    hi = _int(schema.get("maxLength"), None)
+    lo = _int(schema.get("minLength")) or 0
+    hi = _int(schema.get("maxLength"))
     if len(s) < lo:
         s += "-" * (lo - len(s))
     if hi is not None:
@@ -268,8 +268,8 @@ def _base(schema: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in schema.items() if k not in ("anyOf", "oneOf", "allOf")}
 
 
-def _int(v: Any, default: int | None) -> int | None:
-    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def _number(schema: Mapping[str, Any], integer: bool) -> int | float:
