@@ -97,6 +97,10 @@ class ReplicaProfile:
     HiCache ``write_back`` policy) instead of at compute (write-through, 0: what vLLM's
     ``OffloadingConnector`` does); the engine plugin's ``--host-tier-mode write-back``
     (``engine_patches.writeback``) is the real one, which copies a little ahead of eviction.
+    ``output_median_tokens`` / ``output_sigma``: the log-normal length of a reply that ends by
+    itself (a model's EOS), which the replica twin draws when a request neither gives its
+    expected length nor sets ``ignore_eos`` (defaults: the AgentX-like synthetic traces'
+    outputs, median 300; Claude Code's median output is ~216-444 tokens, DESIGN.md).
     """
 
     name: str
@@ -115,6 +119,8 @@ class ReplicaProfile:
     prefill_interval_steps: int = 0
     request_overhead_s: float = 0.0  # API server: parse, tokenize, detokenize (once per request)
     host_write_back: int = 0  # 1: the host tier takes HBM's evictions (write-back; see above)
+    output_median_tokens: float = 300.0  # replies that end by themselves (twin): median ...
+    output_sigma: float = 0.8  # ... and log-normal sigma of their length
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float = 0.0
     description: str = ""
@@ -196,7 +202,8 @@ _REPLICA_KEYS = {
     "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "prefill_mfu",
     "hbm_efficiency", "cpu_kv_blocks", "storage_kv_blocks", "cpu_kv_bytes", "storage_kv_bytes",
     "prefill_interval_steps", "gpu_memory_utilization", "activation_reserve_bytes",
-    "request_overhead_s", "tensor_parallel_size", "host_write_back",
+    "request_overhead_s", "tensor_parallel_size", "host_write_back", "output_median_tokens",
+    "output_sigma",
 }  # fmt: skip
 
 
@@ -346,6 +353,8 @@ def profile_from_dict(
         prefill_interval_steps=_int(d, "prefill_interval_steps", where, 0, positive=False),
         request_overhead_s=_num(d, "request_overhead_s", where, 0.0, positive=False),
         host_write_back=_int(d, "host_write_back", where, 0, positive=False),
+        output_median_tokens=_num(d, "output_median_tokens", where, 300.0),
+        output_sigma=_num(d, "output_sigma", where, 0.8, positive=False),
         gpu_memory_utilization=util,
         activation_reserve_bytes=reserve,
         description=str(d.get("description", "")),
@@ -441,7 +450,7 @@ _OVERRIDABLE = {
     "max_num_batched_tokens": int, "long_prefill_token_threshold": int,
     "prefill_mfu": float, "hbm_efficiency": float, "cpu_kv_blocks": int,
     "storage_kv_blocks": int, "prefill_interval_steps": int, "request_overhead_s": float,
-    "host_write_back": int,
+    "host_write_back": int, "output_median_tokens": float, "output_sigma": float,
 }  # fmt: skip
 
 
@@ -460,6 +469,7 @@ def with_overrides(profile: ReplicaProfile, overrides: Mapping[str, Any]) -> Rep
             "max_num_batched_tokens",
             "prefill_mfu",
             "hbm_efficiency",
+            "output_median_tokens",
         )
         v = (_int if kind is int else _num)(
             {key: raw}, key, f"override of {profile.name!r}", positive=positive

@@ -3,13 +3,15 @@
 Owns the ``--set KEY=VALUE`` profile overrides and turning ``--profile`` + ``--set`` into a
 :class:`costmodel.profiles.ReplicaProfile` (raises ``ProfileError`` on bad input), and the
 engine plugin's settings (``--retention``, ``--cadence-interval``, ...) into an
-:class:`loadtest.twin.engine.EnginePlugin`, and ``--truth`` (the engine's timing,
-:mod:`loadtest.twin.truth`).
+:class:`loadtest.twin.engine.EnginePlugin`, ``--truth`` (the engine's timing,
+:mod:`loadtest.twin.truth`), and the HTTP twins' reply settings (tools, tool calls,
+seed: :func:`add_reply_args`).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from costmodel.profiles import ReplicaProfile, load_profile, parse_overrides, with_overrides
 from loadtest.twin.engine import EnginePlugin
@@ -81,3 +83,51 @@ def add_truth_arg(p: argparse.ArgumentParser) -> None:
         "(default), prefill-slow, decode-fast-slow-link, or costmodel (the router's own "
         "formula: the twin's timing before issue 42)",
     )
+
+
+# The default profile of ``kvroute twin`` / ``kvroute cluster``: one that serves an agent (a
+# 262k-token window; cpu-tiny's 4,096 is the vLLM-CPU bed's, below Codex's first prompt).
+AGENT_PROFILE = "h200-70b-fp8"
+
+
+def add_reply_args(p: argparse.ArgumentParser) -> None:
+    """How an HTTP twin answers agents (docs/twin.md, "How a reply ends")."""
+    g = p.add_argument_group("replies (docs/twin.md)")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve tools with any tool_choice and answer with tool calls, as vLLM with "
+        "--enable-auto-tool-choice and a tool parser (default); --no-enable-auto-tool-choice: "
+        'a bare vLLM, which refuses tool_choice "auto" and "required" with a 400',
+    )
+    g.add_argument(
+        "--tool-call-rate",
+        type=float,
+        default=0.5,
+        metavar="P",
+        help='share of replies under tool_choice "auto" that call an offered tool (default 0.5)',
+    )
+    g.add_argument(
+        "--tool-call-rate-after-result",
+        type=float,
+        default=0.2,
+        metavar="P",
+        help="the same right after a tool result, so an agent loop ends its turn (default 0.2)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds reply lengths and tool calls (with each request's prompt)",
+    )
+
+
+def reply_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`loadtest.twin.replica.TwinConfig` fields :func:`add_reply_args` sets."""
+    return {
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "tool_call_rate": args.tool_call_rate,
+        "tool_call_rate_after_result": args.tool_call_rate_after_result,
+        "seed": args.seed,
+    }

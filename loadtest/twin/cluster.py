@@ -79,10 +79,13 @@ async def start_cluster(
     int_hashes: bool = True,
     kv_events_replay: bool = False,
     subscribe_wait_s: float = 1.0,
-    enable_auto_tool_choice: bool = False,
+    enable_auto_tool_choice: bool = True,
     zmq_ctx: Any = None,
     plugin: EnginePlugin | None = None,
     truth: str | None = None,
+    tool_call_rate: float = 0.5,
+    tool_call_rate_after_result: float = 0.2,
+    seed: int = 0,
 ) -> AsyncIterator[Cluster]:
     """Start ``n`` twins (ports ``base_port + i``, or free ports when ``base_port`` is 0).
 
@@ -97,6 +100,9 @@ async def start_cluster(
     handed out, so a subscriber bound beforehand sees every batch from ``seq`` 0.
     ``truth``: the engines' timing (:mod:`loadtest.twin.truth`, e.g. ``"nominal"``); None
     times steps by ``costmodel.steptime`` (the router's own model).
+    ``enable_auto_tool_choice``, ``tool_call_rate``, ``tool_call_rate_after_result`` and
+    ``seed``: how replies use tools and end (:class:`loadtest.twin.replica.TwinConfig`; the
+    same seed on every replica, so a request gets the same reply wherever it lands).
     """
     if n < 1:
         raise ValueError("a cluster needs at least one replica")
@@ -136,6 +142,9 @@ async def start_cluster(
                 enable_auto_tool_choice=enable_auto_tool_choice,
                 plugin=plugin or EnginePlugin(),
                 truth=truth,
+                tool_call_rate=tool_call_rate,
+                tool_call_rate_after_result=tool_call_rate_after_result,
+                seed=seed,
             )
             twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx)
             # owned by the cluster before serve() can fail (a busy --base-port), so the

@@ -9,17 +9,24 @@ from __future__ import annotations
 import argparse
 
 from loadtest.twin.cli_common import (
+    AGENT_PROFILE,
     add_overrides_arg,
     add_plugin_args,
+    add_reply_args,
     add_truth_arg,
     plugin_from_args,
     profile_from_args,
+    reply_kwargs,
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--profile", default="cpu-tiny")
+    p.add_argument(
+        "--profile",
+        default=AGENT_PROFILE,
+        help=f"replica profile name (default {AGENT_PROFILE}; cpu-tiny: the vLLM-CPU bed's)",
+    )
     p.add_argument("--base-port", type=int, default=0, help="0: free ports")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
@@ -47,11 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="give every replica vLLM's replay service on its own loopback port",
     )
-    p.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="accept tools with tool_choice auto/required (vLLM needs this flag and a parser)",
-    )
+    add_reply_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,10 +76,10 @@ def run(args: argparse.Namespace) -> int:
             model_dir=args.model,
             served_model_name=args.served_model_name,
             name_prefix=args.name_prefix,
-            enable_auto_tool_choice=args.enable_auto_tool_choice,
             kv_events_replay=args.kv_events_replay,
             plugin=plugin_from_args(args),
             truth=args.truth,
+            **reply_kwargs(args),
         ) as c:
             for name, url in zip(c.names, c.urls, strict=True):
                 print(f"{name} {url}", flush=True)

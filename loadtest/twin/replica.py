@@ -30,6 +30,7 @@ from loadtest.twin.engine import Engine, EnginePlugin, Request
 from loadtest.twin.exporter import TwinMetrics
 from loadtest.twin.publisher import KVEventPublisher
 from loadtest.twin.tokenize import ModelTokenizer
+from loadtest.twin.turns import TurnPolicy
 from router.vllm.hashing import BlockHasher
 
 log = logging.getLogger("kvroute.twin")
@@ -62,10 +63,18 @@ class TwinConfig:
     hash_seed: str | None = None  # the engine's PYTHONHASHSEED
     int_hashes: bool = True  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
     max_model_len: int | None = None  # default: the profile's
-    # vLLM's --enable-auto-tool-choice (with a --tool-call-parser): without it, a chat request
-    # with tools and tool_choice "auto" (the default when tools are given) or "required" is
-    # refused, as real vLLM refuses it. The twin never parses tool calls either way.
-    enable_auto_tool_choice: bool = False
+    # vLLM's --enable-auto-tool-choice (with a --tool-call-parser), on by default as agents
+    # need it: tools with any tool_choice are served, and replies call them (below). False:
+    # a bare vLLM, which refuses tool_choice "auto" (the default with tools) and "required".
+    enable_auto_tool_choice: bool = True
+    # How replies end (loadtest.twin.turns): a reply that ends by itself is a call to one of
+    # the offered tools with this probability under tool_choice "auto" (after a tool result:
+    # the second rate, so an agent loop comes back to text); lengths are drawn from the
+    # profile's output_median_tokens / output_sigma. ``seed`` seeds every such draw (with
+    # the request's prompt).
+    tool_call_rate: float = 0.5
+    tool_call_rate_after_result: float = 0.2
+    seed: int = 0
     # the engine plugin's retention (hints) and bounded cadence, as the twin models them;
     # off by default (docs/twin.md). Its times (TTL, deferral bound) are model seconds.
     plugin: EnginePlugin = field(default_factory=EnginePlugin)
@@ -76,6 +85,12 @@ class TwinConfig:
     def __post_init__(self) -> None:
         if not self.speedup > 0:
             raise ValueError(f"speedup must be > 0, got {self.speedup}")
+        self.turn_policy()  # the rates' checks
+
+    def turn_policy(self) -> TurnPolicy:
+        p = self.profile
+        return TurnPolicy(p.output_median_tokens, p.output_sigma, self.tool_call_rate,
+                          self.tool_call_rate_after_result, self.seed)  # fmt: skip
 
 
 @dataclass
@@ -121,6 +136,7 @@ class TwinReplica:
             else None
         )
         self.speedup = cfg.speedup
+        self.turns = cfg.turn_policy()  # how replies end: lengths, finish reasons, tool calls
         self.streams: dict[str, Stream] = {}
         self.in_flight = 0
         self._wake = asyncio.Event()

@@ -5,7 +5,9 @@ and not), ``/v1/messages`` (+ ``count_tokens``) and ``/v1/responses`` (in
 :mod:`loadtest.twin.apis`), ``/v1/models``, ``/tokenize``, ``/health``, ``/load``,
 ``/metrics`` (vLLM's metric names, :mod:`loadtest.twin.exporter`),
 ``POST /reset_prefix_cache`` — with vLLM's error shapes and status codes, and :func:`serve`
-to run one. The engine loop is :mod:`loadtest.twin.replica`'s, the event publisher
+to run one. How each reply ends (its length, ``finish_reason`` ``stop`` / ``length`` /
+``tool_calls``, a tool call in the chat shape) is planned by :mod:`loadtest.twin.turns`
+(:func:`_turn`). The engine loop is :mod:`loadtest.twin.replica`'s, the event publisher
 :mod:`loadtest.twin.publisher`'s. Must not import torch or vllm.
 """
 
@@ -29,6 +31,7 @@ from loadtest.twin import TWIN_OUTPUT_FIELD, expect_key
 from loadtest.twin.engine import Request
 from loadtest.twin.replica import ApiError, Stream, TwinConfig, TwinReplica
 from loadtest.twin.tokenize import TemplateError
+from loadtest.twin.turns import ToolCall, Turn, split_pieces
 
 log = logging.getLogger("kvroute.twin")
 
@@ -95,12 +98,24 @@ def _check_model(twin: TwinReplica, body: dict[str, Any]) -> str:
 
 
 def _check_tool_choice(twin: TwinReplica, body: dict[str, Any]) -> None:
-    """vLLM 0.32 without ``--enable-auto-tool-choice --tool-call-parser``: tools with
-    tool_choice "auto" (also when absent) or "required" are a 400; "none" and named
+    """Tools in a chat-shaped ``body``. With auto tool choice (the twin's default, as vLLM
+    with ``--enable-auto-tool-choice --tool-call-parser``) every choice is served; a named tool
+    must be one of the ``tools``. Without it (``enable_auto_tool_choice=False``: a bare vLLM
+    0.32), tool_choice "auto" (also when absent) and "required" are a 400; "none" and named
     functions render the tools into the prompt."""
-    if not body.get("tools") or twin.cfg.enable_auto_tool_choice:
+    if not body.get("tools"):
         return
     choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in {n for n, _ in _function_tools(body.get("tools"))}:
+            raise _bad(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                "tool_choice",
+            )
+    if twin.cfg.enable_auto_tool_choice:
+        return
     if choice is None or choice == "auto":
         raise ApiError(
             400,
@@ -112,6 +127,17 @@ def _check_tool_choice(twin: TwinReplica, body: dict[str, Any]) -> None:
         raise ApiError(
             400, 'tool_choice="required" requires --tool-call-parser to be set', "BadRequestError"
         )
+
+
+def _function_tools(tools: Any) -> list[tuple[str, Any]]:
+    """Chat ``tools`` as ``(name, parameters schema)`` of the function tools."""
+    out = []
+    for t in tools if isinstance(tools, list) else ():
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]:
+            if t.get("type", "function") == "function":
+                out.append((fn["name"], fn.get("parameters")))
+    return out
 
 
 def _prompt_ids(
@@ -174,17 +200,36 @@ async def expect(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-def _limits(twin: TwinReplica, body: dict[str, Any], n_prompt: int) -> int:
-    """The most tokens this call may write (vLLM's checks and messages), and no more than
-    the replay's recorded length when it gives one (:func:`_twin_output_tokens`)."""
-    mt = _max_tokens(twin, body, n_prompt)
-    stop = _twin_output_tokens(body)
-    return mt if stop is None else min(mt, stop)
+def _turn(
+    twin: TwinReplica,
+    body: dict[str, Any],
+    ids: list[int],
+    max_tokens: Any,
+    tools: Any = None,
+    tool_choice: Any = "auto",
+    after_result: bool = False,
+) -> Turn:
+    """How this call's reply ends (:mod:`loadtest.twin.turns`): the client's cap
+    (``max_tokens``, checked with vLLM's messages; None: the context window's remainder), the
+    replay's expected length when given (:func:`_twin_output_tokens`), ``ignore_eos`` and
+    ``min_tokens`` as vLLM's sampler takes them; ``tools`` in chat form."""
+    cap = _max_tokens(twin, max_tokens, len(ids))
+    mn = body.get("min_tokens")
+    policy = twin.turns
+    return policy.plan(
+        policy.rng(ids, body.get("seed")),
+        cap=cap,
+        expected=_twin_output_tokens(body),
+        ignore_eos=body.get("ignore_eos") is True,
+        min_tokens=mn if isinstance(mn, int) and not isinstance(mn, bool) else 0,
+        tools=_function_tools(tools),
+        tool_choice="auto" if tool_choice is None else tool_choice,
+        after_result=after_result,
+    )
 
 
-def _max_tokens(twin: TwinReplica, body: dict[str, Any], n_prompt: int) -> int:
+def _max_tokens(twin: TwinReplica, mt: Any, n_prompt: int) -> int:
     limit = twin.max_model_len
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
     if n_prompt >= limit:
         shown = min(n_prompt, limit + 1)
         raise _bad(
@@ -268,7 +313,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             _check_tool_choice(twin, body)
         session = _session_id(request, body)
         ids = _prompt_ids(twin, body, chat, session)
-        max_tokens = _limits(twin, body, len(ids))
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        if chat:
+            last = body["messages"][-1]  # a non-empty list (_prompt_ids)
+            after = isinstance(last, dict) and last.get("role") == "tool"
+            turn = _turn(twin, body, ids, mt, body.get("tools"), body.get("tool_choice"), after)
+        else:
+            turn = _turn(twin, body, ids, mt)
         if body.get("n", 1) != 1:
             raise _bad("the twin supports n=1 only", "n", body.get("n"))
     except ApiError as e:
@@ -277,7 +328,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     so = body.get("stream_options") or {}
     include_usage = bool(so.get("include_usage")) if isinstance(so, dict) else False
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-    req = Request(rid, len(ids), max_tokens, token_ids=ids, session_id=session,
+    req = Request(rid, len(ids), turn.tokens, token_ids=ids, session_id=session,
                   hint=_hint(twin, body))  # fmt: skip
     created = int(time.time())
     twin.in_flight += 1
@@ -288,20 +339,28 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         twin.check_alive()
         st = twin.submit(req, t_arrival)
         if stream:
-            return await _stream(request, twin, st, chat, rid, model, created, include_usage)
+            return await _stream(request, twin, st, chat, rid, model, created, include_usage, turn)
         toks: list[int] = []
         while (t := await st.queue.get()) is not None:
             toks.append(t)
         twin.check_alive()  # the engine died under this request
-        text = twin.tokenizer.decode(toks)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length",
+        reason = finish_reason(turn)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason,
                                   "stop_reason": None}  # fmt: skip
+        call = turn.tool_call
         if chat:
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None,
-                                 "annotations": None, "audio": None, "function_call": None,
-                                 "reasoning": None}  # fmt: skip
+            choice["message"] = {
+                "role": "assistant",
+                "content": None if call else twin.tokenizer.decode(toks),
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "tool_calls": [] if call is None else [_chat_call(call, tool_call_id())],
+                "reasoning": None,
+            }
         else:
-            choice["text"] = text
+            choice["text"] = twin.tokenizer.decode(toks)
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": model, "choices": [choice],
                 "system_fingerprint": "kvroute-twin",
@@ -310,6 +369,22 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         twin.in_flight -= 1
         twin.release(req)
+
+
+def finish_reason(turn: Turn) -> str:
+    """The chat / completions ``finish_reason`` of a whole reply."""
+    if turn.tool_call is not None:
+        return "tool_calls"
+    return "stop" if turn.natural else "length"
+
+
+def tool_call_id() -> str:
+    return "chatcmpl-tool-" + uuid.uuid4().hex  # vLLM's form
+
+
+def _chat_call(call: ToolCall, cid: str, args: str | None = None) -> dict[str, Any]:
+    fn = {"name": call.name, "arguments": call.arguments_json if args is None else args}
+    return {"id": cid, "type": "function", "function": fn}
 
 
 def _headers(twin: TwinReplica) -> dict[str, str]:
@@ -325,6 +400,7 @@ async def _stream(
     model: str,
     created: int,
     include_usage: bool,
+    turn: Turn,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={
@@ -359,6 +435,9 @@ async def _stream(
     )
     req = st.req
     limit = twin.max_model_len
+    call = turn.tool_call if chat else None
+    pieces = split_pieces(call.arguments_json, turn.tokens) if call else []
+    cid = tool_call_id()
     count = 0
     while (tok := await st.queue.get()) is not None:
         if chat and count == 0:
@@ -367,16 +446,26 @@ async def _stream(
             await resp.write(role)
         count += 1
         done = count >= req.max_tokens or req.prompt_len + count >= limit
-        text = twin.tokenizer.decode([tok])
         c: dict[str, Any] = {
             "index": 0,
             "logprobs": None,
-            "finish_reason": "length" if done else None,
+            "finish_reason": finish_reason(turn) if done else None,
         }
-        if chat:
-            c["delta"] = {"content": text}
+        if call is not None:
+            # a tool parser's deltas: the call's id and name first, then its arguments; a
+            # token that adds no argument text writes no chunk (as a parser buffering it)
+            piece = pieces[count - 1] if count <= len(pieces) else ""
+            if count == 1:
+                c["delta"] = {"tool_calls": [{"index": 0, **_chat_call(call, cid, piece)}]}
+            elif piece or done:
+                delta = {"index": 0, "function": {"arguments": piece}}
+                c["delta"] = {"tool_calls": [delta]} if piece else {}
+            else:
+                continue
+        elif chat:
+            c["delta"] = {"content": twin.tokenizer.decode([tok])}
         else:
-            c["text"] = text
+            c["text"] = twin.tokenizer.decode([tok])
             c["stop_reason"] = None
         await resp.write(chunk([c]))
     if twin.failed is not None:  # the engine died under this stream: say so, as vLLM does

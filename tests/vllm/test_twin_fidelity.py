@@ -68,8 +68,14 @@ class TwinThread:
         async def run() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
+            # the bed's vLLM runs without --enable-auto-tool-choice: so does this twin
             async with start_cluster(
-                1, profile, kv_events=kv_events, name_prefix="fidelity-twin", plugin=plugin
+                1,
+                profile,
+                kv_events=kv_events,
+                name_prefix="fidelity-twin",
+                plugin=plugin,
+                enable_auto_tool_choice=False,
             ) as c:
                 self.url, self.topic = c.urls[0], c.topics[0]
                 self.ready.set()
