@@ -28,8 +28,21 @@ What the plugin adds to vLLM's tier:
   lookup and its load fails that load, and the presets set vLLM's
   ``kv_load_failure_policy`` to ``recompute`` for it.
 
-Not here yet: agent hints in the pool's eviction (the host tier's retention rule holds paused
-sessions; the pool evicts by recency only) and a pool that is not a filesystem.
+Agent hints, shared through the files themselves. A request's ``kvroute`` hint (the
+``kv_transfer_params`` the host tier's retention reads: :mod:`engine_patches.retention_rule`)
+says what its session does after the call. When a request of a ``tool-pause`` /
+``waiting-on-children`` session ends, the pool files of the blocks it stored, loaded or touched
+get a modification time in the future: the end of its hold, ``min(return_s * return_slack,
+ttl_s)`` away. The evictor orders by modification time, so every replica's sweep sees the
+hold without a coordination service: held files go after every file not held, earliest
+expiry first, and a hold expires by itself. Held files never count for more than
+``max_share`` of the bound; beyond it the holds that end first lose protection (they are
+ordered as if used now). A later load of a held block ends its hold (the session is back),
+as does a ``running`` or ``done`` hint. ``done`` is not demoted below other blocks as on the
+host tier: pool blocks are shared across sessions (a system prompt), so the session's
+release ends its hold and the blocks age as any other.
+
+Not here yet: a pool that is not a filesystem.
 """
 
 from __future__ import annotations
@@ -40,6 +53,8 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from engine_patches.retention_rule import HOLDING, RetentionConfig, parse_hint
 
 logger = logging.getLogger("vllm.kvroute.pool")
 
@@ -82,23 +97,69 @@ def key_of_path(path: str) -> tuple[bytes, int] | None:
 
 
 def plan_eviction(
-    files: Iterable[tuple[str, float, int]], bound: int, low_water: float = LOW_WATER
+    files: Iterable[tuple[str, float, int]],
+    bound: int,
+    low_water: float = LOW_WATER,
+    now: float | None = None,
+    max_held_share: float = 1.0,
 ) -> tuple[list[str], int]:
-    """Which files a sweep deletes, least recently used first, to bring ``files`` from over
-    ``bound`` bytes down to ``low_water * bound``; and the total left. Nothing while the total
-    is within the bound."""
+    """Which files a sweep deletes to bring ``files`` (``(path, mtime, size)``) from over
+    ``bound`` bytes down to ``low_water * bound``, and the total left. Nothing while the total
+    is within the bound.
+
+    Order: least recently used first (modification time). A file whose time is past ``now`` is
+    held (a paused session's, until that time): held files go after all others, the earliest
+    hold first; held bytes beyond ``max_held_share * bound`` lose protection, the holds ending
+    first, and are ordered as if used at ``now``."""
     files = list(files)
     total = sum(f[2] for f in files)
     if bound <= 0 or total <= bound:
         return [], total
+    now = time.time() if now is None else now
+    held = sorted((f for f in files if f[1] > now), key=lambda f: f[1], reverse=True)
+    keep, room = set(), max_held_share * bound
+    for f in held:  # the holds that end last keep their protection
+        if f[2] > room:
+            break
+        keep.add(f[0])
+        room -= f[2]
+
+    def order(f: tuple[str, float, int]) -> float:
+        if f[1] <= now:
+            return f[1]
+        return f[1] if f[0] in keep else now
+
     target = int(bound * low_water)
     out = []
-    for path, _, size in sorted(files, key=lambda f: f[1]):
+    for path, _, size in sorted(files, key=order):
         if total <= target:
             break
         out.append(path)
         total -= size
     return out, total
+
+
+class _PoolRequest:
+    """What the pool keeps of one request (in its ``ReqContext``): its hint and the blocks it
+    stored, loaded or touched in the pool."""
+
+    __slots__ = ("hint", "keys", "until")
+
+    def __init__(self, hint: Any):
+        self.hint = hint
+        self.keys: dict[Any, None] = {}
+        self.until: float | None = None  # set when the request ended with a hold
+
+
+def hold_until(hint: Any, config: RetentionConfig, end: float) -> float | None:
+    """When a hold on the blocks of a request ending at ``end`` with ``hint`` expires (the
+    retention rule's length), or None when the hint holds nothing."""
+    if hint is None or hint.state not in HOLDING:
+        return None
+    hold = config.ttl_s
+    if hint.return_s is not None:
+        hold = min(hint.return_s * config.return_slack, config.ttl_s)
+    return end + max(hold, 0.0)
 
 
 def _build() -> type:
@@ -114,6 +175,7 @@ def _build() -> type:
         pool_bytes: int = 0,
         sweep_interval_s: float = 5.0,
         low_water: float = LOW_WATER,
+        retention: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("locality", "REMOTE")
@@ -125,9 +187,11 @@ def _build() -> type:
         self.low_water = float(low_water)
         # the directory this replica's files go to (rank 0: the mapper is parallel-agnostic)
         self.pool_root = os.path.dirname(self.file_mapper.get_config_file_path()) + "_r0"
+        self.retention = RetentionConfig.from_dict(retention)
         self._lock = threading.Lock()
         self._removed: list[Any] = []  # OffloadKeys a sweep deleted, not yet published
-        self._stores: dict[Any, int] = {}  # store job -> blocks
+        self._stores: dict[Any, list[Any]] = {}  # store job -> its keys
+        self._kvroute_pending_holds: dict[Any, float] = {}  # key being written -> hold end
         self._sweeping = False
         self._last_sweep = 0.0
         self.estimate = 0  # bytes in the pool: the last scan's total + this replica's writes
@@ -135,12 +199,53 @@ def _build() -> type:
         if self.pool_bytes > 0:
             self._start_sweep()
 
+    def _kvroute_note(self: Any, req_context: Any, keys: Iterable[Any]) -> None:
+        st = req_context.get_state(_PoolRequest) if req_context is not None else None
+        if st is not None:
+            st.keys.update(dict.fromkeys(keys))
+
+    def on_new_request(self: Any, req_context: Any) -> Any:
+        ctx = base.on_new_request(self, req_context)
+        hint = parse_hint(getattr(req_context, "kv_transfer_params", None))
+        if hint is not None:
+            req_context.set_state(_PoolRequest(hint))
+        return ctx
+
+    def touch(self: Any, keys: Any, req_context: Any) -> Any:
+        keys = list(keys)
+        self._kvroute_note(req_context, keys)
+        return base.touch(self, keys, req_context)
+
+    def on_request_finished(self: Any, req_context: Any) -> None:
+        base.on_request_finished(self, req_context)
+        st = req_context.get_state(_PoolRequest)
+        if st is None or not st.keys:
+            return
+        now = time.time()
+        until = st.until = hold_until(st.hint, self.retention, now)
+        t = now if until is None else until  # running / done: the hold (if any) ends now
+        for key in st.keys:
+            try:
+                os.utime(self.file_mapper.get_file_name(key), (t, t))
+            except FileNotFoundError:
+                if until is not None:  # still being written: held when the write completes
+                    self._kvroute_pending_holds[key] = until
+            except OSError:
+                pass
+
     def submit_store(self: Any, job: Any) -> None:
-        self._stores[job.job_id] = len(job.keys)
+        self._stores[job.job_id] = list(job.keys)
+        self._kvroute_note(job.req_context, job.keys)
+        st = job.req_context.get_state(_PoolRequest) if job.req_context is not None else None
+        if st is not None and st.until is not None:  # a write after its request ended held
+            for key in job.keys:
+                self._kvroute_pending_holds[key] = st.until
         base.submit_store(self, job)
 
     def submit_load(self: Any, job: Any) -> None:
-        # recency for the evictor: a loaded block is used again (the mtime orders eviction)
+        # recency for the evictor: a loaded block is used again (the mtime orders eviction;
+        # a held block's session is back, so its hold ends here)
+        self._kvroute_note(job.req_context, job.keys)
         for key in job.keys:
             try:
                 os.utime(self.file_mapper.get_file_name(key))
@@ -150,10 +255,21 @@ def _build() -> type:
 
     def get_finished_jobs(self: Any) -> list[Any]:
         results = list(base.get_finished_jobs(self))
+        holds = self._kvroute_pending_holds
         for r in results:
-            n = self._stores.pop(r.job_id, 0)
-            if n and r.success:
-                self.estimate += n * self.block_bytes
+            keys = self._stores.pop(r.job_id, None)
+            if keys and r.success:
+                self.estimate += len(keys) * self.block_bytes
+                for key in keys:
+                    until = holds.pop(key, None)
+                    if until is not None:
+                        try:
+                            os.utime(self.file_mapper.get_file_name(key), (until, until))
+                        except OSError:
+                            pass
+            elif keys:
+                for key in keys:
+                    holds.pop(key, None)
         if self.pool_bytes > 0 and not self._sweeping:
             now = time.monotonic()
             if self.estimate > self.pool_bytes or now - self._last_sweep > self.sweep_interval_s:
@@ -167,8 +283,9 @@ def _build() -> type:
 
     def _sweep(self: Any) -> None:
         try:
+            files = pool_files(self.pool_root)
             doomed, left = plan_eviction(
-                pool_files(self.pool_root), self.pool_bytes, self.low_water
+                files, self.pool_bytes, self.low_water, max_held_share=self.retention.max_share
             )
             gone = []
             for path in doomed:
@@ -207,6 +324,10 @@ def _build() -> type:
 
     ns = {
         "__init__": __init__,
+        "_kvroute_note": _kvroute_note,
+        "on_new_request": on_new_request,
+        "touch": touch,
+        "on_request_finished": on_request_finished,
         "submit_store": submit_store,
         "submit_load": submit_load,
         "get_finished_jobs": get_finished_jobs,

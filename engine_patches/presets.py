@@ -139,6 +139,8 @@ def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
                 "module_path": POOL_MODULE,
                 "root_dir": opts.pool_dir,
                 "pool_bytes": int(opts.pool_bytes),
+                # a paused session's blocks are held in the pool as on the host tier
+                "retention": {"ttl_s": opts.retention_ttl_s, "max_share": opts.retention_share},
                 "enable_kv_events": True,
                 "locality": "REMOTE",
             }

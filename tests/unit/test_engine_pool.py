@@ -34,3 +34,35 @@ def test_the_scan_sees_block_files_only(tmp_path):
     got = list(pool.pool_files(str(tmp_path)))
     assert got == [(str(d / "abcde0.bin"), 5.0, 10)]
     assert list(pool.pool_files(str(tmp_path / "missing"))) == []
+
+
+def test_held_files_go_after_every_other_and_the_earliest_hold_first():
+    now = 100.0
+    files = [
+        ("cold-old", 10.0, 100),
+        ("held-long", 900.0, 100),  # a paused session's, held until 900
+        ("cold-new", 90.0, 100),
+        ("held-short", 200.0, 100),
+    ]
+    # 400 bytes, bound 300, down to 270 (low water 0.9): two files go, the cold ones
+    doomed, left = pool.plan_eviction(files, bound=300, now=now)
+    assert doomed == ["cold-old", "cold-new"] and left == 200
+    # tighter: the hold ending first goes next
+    doomed, _ = pool.plan_eviction(files, bound=120, low_water=0.9, now=now)
+    assert doomed == ["cold-old", "cold-new", "held-short"]
+    # held bytes beyond max_held_share of the bound lose protection, the holds ending first,
+    # ordered as if used now: after the cold files, before the holds that keep it
+    doomed, _ = pool.plan_eviction(files, bound=300, low_water=0.5, now=now, max_held_share=0.4)
+    assert doomed == ["cold-old", "cold-new", "held-short"]
+
+
+def test_a_hold_lasts_as_the_retention_rule_says():
+    from engine_patches.retention_rule import Hint, RetentionConfig
+
+    cfg = RetentionConfig(ttl_s=600, return_slack=1.5)
+    assert pool.hold_until(Hint("s", "tool-pause", 30.0), cfg, 1000.0) == 1045.0
+    assert pool.hold_until(Hint("s", "waiting-on-children"), cfg, 1000.0) == 1600.0  # the TTL
+    assert pool.hold_until(Hint("s", "tool-pause", 1e6), cfg, 0.0) == 600.0  # never past it
+    assert pool.hold_until(Hint("s", "done"), cfg, 0.0) is None
+    assert pool.hold_until(Hint("s", "running"), cfg, 0.0) is None
+    assert pool.hold_until(None, cfg, 0.0) is None

@@ -9,6 +9,8 @@ own core, 8192 tokens of engine KV, an 8192-token host tier, the pool below it):
   reachable from both replicas;
 * past ``pool_bytes`` the replicas' evictors delete the least recently used files, publish
   ``BlockRemoved`` for them, and the router's index then holds exactly the blocks on disk;
+* a paused session's blocks (a ``tool-pause`` hint) outlive pool pressure that evicts a newer
+  unhinted prompt's;
 * a pool directory that disappears mid-run costs recomputation, never a failed call.
 """
 
@@ -182,6 +184,35 @@ def test_the_pool_stays_within_its_bound_and_the_index_follows_its_evictions(poo
         return _index(events, (p1, p2)).pool_keys() == files()
 
     assert _wait(agrees, timeout=30), (len(_index(events, (p1, p2)).pool_keys()), len(files()))
+
+
+def test_a_paused_sessions_blocks_outlive_pool_pressure_that_takes_newer_unhinted_ones(pooled):
+    (p1, p2), _, shared = pooled
+    http = httpx.Client(timeout=120)
+    hasher = BlockHasher(BLOCK_SIZE)
+    held, plain = unique_text(PROMPT_WORDS, seed=4330), unique_text(PROMPT_WORDS, seed=4331)
+    hint = {"kvroute": {"session": "held-1", "state": "tool-pause", "return_s": 300}}
+    body = {"model": "tiny", "prompt": held, "max_tokens": 4, "kv_transfer_params": hint}
+    assert http.post(p1.url + "/v1/completions", json=body).status_code == 200
+    _ask(http, p1.url, plain)  # after the held one: plain LRU would evict it later
+    keys_held = hasher.hash_keys(_tokens(http, p1.url, held))[:-1]
+    keys_plain = hasher.hash_keys(_tokens(http, p1.url, plain))[:-1]
+
+    def files() -> set[int]:
+        out = set()
+        for path, _, _ in pool.pool_files(str(shared)):
+            k = pool.key_of_path(path)
+            if k is not None:
+                out.add(to_key(k[0]))
+        return out
+
+    assert _wait(lambda: set(keys_held) | set(keys_plain) <= files()), "not in the pool"
+    # ~4 x 62 blocks more: past the 256-block bound, the sweeps take ~250 blocks
+    for i in range(4):
+        _ask(http, (p2, p1)[i % 2].url, unique_text(PROMPT_WORDS, seed=4340 + i))
+    assert _wait(lambda: keys_plain[0] not in files(), timeout=60), "no pressure reached it"
+    on_disk = files()
+    assert set(keys_held) <= on_disk, f"{len(set(keys_held) - on_disk)} held blocks evicted"
 
 
 def test_a_pool_that_disappears_costs_recomputation_not_calls(pooled):
