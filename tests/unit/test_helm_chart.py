@@ -365,6 +365,8 @@ def engine_flags_argv(m: dict[str, Any]) -> list[str]:
     argv += ["--host-tier-mode", o["mode"]]
     if o["diskDir"]:
         argv += ["--disk-tier-dir", o["diskDir"]]
+    if o["pool"]["dir"]:
+        argv += ["--pool-dir", o["pool"]["dir"], "--pool-bytes", num(o["pool"]["bytes"])]
     if r["enabled"]:
         argv += ["--retention"]
     argv += ["--retention-ttl-s", num(r["ttlSeconds"]), "--retention-share", num(r["maxShare"])]
@@ -425,6 +427,14 @@ ENGINE_VARIATIONS = {
     }}},
     "write-back-host-tier-cpu": {"workers": {"defaults": {
         "cpu": True, "offload": {"hostBytes": 268435456, "mode": "write-back"},
+    }}, "kvCache": {"blockSize": 32}},
+    "cluster-pool-below-disk-with-retention": {"workers": {"defaults": {
+        "offload": {"hostBytes": 1 << 30, "diskDir": "/mnt/nvme/kv",
+                    "pool": {"dir": "/mnt/kv-pool", "bytes": 1 << 40, "claimName": "kv-pool"},
+                    "retention": {"enabled": True, "ttlSeconds": 120.5, "maxShare": 0.25}},
+    }}},
+    "cluster-pool-cpu-unbounded": {"workers": {"defaults": {
+        "cpu": True, "offload": {"hostBytes": 4096, "pool": {"dir": "/pool", "claimName": "p"}},
     }}, "kvCache": {"blockSize": 32}},
     "write-back-without-bytes-is-no-tier": {"workers": {"defaults": {
         "offload": {"mode": "write-back"},
@@ -653,6 +663,32 @@ CONTRADICTIONS = [
         "the write-back host tier evicts in LRU order only",
     ),
     (
+        {"workers": {"defaults": {"offload": {"pool": {"dir": "/p", "claimName": "c"}}}}},
+        "offload.pool sits below the host tier; set offload.hostBytes too",
+    ),
+    (
+        {"workers": {"defaults": {"offload": {"hostBytes": 1, "pool": {"dir": "/p"}}}}},
+        "offload.pool needs claimName",
+    ),
+    (
+        {
+            "workers": {
+                "defaults": {
+                    "offload": {
+                        "hostBytes": 1,
+                        "mode": "write-back",
+                        "pool": {"dir": "/p", "claimName": "c"},
+                    }
+                }
+            }
+        },
+        "the write-back host tier takes no pool",
+    ),
+    (
+        {"workers": {"defaults": {"offload": {"hostBytes": 1, "pool": {"bytes": 5}}}}},
+        "bytes and claimName need pool.dir",
+    ),
+    (
         {"workers": {"defaults": {"extraEnv": [{"name": "VLLM_PLUGINS", "value": "kvroute"}]}}},
         "add kvroute_engine",
     ),
@@ -730,3 +766,23 @@ def test_dashboard_ships_as_a_configmap(chart):
             assert p["datasource"]["uid"] == "${datasource}" and p["description"], p["title"]
     off = objects(render(chart, {"monitoring": {"dashboard": {"enabled": False}}}))
     assert not [o for o in off if o["metadata"]["name"].endswith("-dashboard")]
+
+
+def test_the_cluster_pool_mounts_one_shared_claim_on_every_worker(chart):
+    values = {"workers": {"models": [{"name": "a", "model": "m/a"}, {"name": "b", "model": "m/b"}],
+              "defaults": {"replicas": 2, "offload": {"hostBytes": 4096, "pool": {
+                  "dir": "/mnt/kv-pool", "bytes": 10, "claimName": "shared-kv"}}}}}  # fmt: skip
+    objs = objects(render(chart, values))
+    workers = [
+        o
+        for o in objs
+        if o["kind"] in ("StatefulSet", "Deployment")
+        and o["metadata"]["labels"].get("app.kubernetes.io/component") == "worker"
+    ]
+    assert len(workers) == 2
+    for w in workers:
+        spec = w["spec"]["template"]["spec"]
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["kv-pool"]["persistentVolumeClaim"] == {"claimName": "shared-kv"}
+        mounts = {m["name"]: m["mountPath"] for m in container(w, "vllm")["volumeMounts"]}
+        assert mounts["kv-pool"] == "/mnt/kv-pool"

@@ -171,17 +171,26 @@ A JSON list; use with fromJsonArray. (dict "model" $m)
 {{- if and (gt (int64 $o.hostBytes) 0) (eq $o.mode "write-back") -}}
 {{- $out = concat $out (list "--kv-transfer-config" (printf `{"kv_connector":"KVRouteWriteBackConnector","kv_connector_module_path":"engine_patches.writeback","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":%d,"lazy_offload":true}}` (int64 $o.hostBytes))) -}}
 {{- else if gt (int64 $o.hostBytes) 0 -}}
-{{- $spec := ternary "KVRouteTieringSpec" "KVRouteOffloadingSpec" (ne $o.diskDir "") -}}
+{{- $pool := $o.pool | default dict -}}
+{{- $spec := ternary "KVRouteTieringSpec" "KVRouteOffloadingSpec" (or (ne $o.diskDir "") (ne ($pool.dir | default "") "")) -}}
 {{- $x := printf `"spec_name":"%s","spec_module_path":"engine_patches.offload","cpu_bytes_to_use":%d` $spec (int64 $o.hostBytes) -}}
 {{- if $o.retention.enabled -}}
 {{- $x = printf `%s,"eviction_policy":"AgentRetentionPolicy","cache_policy_module_path":"engine_patches.retention","retention":{"ttl_s":%s,"max_share":%s}` $x (include "kvroute.pyfloat" $o.retention.ttlSeconds) (include "kvroute.pyfloat" $o.retention.maxShare) -}}
 {{- else -}}
 {{- $x = printf `%s,"eviction_policy":"%s"` $x $o.evictionPolicy -}}
 {{- end -}}
+{{- $tiers := list -}}
 {{- if $o.diskDir -}}
-{{- $x = printf `%s,"secondary_tiers":[{"type":"fs","root_dir":%s,"enable_kv_events":true}]` $x (toJson $o.diskDir) -}}
+{{- $tiers = append $tiers (printf `{"type":"fs","root_dir":%s,"enable_kv_events":true}` (toJson $o.diskDir)) -}}
 {{- end -}}
-{{- $out = concat $out (list "--kv-transfer-config" (printf `{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{%s}}` $x)) -}}
+{{- if $pool.dir -}}
+{{- $tiers = append $tiers (printf `{"type":"KVRoutePoolTier","module_path":"engine_patches.pool","root_dir":%s,"pool_bytes":%d,"retention":{"ttl_s":%s,"max_share":%s},"enable_kv_events":true,"locality":"REMOTE"}` (toJson $pool.dir) (int64 ($pool.bytes | default 0)) (include "kvroute.pyfloat" $o.retention.ttlSeconds) (include "kvroute.pyfloat" $o.retention.maxShare)) -}}
+{{- end -}}
+{{- if $tiers -}}
+{{- $x = printf `%s,"secondary_tiers":[%s]` $x (join "," $tiers) -}}
+{{- end -}}
+{{- $fail := ternary `,"kv_load_failure_policy":"recompute"` "" (ne ($pool.dir | default "") "") -}}
+{{- $out = concat $out (list "--kv-transfer-config" (printf `{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{%s}%s}` $x $fail)) -}}
 {{- end -}}
 {{- end -}}
 {{- if gt (int $m.decodeContextParallelSize) 1 -}}

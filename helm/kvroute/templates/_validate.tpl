@@ -96,6 +96,20 @@ message names the keys to change. Included from validate.yaml (renders nothing o
 {{- if and $m.offload.hostBytes (not (and $m.plugin.enabled (eq $m.plugin.preset "agentic"))) -}}
 {{- fail (printf "workers.models[%s].offload: the host/disk tiers are the plugin's (KVRouteOffloadingSpec); set plugin.enabled=true and plugin.preset=agentic, or offload.hostBytes=0" $n) -}}
 {{- end -}}
+{{- $pool := $m.offload.pool | default dict -}}
+{{- if $pool.dir -}}
+{{- if not $m.offload.hostBytes -}}
+{{- fail (printf "workers.models[%s].offload.pool sits below the host tier; set offload.hostBytes too" $n) -}}
+{{- end -}}
+{{- if not $pool.claimName -}}
+{{- fail (printf "workers.models[%s].offload.pool needs claimName: an existing ReadWriteMany PersistentVolumeClaim every worker mounts at pool.dir" $n) -}}
+{{- end -}}
+{{- if eq $m.offload.mode "write-back" -}}
+{{- fail (printf "workers.models[%s].offload: the write-back host tier takes no pool; drop pool.dir or use mode write-through" $n) -}}
+{{- end -}}
+{{- else if or $pool.bytes $pool.claimName -}}
+{{- fail (printf "workers.models[%s].offload.pool: bytes and claimName need pool.dir" $n) -}}
+{{- end -}}
 {{- if eq $m.offload.mode "write-back" -}}
 {{- if $m.offload.diskDir -}}
 {{- fail (printf "workers.models[%s].offload: the write-back host tier takes no disk tier (vLLM's disk backend for it is CUDA-only); drop diskDir or use mode write-through" $n) -}}
