@@ -43,6 +43,10 @@ class HardwareProfile:
     storage_bytes: float = 0.0
     storage_bw: float = 5e9  # storage -> device, B/s
     storage_latency_s: float = 200e-6
+    # the cluster KV pool (a tier every replica of a cluster reads: a shared volume, a
+    # network store): pool -> host -> device per GPU, B/s, and per load operation
+    pool_bw: float = 10e9
+    pool_latency_s: float = 500e-6
     step_overhead_s: float = 4e-3  # fixed cost of one engine step
     interconnect_bw: float = 360e9  # GPU-GPU all-reduce bus bandwidth per GPU, B/s
     allreduce_latency_s: float = 8e-6  # one small all-reduce (tensor parallelism)
@@ -121,6 +125,10 @@ class ReplicaProfile:
     host_write_back: int = 0  # 1: the host tier takes HBM's evictions (write-back; see above)
     output_median_tokens: float = 300.0  # replies that end by themselves (twin): median ...
     output_sigma: float = 0.8  # ... and log-normal sigma of their length
+    # the cluster KV pool's capacity in blocks: ONE pool shared by every replica of a cluster
+    # (the twins of one ``kvroute cluster``, the simulator's engines), below the host tier;
+    # 0: no pool. Its link is the hardware's ``pool_bw`` / ``pool_latency_s``.
+    pool_kv_blocks: int = 0
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float = 0.0
     description: str = ""
@@ -191,7 +199,7 @@ def _int(d: Mapping[str, Any], key: str, where: str, default: Any = ..., positiv
 _HW_KEYS = {
     "description", "hbm_bytes", "hbm_bw", "flops", "host_dram_bytes", "host_load_bw",
     "host_latency_s", "storage_bytes", "storage_bw", "storage_latency_s", "step_overhead_s",
-    "interconnect_bw", "allreduce_latency_s",
+    "interconnect_bw", "allreduce_latency_s", "pool_bw", "pool_latency_s",
 }  # fmt: skip
 _MODEL_KEYS = {
     "name", "params", "layers", "hidden", "heads", "kv_heads", "head_dim", "kv_dtype_bytes",
@@ -203,7 +211,7 @@ _REPLICA_KEYS = {
     "hbm_efficiency", "cpu_kv_blocks", "storage_kv_blocks", "cpu_kv_bytes", "storage_kv_bytes",
     "prefill_interval_steps", "gpu_memory_utilization", "activation_reserve_bytes",
     "request_overhead_s", "tensor_parallel_size", "host_write_back", "output_median_tokens",
-    "output_sigma",
+    "output_sigma", "pool_kv_blocks",
 }  # fmt: skip
 
 
@@ -239,6 +247,8 @@ def hardware_from_dict(name: str, d: Mapping[str, Any], compute_dtype: str) -> H
         storage_bytes=_num(d, "storage_bytes", where, 0.0, positive=False),
         storage_bw=_num(d, "storage_bw", where, 5e9),
         storage_latency_s=_num(d, "storage_latency_s", where, 200e-6, positive=False),
+        pool_bw=_num(d, "pool_bw", where, 10e9),
+        pool_latency_s=_num(d, "pool_latency_s", where, 500e-6, positive=False),
         step_overhead_s=_num(d, "step_overhead_s", where, 4e-3, positive=False),
         interconnect_bw=_num(d, "interconnect_bw", where, 360e9),
         allreduce_latency_s=_num(d, "allreduce_latency_s", where, 8e-6, positive=False),
@@ -355,6 +365,7 @@ def profile_from_dict(
         host_write_back=_int(d, "host_write_back", where, 0, positive=False),
         output_median_tokens=_num(d, "output_median_tokens", where, 300.0),
         output_sigma=_num(d, "output_sigma", where, 0.8, positive=False),
+        pool_kv_blocks=_int(d, "pool_kv_blocks", where, 0, positive=False),
         gpu_memory_utilization=util,
         activation_reserve_bytes=reserve,
         description=str(d.get("description", "")),
@@ -371,6 +382,10 @@ def _check_write_back(prof: ReplicaProfile, where: str) -> None:
         raise ProfileError(f"{where}: host_write_back must be 0 or 1")
     if prof.host_write_back and not prof.cpu_kv_blocks:
         raise ProfileError(f"{where}: host_write_back needs a host tier (cpu_kv_blocks > 0)")
+    if prof.pool_kv_blocks and not prof.cpu_kv_blocks:
+        raise ProfileError(f"{where}: pool_kv_blocks needs a host tier (cpu_kv_blocks > 0)")
+    if prof.pool_kv_blocks and prof.host_write_back:
+        raise ProfileError(f"{where}: the pool is written through: not with host_write_back")
 
 
 def merge_base(d: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
@@ -451,6 +466,7 @@ _OVERRIDABLE = {
     "prefill_mfu": float, "hbm_efficiency": float, "cpu_kv_blocks": int,
     "storage_kv_blocks": int, "prefill_interval_steps": int, "request_overhead_s": float,
     "host_write_back": int, "output_median_tokens": float, "output_sigma": float,
+    "pool_kv_blocks": int,
 }  # fmt: skip
 
 

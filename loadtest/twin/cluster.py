@@ -1,9 +1,11 @@
 """N twin replicas in one process, on consecutive loopback ports: the embedded cluster.
 
 Owns: starting and stopping a set of :class:`loadtest.twin.replica.TwinReplica` web apps that
-share one tokenizer, one ZMQ context and one KV-event endpoint (each replica publishes on
-its own topic ``kv@<name>``). This is what ``kvroute cluster`` and ``make demo`` run, and
-the small programmatic API other parts of ``loadtest`` build on::
+share one tokenizer, one ZMQ context, one KV-event endpoint (each replica publishes on
+its own topic ``kv@<name>``) and, when the profile has ``pool_kv_blocks``, one cluster KV pool
+(:class:`loadtest.twin.engine.ClusterPool`: a block any twin wrote is found by all). This is
+what ``kvroute cluster`` and ``make demo`` run, and the small programmatic API other parts
+of ``loadtest`` build on::
 
     async with start_cluster(4, "cpu-tiny", speedup=1.0, kv_events=endpoint) as c:
         c.urls      # ["http://127.0.0.1:P", ...]
@@ -24,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from costmodel.profiles import ReplicaProfile, load_profile
-from loadtest.twin.engine import EnginePlugin
+from loadtest.twin.engine import ClusterPool, EnginePlugin
 from loadtest.twin.publisher import publisher_binds
 from loadtest.twin.replica import TwinConfig, TwinReplica
 from loadtest.twin.server import runner_port, serve
@@ -38,6 +40,7 @@ class Cluster:
     runners: list[web.AppRunner] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
+    pool: ClusterPool | None = None  # the cluster KV pool every replica shares, if any
 
     @property
     def topics(self) -> list[str]:
@@ -126,6 +129,8 @@ async def start_cluster(
 
         own_ctx = zmq_ctx = zmq.Context()
     cluster = Cluster(host=host)
+    # one cluster pool for all the twins (the profile's pool_kv_blocks; 0: none)
+    cluster.pool = ClusterPool(prof.pool_kv_blocks) if prof.pool_kv_blocks else None
     try:
         for i in range(n):
             cfg = TwinConfig(
@@ -146,7 +151,7 @@ async def start_cluster(
                 tool_call_rate_after_result=tool_call_rate_after_result,
                 seed=seed,
             )
-            twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx)
+            twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx, cluster_pool=cluster.pool)
             # owned by the cluster before serve() can fail (a busy --base-port), so the
             # finally below closes its publisher and Context.term() cannot hang on it
             cluster.replicas.append(twin)

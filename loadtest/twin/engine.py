@@ -88,10 +88,11 @@ from costmodel.profiles import ReplicaProfile
 from costmodel.steptime import attended_pairs
 from engine_patches.cadence import CadenceConfig, PendingPrefill, PrefillCadence, eligible_flags
 from engine_patches.retention_rule import Hint, RetentionConfig, RetentionTable
-from loadtest.twin.truth import StepTiming, Truth, timing
+from loadtest.twin.truth import POOL, StepTiming, Truth, timing
 from router.vllm.hashing import MASK64, BlockHasher
 from router.vllm.kvevents import encode_all_cleared, encode_block_removed, encode_block_stored
 
+REMOTE = "REMOTE"  # vLLM's locality of a tier shared with other instances (the pool's)
 WAITING, LOADING, RUNNING, FINISHED, ABORTED = (
     "waiting",
     "loading",
@@ -180,7 +181,8 @@ class Request:
         self.queued_time: float | None = None  # first scheduled
         self.ready_at = 0.0
         self.load_blocks: list[int] = []  # keys being loaded from lower tiers
-        self.promoted: set[int] | None = None  # keys it staged from storage to host (disk hits)
+        # keys it staged from storage or the pool to host, and from which ("storage", "pool")
+        self.promoted: dict[int, str] | None = None
         self.num_preemptions = 0
         # the lower tiers' store pass (vLLM's next_stored_chunk_idx): blocks [host_lo,
         # host_next) were offered to or loaded from them (-1: not admitted yet)
@@ -242,6 +244,68 @@ class TierLRU:
         if len(self.keys) > self.capacity:
             return self.keys.popitem(last=False)[0]
         return None
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+
+class ClusterPool:
+    """The cluster KV pool: ONE key set that every engine of a cluster writes and reads.
+
+    The engine plugin's pool tier (``engine_patches.pool``, docs/engine.md#cluster-pool) as
+    the twins model it: a secondary tier below each engine's host tier (and disk tier),
+    content-addressed by the block hash, so a block any engine wrote is found by all. Hand
+    the same instance to every :class:`Engine` of a cluster. Capacity in blocks; over it, the
+    least recently used keys go, down to ``low_water`` of the capacity (the plugin's sweep;
+    ``engine_patches.pool.LOW_WATER``). A write or a load refreshes a key (vLLM rewrites the
+    file; the plugin touches a loaded file). Counters are the whole pool's."""
+
+    __slots__ = ("capacity", "evicted", "keys", "loaded", "low_water", "stored")
+
+    def __init__(self, capacity: int, low_water: float = 0.9):
+        if capacity <= 0:
+            raise ValueError("a cluster pool needs a capacity of at least one block")
+        if not 0 < low_water <= 1:
+            raise ValueError("low_water must be in (0, 1]")
+        self.capacity = capacity
+        self.low_water = low_water
+        self.keys: OrderedDict[int, None] = OrderedDict()
+        self.stored = 0  # blocks written (all engines; rewrites included)
+        self.loaded = 0  # blocks loaded from it (all engines)
+        self.evicted = 0  # blocks evicted
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def put(self, keys: Sequence[int]) -> list[int]:
+        """Write ``keys`` (new or rewritten: most recently used now); returns the keys evicted
+        to bring the pool back under its capacity (least recently used first)."""
+        pool = self.keys
+        for k in keys:
+            pool[k] = None
+            pool.move_to_end(k)
+        self.stored += len(keys)
+        if len(pool) <= self.capacity:
+            return []
+        target = max(0, min(self.capacity, int(self.capacity * self.low_water)))
+        out = []
+        while len(pool) > target:
+            out.append(pool.popitem(last=False)[0])
+        self.evicted += len(out)
+        return out
+
+    def touch(self, keys: Iterable[int]) -> None:
+        """A load of ``keys``: they become the most recently used."""
+        pool = self.keys
+        n = 0
+        for k in keys:
+            if k in pool:
+                pool.move_to_end(k)
+                n += 1
+        self.loaded += n
 
     def clear(self) -> None:
         self.keys.clear()
@@ -608,6 +672,7 @@ class Engine:
         keep_digests: bool = False,
         plugin: EnginePlugin | None = None,
         truth: str | Truth | None = None,
+        cluster_pool: ClusterPool | None = None,
     ):
         self.profile = profile
         self.plugin = plugin = plugin or EnginePlugin()
@@ -627,6 +692,14 @@ class Engine:
         self.pool = BlockPool(profile.gpu_kv_blocks, self.events)
         if profile.host_write_back and self.cpu is not None:
             self.pool.victims = []
+        # the cluster pool (shared with the other engines of a cluster; a profile with
+        # pool_kv_blocks and no pool handed in gets one of its own: a cluster of one)
+        if cluster_pool is None and profile.pool_kv_blocks:
+            cluster_pool = ClusterPool(profile.pool_kv_blocks)
+        if cluster_pool is not None and (self.cpu is None or profile.host_write_back):
+            raise ValueError("a cluster pool needs a write-through host tier (cpu_kv_blocks > 0)")
+        self.cluster_pool = cluster_pool
+        self._promoting: set[int] = set()  # host chunks being staged from storage or the pool
         # lower-tier stores by group (one per request and store pass): those of the step being
         # planned, and those of the step before, which the worker writes during the next step
         # (vLLM defers a step's stores to the next one's start) — settled when that step ends
@@ -649,9 +722,12 @@ class Engine:
         # counters (vLLM metric names in the HTTP layer)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens hit (any tier)
-        self.tier_hit_blocks = {"gpu": 0, "cpu": 0, "storage": 0}
-        # prompt tokens hit by tier, once per request (vllm:prompt_tokens_cached_by_source)
+        self.tier_hit_blocks = {"gpu": 0, "cpu": 0, "storage": 0, "pool": 0}
+        # prompt tokens hit by tier, once per request (vllm:prompt_tokens_cached_by_source:
+        # vLLM labels a pool hit "disk", the source of every STORAGE tier)
         self.cached_by_source = {"device": 0, "host": 0, "disk": 0}
+        # the same with the pool apart from the disk tier (the twin's own counter)
+        self.cached_by_tier = {"device": 0, "host": 0, "disk": 0, "pool": 0}
         self.preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -694,6 +770,7 @@ class Engine:
         """The writes in flight are done: ``BlockStored`` for the host tier, and the cascade
         to storage (vLLM's tiering manager writes every stored chunk to all tiers)."""
         groups, self._in_flight = self._in_flight, []
+        written = [k for g in groups for k in g]
         if self.cpu is not None:
             groups = [self.cpu.settle(g) for g in groups]
         for g in groups:
@@ -702,6 +779,9 @@ class Engine:
             if self.cpu is not None:
                 self._emit(encode_block_stored(g, None, [], 0, medium="CPU"))
             self._to_storage(g)
+            if self.cluster_pool is not None:
+                self._to_pool(g)
+        self._promoting.difference_update(written)
 
     def _to_storage(self, keys: Sequence[int]) -> None:
         sto = self.storage
@@ -717,6 +797,22 @@ class Engine:
             self._emit(encode_block_removed(gone, medium="STORAGE"))
         if new:
             self._emit(encode_block_stored(new, None, [], 0, medium="STORAGE"))
+
+    def _to_pool(self, keys: Sequence[int]) -> None:
+        """The cascade to the cluster pool: every chunk the host tier stored is written (a
+        chunk staged *from* a lower tier is not: vLLM's promotion completes a write, not a
+        store). ``BlockStored`` for all of them, as vLLM's filesystem tier publishes each
+        written file, then ``BlockRemoved`` for what the pool evicted to make room — both
+        ``medium`` STORAGE, ``locality`` REMOTE, from this engine (the one that wrote)."""
+        pool = self.cluster_pool
+        assert pool is not None
+        todo = [k for k in keys if k not in self._promoting]
+        if not todo:
+            return
+        gone = pool.put(todo)
+        self._emit(encode_block_stored(todo, None, [], 0, medium="STORAGE", locality=REMOTE))
+        if gone:
+            self._emit(encode_block_removed(gone, medium="STORAGE", locality=REMOTE))
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -758,7 +854,8 @@ class Engine:
             self.storage.clear()
         self._writing.clear()
         self._in_flight.clear()
-        self._emit(encode_all_cleared())
+        self._promoting.clear()
+        self._emit(encode_all_cleared())  # the cluster pool is not this engine's: it stays
         return True
 
     def take_events(self) -> list[dict[str, Any]]:
@@ -878,19 +975,23 @@ class Engine:
         gpu = self.pool.match(keys, limit)
         n_gpu = len(gpu)
         lower: list[int] = []
-        n_cpu = n_sto = 0
-        cpu, sto = self.cpu, self.storage
+        n_cpu = n_sto = n_pool = 0
+        cpu, sto, cpool = self.cpu, self.storage, self.cluster_pool
         if cpu is not None or sto is not None:
+            # vLLM's tiering lookup: the host tier, then each secondary tier in order (the
+            # disk tier, then the pool)
             for k in itertools.islice(keys, n_gpu, limit):
                 if cpu is not None and k in cpu:
                     n_cpu += 1
                 elif sto is not None and k in sto:
                     n_sto += 1
+                elif cpool is not None and k in cpool:
+                    n_pool += 1
                 else:
                     break
                 lower.append(k)
-        if n_sto and cpu is not None:
-            lower, n_cpu, n_sto = self._promote(req, lower, now)
+        if (n_sto or n_pool) and cpu is not None:
+            lower, n_cpu, n_sto, n_pool = self._promote(req, lower, now)
         hit = (n_gpu + len(lower)) * bs
         if lower:
             n = 0
@@ -929,7 +1030,12 @@ class Engine:
             by = self.cached_by_source
             by["device"] += n_gpu * bs
             by["host"] += n_cpu * bs
-            by["disk"] += n_sto * bs
+            by["disk"] += (n_sto + n_pool) * bs
+            tier = self.cached_by_tier
+            tier["device"] += n_gpu * bs
+            tier["host"] += n_cpu * bs
+            tier["disk"] += n_sto * bs
+            tier["pool"] += n_pool * bs
         # the blocks the request's store pass has covered (vLLM: a load skips them; without
         # one every prompt block is offered, so a GPU hit puts back what the host tier lost)
         lo = n_gpu if lower else 0
@@ -937,12 +1043,15 @@ class Engine:
         if lower:
             req.load_blocks = lower
             req.status = LOADING
-            req.ready_at = now + self.timing.load(n_cpu, "cpu") + self.timing.load(n_sto, "storage")
+            req.ready_at = (now + self.timing.load(n_cpu, "cpu")
+                            + self.timing.load(n_sto, "storage")
+                            + self.timing.load(n_pool, POOL))  # fmt: skip
             req.host_next = max(req.host_next, n_gpu + len(lower))
             if cpu is not None:
                 cpu.pin(lower)
             self.tier_hit_blocks["cpu"] += n_cpu
             self.tier_hit_blocks["storage"] += n_sto
+            self.tier_hit_blocks["pool"] += n_pool
             return 0
         self._cache_full_blocks(req, req.num_computed + n)
         return n
@@ -963,22 +1072,31 @@ class Engine:
             and (r.status != RUNNING or r.num_computed < r.num_tokens - 1)
         )
 
-    def _promote(self, req: Request, lower: list[int], now: float) -> tuple[list[int], int, int]:
-        """Stage a request's storage hits through the host tier, as vLLM's tiering manager
-        does in its lookup (``_initiate_promotion``): each gets a host chunk, made room for
-        least recently used first — which may evict the request's own host hits, not pinned
-        before its load begins. vLLM's next lookup finds those gone and promotes them from
-        storage too; so here, round by round, until none is lost. A chunk that cannot be
-        staged (no room, or gone from storage as well) ends the hit there, as vLLM's lookup
-        misses. Returns the hit's lower-tier keys and how many come from host / storage
-        (promoted keys count as storage hits, vLLM's ``get_load_source``)."""
-        cpu, sto = self.cpu, self.storage
-        assert cpu is not None and sto is not None
+    def _promote(
+        self, req: Request, lower: list[int], now: float
+    ) -> tuple[list[int], int, int, int]:
+        """Stage a request's storage and pool hits through the host tier, as vLLM's tiering
+        manager does in its lookup (``_initiate_promotion``): each gets a host chunk, made
+        room for least recently used first — which may evict the request's own host hits, not
+        pinned before its load begins. vLLM's next lookup finds those gone and promotes them
+        from a lower tier too; so here, round by round, until none is lost. A chunk that
+        cannot be staged (no room, or in no lower tier either) ends the hit there, as vLLM's
+        lookup misses. Returns the hit's lower-tier keys and how many come from host /
+        storage / the pool (a promoted key counts for the tier it was staged from, vLLM's
+        ``get_load_source``; the disk tier is looked up before the pool)."""
+        cpu, sto, cpool = self.cpu, self.storage, self.cluster_pool
+        assert cpu is not None
         promoted = req.promoted
         if promoted is None:
-            promoted = req.promoted = set()
+            promoted = req.promoted = {}
         while todo := [k for k in lower if k not in cpu]:
-            lost = next((k for k in todo if k not in sto), None)
+            src = {}
+            for k in todo:
+                if sto is not None and k in sto:
+                    src[k] = "storage"
+                elif cpool is not None and k in cpool:
+                    src[k] = POOL
+            lost = next((k for k in todo if k not in src), None)
             if lost is not None:
                 lower = lower[: lower.index(lost)]
                 continue
@@ -991,9 +1109,14 @@ class Engine:
                 self._emit(encode_block_removed(evicted, medium="CPU"))
             if new:
                 self._writing.append(new)
-                promoted.update(new)
-        n_sto = sum(1 for k in lower if k in promoted)
-        return lower, len(lower) - n_sto, n_sto
+                self._promoting.update(new)
+                for k in new:
+                    promoted[k] = src[k]
+        n_sto = sum(1 for k in lower if promoted.get(k) == "storage")
+        n_pool = sum(1 for k in lower if promoted.get(k) == POOL)
+        if n_pool and cpool is not None:
+            cpool.touch(k for k in lower if promoted.get(k) == POOL)
+        return lower, len(lower) - n_sto - n_pool, n_sto, n_pool
 
     def _finish_load(self, req: Request) -> None:
         """Loaded blocks now hold their keys in GPU (``BlockStored`` medium GPU)."""

@@ -152,5 +152,13 @@ class TwinMetrics:
             "schedule at its last step (> 0.01: too slow for its speedup).",
             twin.lagged_s,
         )
+        # the twin's own split of the cached tokens: the pool apart from the disk tier (vLLM
+        # labels both "disk"), for the bench's hit ratio by source
+        name = "kvroute:twin_prompt_tokens_cached_by_tier_total"
+        lines.append(f"# HELP {name} Cached prompt tokens by the tier that served them "
+                     f"(twin; the cluster pool apart from the disk tier).\n"
+                     f"# TYPE {name} counter")  # fmt: skip
+        for source, n in eng.cached_by_tier.items():
+            lines.append(f'{name}{{{labels},source="{source}"}} {float(n)}')
         text = "\n".join(lines) + "\n"
         return text.encode() + generate_latest(self.registry)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel.profiles import ReplicaProfile
-from loadtest.twin.engine import Engine, EnginePlugin, Request
+from loadtest.twin.engine import ClusterPool, Engine, EnginePlugin, Request
 from loadtest.twin.exporter import TwinMetrics
 from loadtest.twin.publisher import KVEventPublisher
 from loadtest.twin.tokenize import ModelTokenizer
@@ -105,8 +105,16 @@ class Stream:
 class TwinReplica:
     """One twin: engine, tokenizer, event publisher, and the loop that runs steps."""
 
+    # what a restart keeps of the engine: its counters (a scrape sees one replica's totals)
+    COUNTERS = ("prefix_queries", "prefix_hits", "preemptions", "prompt_tokens_total",
+                "generation_tokens_total", "busy_time")  # fmt: skip
+
     def __init__(
-        self, cfg: TwinConfig, tokenizer: ModelTokenizer | None = None, zmq_ctx: Any = None
+        self,
+        cfg: TwinConfig,
+        tokenizer: ModelTokenizer | None = None,
+        zmq_ctx: Any = None,
+        cluster_pool: ClusterPool | None = None,
     ):
         self.cfg = cfg
         self.profile = cfg.profile
@@ -115,14 +123,14 @@ class TwinReplica:
             self.profile = cfg.profile.replace(model=_with_len(cfg.profile, self.max_model_len))
         self.tokenizer = tokenizer or ModelTokenizer(cfg.model_dir, self.profile.block_size)
         self.hasher = BlockHasher(self.profile.block_size, cfg.hash_algo, cfg.hash_seed)
-        self.engine = Engine(
-            self.profile,
-            hasher=self.hasher,
-            output_token=self._output_token,
-            keep_digests=not cfg.int_hashes,
-            plugin=cfg.plugin,
-            truth=cfg.truth,
-        )
+        # the cluster pool this twin shares with the others of its cluster (None: its profile's
+        # pool_kv_blocks, if any, gives it one of its own)
+        self.cluster_pool = cluster_pool
+        self.engine = self._new_engine()
+        # disruptions (kvroute bench --disrupt): "up"; "draining" (in-flight calls finish,
+        # new ones and /health get 503); "down" (stopped: 503 until it is up again)
+        self.state = "up"
+        self.restarts = 0
         self.topic = f"kv@{cfg.name}" if cfg.kv_events_topic is None else cfg.kv_events_topic
         self.publisher = (
             KVEventPublisher(
@@ -147,6 +155,61 @@ class TwinReplica:
         self._replay_task: asyncio.Task[None] | None = None
         self.created = int(time.time())
         self.metrics = TwinMetrics(self)
+
+    def _new_engine(self) -> Engine:
+        return Engine(
+            self.profile,
+            hasher=self.hasher,
+            output_token=self._output_token,
+            keep_digests=not self.cfg.int_hashes,
+            plugin=self.cfg.plugin,
+            truth=self.cfg.truth,
+            cluster_pool=self.cluster_pool,
+        )
+
+    # ---- disruptions --------------------------------------------------------------------
+
+    async def restart(self, downtime_s: float = 0.0, drain_timeout_s: float = 600.0) -> None:
+        """A rolling upgrade's turn for this replica: drain (new calls and ``/health`` get
+        503 while in-flight calls finish, at most ``drain_timeout_s`` model seconds, then they
+        are cut), stop, and start again after ``downtime_s`` model seconds with an empty cache
+        (HBM, host and disk tiers; a cluster pool is not the replica's and stays). The new
+        engine's first batch is ``AllBlocksCleared`` (what a router that notices the restart
+        drops; real vLLM starts a new event stream). Counters carry over."""
+        self.state = "draining"
+        deadline = time.monotonic() + drain_timeout_s / self.speedup
+        while self.streams and time.monotonic() < deadline:  # noqa: ASYNC110 (a poll is enough)
+            await asyncio.sleep(0.005)
+        self.go_down()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        old, self.engine = self.engine, self._new_engine()
+        for name in self.COUNTERS:
+            setattr(self.engine, name, getattr(old, name))
+        for d in ("tier_hit_blocks", "cached_by_source", "cached_by_tier"):
+            getattr(self.engine, d).update(getattr(old, d))
+        self.engine.reset_prefix_cache()  # AllBlocksCleared: the router's view starts empty
+        self._publish()
+        self.restarts += 1
+        if downtime_s > 0:
+            await asyncio.sleep(downtime_s / self.speedup)
+        self.start()
+        self.state = "up"
+
+    def go_down(self) -> None:
+        """Lost (or stopped): calls in flight are cut, new calls and ``/health`` get 503."""
+        self.state = "down"
+        for st in list(self.streams.values()):
+            if not st.req.finished:
+                self.engine.abort(st.req.id)
+            st.queue.put_nowait(None)
+        self._wake.set()
+
+    def go_up(self) -> None:
+        self.state = "up"
 
     # ---- time ---------------------------------------------------------------------------
 
@@ -256,6 +319,8 @@ class TwinReplica:
             raise ApiError(
                 500, f"EngineCore encountered an issue: {self.failed!r}", "EngineDeadError"
             )
+        if self.state != "up":
+            raise ApiError(503, f"replica {self.cfg.name} is {self.state}", "ServiceUnavailable")
 
     def submit(self, req: Request, t_arrival: float | None = None) -> Stream:
         """Hand ``req`` to the engine; ``t_arrival`` (monotonic) is when the HTTP request came

@@ -58,6 +58,7 @@ def _bad(message: str, param: str | None = None, value: Any = None) -> ApiError:
 # ---- request parsing ------------------------------------------------------------------------
 
 APP_TWIN = web.AppKey("twin", TwinReplica)
+APP_TASKS = web.AppKey("twin_tasks", set)  # background disruptions (a restart in progress)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -528,7 +529,35 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=500 if request.app[APP_TWIN].failed else 200)
+    twin = request.app[APP_TWIN]
+    return web.Response(status=500 if twin.failed else 200 if twin.state == "up" else 503)
+
+
+async def disrupt(request: web.Request) -> web.Response:
+    """``POST /twin/disrupt {"action": "restart" | "down" | "up", "downtime_s": s}``: the
+    bench's disruptions (kvroute bench --disrupt). ``restart`` answers at once and drains,
+    restarts empty and comes back in the background (``GET /twin/disrupt``: the state)."""
+    twin = request.app[APP_TWIN]
+    if request.method == "GET":
+        return web.json_response({"state": twin.state, "restarts": twin.restarts})
+    try:
+        doc = orjson.loads(await request.read())
+        action, downtime = str(doc["action"]), float(doc.get("downtime_s", 0.0))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        return web.json_response({"error": "need action"}, status=400)
+    if action == "restart":
+        if twin.state != "up":
+            return web.json_response({"error": f"replica is {twin.state}"}, status=409)
+        task = asyncio.get_running_loop().create_task(twin.restart(downtime))
+        request.app[APP_TASKS].add(task)
+        task.add_done_callback(request.app[APP_TASKS].discard)
+    elif action == "down":
+        twin.go_down()
+    elif action == "up":
+        twin.go_up()
+    else:
+        return web.json_response({"error": f"unknown action {action!r}"}, status=400)
+    return web.json_response({"state": twin.state})
 
 
 async def load(request: web.Request) -> web.Response:
@@ -562,6 +591,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 def build_app(twin: TwinReplica) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
     app[APP_TWIN] = twin
+    app[APP_TASKS] = set()
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         twin.start()
@@ -578,6 +608,8 @@ def build_app(twin: TwinReplica) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/twin/expect", expect)
+    app.router.add_post("/twin/disrupt", disrupt)
+    app.router.add_get("/twin/disrupt", disrupt)
     from loadtest.twin import apis
 
     apis.add_routes(app)  # /v1/messages (+ count_tokens), /v1/responses

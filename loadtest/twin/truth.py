@@ -87,7 +87,8 @@ class StepTiming(Protocol):
 
     def load(self, n_blocks: int, tier: str) -> float:
         """Bringing ``n_blocks`` KV blocks from ``tier`` into device memory (or writing them
-        back to the host tier: the same link)."""
+        back to the host tier: the same link). ``tier`` is one of ``costmodel``'s tiers or
+        :data:`POOL` (the cluster pool, staged through the host like storage)."""
         ...
 
 
@@ -156,6 +157,7 @@ TRUTHS: dict[str, Truth] = {
         ),
     )
 }
+POOL = "pool"  # the cluster KV pool's tier name in load() (not a costmodel tier)
 NOMINAL = "nominal"
 COSTMODEL = "costmodel"  # costmodel.steptime's formula: the router's own model (not a truth)
 TRUTH_NAMES = (*TRUTHS, COSTMODEL)
@@ -192,6 +194,8 @@ class TruthTiming:
         self._host = (hw.host_latency_s * truth.link_latency, hw.host_load_bw * truth.link_bw * eff)
         # storage goes through the host; its own device is the slower part, at the same DMA size
         self._storage = (hw.storage_latency_s, min(hw.storage_bw, self._host[1]))
+        # the cluster pool: staged through the host as storage is, over its own link
+        self._pool = (hw.pool_latency_s, min(hw.pool_bw, self._host[1]))
 
     def _roof(self, c: float, mem: float) -> float:
         p = self._p
@@ -225,11 +229,11 @@ class TruthTiming:
     def load(self, n_blocks: int, tier: str) -> float:
         if n_blocks < 0:
             raise ValueError(f"n_blocks must be >= 0, got {n_blocks}")
-        if tier not in TIERS:
-            raise ProfileError(f"unknown tier {tier!r}; known: {TIERS}")
+        if tier not in TIERS and tier != POOL:
+            raise ProfileError(f"unknown tier {tier!r}; known: {(*TIERS, POOL)}")
         if tier == "gpu" or n_blocks == 0:
             return 0.0
-        lat, bw = self._host if tier == "cpu" else self._storage
+        lat, bw = {"cpu": self._host, "storage": self._storage, POOL: self._pool}[tier]
         return lat + n_blocks * self._block_bytes / bw
 
 
@@ -256,6 +260,15 @@ class CostmodelTiming:
         return self._c.step(batch, context_tokens, context_tokens)
 
     def load(self, n_blocks: int, tier: str) -> float:
+        if tier == POOL:  # costmodel has no pool tier: its formula, on the pool's link
+            if n_blocks < 0:
+                raise ValueError(f"n_blocks must be >= 0, got {n_blocks}")
+            if n_blocks == 0:
+                return 0.0
+            p = self._profile
+            hw = p.hardware
+            nbytes = n_blocks * p.kv_bytes_per_block / p.tensor_parallel_size
+            return hw.pool_latency_s + nbytes / hw.pool_bw
         return self._load(self._profile, n_blocks, tier)
 
 
