@@ -11,6 +11,9 @@ import aiohttp, zmq, torch or vllm.
 Timing: a call reaches its replica's engine ``request_overhead_s`` after it is issued (the
 API server's share, as in the HTTP twin); TTFT counts from the issue time.
 
+Cluster pool: with the profile's ``pool_kv_blocks``, the engines share one
+:class:`loadtest.twin.engine.ClusterPool` (a block any engine wrote is found by all).
+
 Speed: decode-only stretches are advanced as *bursts* (several steps in one event, each step's
 time still from the step model) whenever no block boundary, finish or waiting request can
 occur inside them; an arrival at a replica cuts its burst at the next step boundary, so the
@@ -48,7 +51,7 @@ from costmodel.profiles import ReplicaProfile
 from engine_patches.retention_rule import parse_hint
 from loadtest.metrics import CallNumbers, UnlimitedCache, agentx_numbers
 from loadtest.traces.synthetic import agentx_chains
-from loadtest.twin.engine import RUNNING, Engine, EnginePlugin, Request, Step
+from loadtest.twin.engine import RUNNING, ClusterPool, Engine, EnginePlugin, Request, Step
 from loadtest.twin.truth import Truth
 
 MASK64 = (1 << 64) - 1
@@ -246,14 +249,16 @@ class ReplicaView:
         )
 
     def cached_blocks(self, keys: Sequence[int]) -> tuple[int, int, int]:
-        """(gpu, cpu, storage) blocks of the longest cached prefix of ``keys``."""
+        """(gpu, cpu, storage) blocks of the longest cached prefix of ``keys`` (the cluster
+        pool's count as storage, as the router's index files them)."""
         e = self._eng
         gpu = len(e.pool.match(keys, len(keys)))
         cpu = sto = 0
+        cpool = e.cluster_pool
         for k in keys[gpu:]:
             if e.cpu is not None and k in e.cpu:
                 cpu += 1
-            elif e.storage is not None and k in e.storage:
+            elif (e.storage is not None and k in e.storage) or (cpool is not None and k in cpool):
                 sto += 1
             else:
                 break
@@ -527,8 +532,10 @@ class Simulator:
         self._on_events = route.on_events if events else None  # type: ignore[attr-defined]
         self.plugin = plugin or EnginePlugin()
         self._params = getattr(route, "kv_transfer_params", None)
+        # one cluster KV pool shared by every engine (the profile's pool_kv_blocks; 0: none)
+        self.cluster_pool = ClusterPool(profile.pool_kv_blocks) if profile.pool_kv_blocks else None
         self.replicas = [_Replica(Engine(profile, emit_events=events, plugin=self.plugin,
-                                         truth=truth))
+                                         truth=truth, cluster_pool=self.cluster_pool))
                          for _ in range(n_replicas)]  # fmt: skip
         self.views = [ReplicaView(i, r.engine) for i, r in enumerate(self.replicas)]
         self.route = route
@@ -714,7 +721,7 @@ class Simulator:
                         n_sessions += 1
                         self._push(now, _SESSION, (nxt, run.lane))
 
-        tier_hits = {"gpu": 0, "cpu": 0, "storage": 0}
+        tier_hits = {"gpu": 0, "cpu": 0, "storage": 0, "pool": 0}
         now = 0.0
         cut = False
         heap = self._heap
