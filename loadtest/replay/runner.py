@@ -92,6 +92,9 @@ class ReplayConfig:
     # Calls and sessions that start before warmup_s (modelled seconds) are left out of the
     # summary (they are still written to calls.jsonl), and so is that time from throughput.
     warmup_s: float = 0.0
+    # called with the run clock's origin (time.monotonic()) when the replay starts: a harness
+    # that acts during the run on the same clock as calls.jsonl (kvroute bench --disrupt)
+    on_start: Callable[[float], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.convention not in CONVENTIONS:
@@ -358,6 +361,8 @@ async def replay(
     async with aiohttp.ClientSession(connector=conn) as http:
         model, context = await _model_and_context(http, cfg)
         run = _Run(trace, builder, cfg, model)
+        if cfg.on_start is not None:
+            cfg.on_start(run.t0)
         run.context_limit = cfg.context_limit or context
         progress = _Progress(cfg, trace) if cfg.progress else None
         if progress:

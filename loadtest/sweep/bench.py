@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from loadtest.prompts import PromptBuilder
 from loadtest.replay.runner import ReplayConfig, replay
 from loadtest.sweep.cpuwatch import CpuWatch
+from loadtest.sweep.disrupt import Disruptor, disruption_figures, scrape
 from loadtest.sweep.stack import PEERS, Router, StackError, TwinCluster, cleanup, needs_events
 from loadtest.traces import load_trace
 
@@ -64,6 +65,13 @@ class SweepConfig:
     # ... and the profile kvroute's KV layer prices with: None = ``profile`` (the nominal
     # profile), "none" = no profile (the generic stand-in, calibrated online)
     router_profile: str | None = None
+    # disruptions (loadtest.sweep.disrupt): rolling-restart | scale-out | replica-loss
+    disrupt: str | None = None
+    disrupt_at_s: float | None = None  # modelled seconds; None: a quarter of the run
+    restart_downtime_s: float = 30.0  # modelled seconds a restarted replica is down
+    scale_out: int = 0  # scale-out: replicas added (0: half of ``replicas``, at least 1)
+    # the cluster KV pool every twin shares, in blocks (0: none; needs a host tier)
+    pool_blocks: int = 0
 
     @property
     def router_profile_name(self) -> str:
@@ -125,7 +133,11 @@ def run_point(
     if seed is not None:
         d = d / f"s{seed}"
     events = "tcp://127.0.0.1:*" if needs_events(target) else None
-    cluster = TwinCluster(cfg.replicas, cfg.profile, cfg.speedup, kv_events=events, truth=cfg.truth)
+    extra_replicas = scale_out_of(cfg)
+    overrides = [f"pool_kv_blocks={cfg.pool_blocks}"] if cfg.pool_blocks else []
+    cluster = TwinCluster(cfg.replicas + extra_replicas, cfg.profile, cfg.speedup,
+                          kv_events=events, truth=cfg.truth, overrides=overrides)  # fmt: skip
+    disruptor: Disruptor | None = None
     try:
         cluster.start()
         extra = {}
@@ -144,6 +156,14 @@ def run_point(
             extra_env=extra,
         )
         with router:
+            if cfg.disrupt:
+                at = cfg.disrupt_at_s
+                disruptor = Disruptor(
+                    cfg.disrupt, cluster.urls, cluster.names, cfg.speedup,
+                    at if at is not None else cfg.duration_s * cfg.speedup / 4,
+                    downtime_s=cfg.restart_downtime_s, extra=extra_replicas,
+                )  # fmt: skip
+                disruptor.prepare()
             rcfg = ReplayConfig(
                 target=router.url,
                 model=cfg.model,
@@ -152,7 +172,7 @@ def run_point(
                 grace_s=cfg.grace_s,
                 time_scale=cfg.speedup,
                 speedup=cfg.speedup,
-                gpus=cfg.replicas * _profile(cfg.profile).gpus,
+                gpus=(cfg.replicas + extra_replicas) * _profile(cfg.profile).gpus,
                 open_loop=cfg.open_loop,
                 convention=PEERS[target][2] if target in PEERS else cfg.convention,
                 metrics_urls=cluster.metrics_urls,
@@ -162,12 +182,20 @@ def run_point(
                 seed=seed,
                 stagger_s=cfg.stagger_s,
                 warmup_s=cfg.warmup_s,
+                on_start=disruptor.on_start if disruptor is not None else None,
             )
             watch = CpuWatch({"twins": cluster.pgid, "router": router.pgid, "client": None}).start()
             try:
                 summary = asyncio.run(replay(trace, builder, rcfg, d))
             finally:
                 point["cpu"] = watch.stop()
+                if disruptor is not None:
+                    disruptor.stop()
+            summary.update(
+                disruption_figures(
+                    _read_calls(d / "calls.jsonl"), disruptor, scrape(cluster.urls), cfg.speedup
+                )
+            )
             if target.startswith("kvroute:"):
                 point["router_metrics"] = router_state(router.url)
         # every run says under which truth, and with which router profile, it was measured
@@ -186,6 +214,19 @@ def run_point(
         cluster.stop()
         cleanup(cluster.workdir)
     return point
+
+
+def scale_out_of(cfg: SweepConfig) -> int:
+    """Replicas a scale-out adds (0 for any other run)."""
+    if cfg.disrupt != "scale-out":
+        return 0
+    return cfg.scale_out or max(1, cfg.replicas // 2)
+
+
+def _read_calls(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def router_profile_of(cfg: SweepConfig, target: str) -> str | None:

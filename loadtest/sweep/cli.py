@@ -60,6 +60,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the profile kvroute's KV layer prices with (default: --profile, the nominal "
         "profile); 'none': no profile (a generic stand-in, calibrated online)",
     )
+    p.add_argument(
+        "--disrupt",
+        default=None,
+        choices=["rolling-restart", "scale-out", "replica-loss"],
+        help="disrupt every point: restart each replica in turn with an empty cache, add "
+        "replicas mid-run, or lose one (docs/replay.md#disruptions)",
+    )
+    p.add_argument(
+        "--disrupt-at", type=float, default=None,
+        help="modelled seconds into the run (default: a quarter of --duration x --speedup)",
+    )  # fmt: skip
+    p.add_argument(
+        "--restart-downtime", type=float, default=30.0,
+        help="rolling-restart: modelled seconds each replica is down (default 30)",
+    )  # fmt: skip
+    p.add_argument(
+        "--scale-out", type=int, default=0,
+        help="scale-out: replicas added (default: half of --replicas, at least 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pool-blocks", type=int, default=0,
+        help="a cluster KV pool every twin shares, in blocks (needs a profile with a host "
+        "tier; 0: none)",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -117,6 +141,11 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
         warmup_s=args.warmup,
         truth=truth,
         router_profile=args.router_profile,
+        disrupt=args.disrupt,
+        disrupt_at_s=args.disrupt_at,
+        restart_downtime_s=args.restart_downtime,
+        scale_out=args.scale_out,
+        pool_blocks=args.pool_blocks,
     )
     try:
         res = run_sweep(cfg, out, command="kvroute bench " + " ".join(sys.argv[2:]))
@@ -132,6 +161,9 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
     for p in res["points"]:
         if p.get("error"):
             print(f"  {_label(p)}: {p['error']}")
+        line = _disruption_line(p.get("summary") or {})
+        if line:
+            print(f"  {_label(p)}: {line}")
         cpu = p.get("cpu") or {}
         if cpu.get("saturated"):
             print(f"  {_label(p)}: CPU-saturated, not used: {'; '.join(cpu['why'])}")
@@ -139,6 +171,23 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
         print_aggregate(res["aggregate"], title=f"over seeds, truth {truth}")
     print(f"report: {res['report']}")
     return 0 if any(p.get("summary") for p in res["points"]) else 1
+
+
+def _disruption_line(s: dict) -> str:
+    """The disruption's figures and the hit ratio by source, for the console."""
+    parts = []
+    d = s.get("disruption")
+    if d:
+        p50, p99 = d.get("ttft_after_p50_s"), d.get("ttft_after_p99_s")
+        fmt = lambda x: "-" if x is None else f"{x:.2f}s"  # noqa: E731
+        parts.append(f"{d['kind']}: {len(d['events'])} events, first call after: "
+                     f"n={d['first_calls_after']} p50 {fmt(p50)} p99 {fmt(p99)}")  # fmt: skip
+        if d.get("error"):
+            parts.append(f"error {d['error']}")
+    h = s.get("hit_by_source")
+    if h:
+        parts.append("hits " + " ".join(f"{k} {v:.1%}" for k, v in h.items()))
+    return "; ".join(parts)
 
 
 def _label(p: dict) -> str:

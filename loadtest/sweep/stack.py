@@ -54,6 +54,8 @@ class TwinCluster:
     speedup: float = 10.0
     kv_events: str | None = None
     truth: str | None = None  # the engines' timing (loadtest.twin.truth); None: the CLI's default
+    # profile overrides (``kvroute cluster --set KEY=VALUE``), e.g. "pool_kv_blocks=N"
+    overrides: list[str] = field(default_factory=list)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvroute-sw-")))
     urls: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
@@ -81,6 +83,8 @@ class TwinCluster:
                 argv += ["--kv-events-topic", ""]
         if self.truth:
             argv += ["--truth", self.truth]
+        for kv in self.overrides:
+            argv += ["--set", kv]
         env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
         log = self.workdir / f"cluster-{uuid.uuid4().hex[:6]}.log"
         self._proc = ManagedProcess(argv, env, log, Path.cwd())
