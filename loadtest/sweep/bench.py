@@ -182,7 +182,7 @@ def run_point(
                 seed=seed,
                 stagger_s=cfg.stagger_s,
                 warmup_s=cfg.warmup_s,
-                on_start=disruptor.on_start if disruptor is not None else None,
+                on_start=_starter(disruptor),
             )
             watch = CpuWatch({"twins": cluster.pgid, "router": router.pgid, "client": None}).start()
             try:
@@ -221,6 +221,18 @@ def scale_out_of(cfg: SweepConfig) -> int:
     if cfg.disrupt != "scale-out":
         return 0
     return cfg.scale_out or max(1, cfg.replicas // 2)
+
+
+def _starter(d: Disruptor | None) -> Any:
+    """The replay's ``on_start`` for ``d``: a plain function (the replay's config is copied
+    with ``asdict``, which cannot copy the disruptor's thread state)."""
+    if d is None:
+        return None
+
+    def on_start(t0: float) -> None:
+        d.on_start(t0)
+
+    return on_start
 
 
 def _read_calls(path: Path) -> list[dict[str, Any]]:
