@@ -203,7 +203,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             toks: list[int] = []
             while (t := await st.queue.get()) is not None:
                 toks.append(t)
-            twin.check_alive()
+            twin.check_alive(st.req)
             call = turn.tool_call
             if call is None:
                 block = {"type": "text", "text": twin.tokenizer.decode(toks)}
@@ -351,7 +351,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             toks: list[int] = []
             while (t := await st.queue.get()) is not None:
                 toks.append(t)
-            twin.check_alive()
+            twin.check_alive(st.req)
             status = response_status(turn)
             if turn.tool_call is not None:
                 item = _call_item(rid, turn.tool_call, "completed")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel.profiles import ReplicaProfile
-from loadtest.twin.engine import ClusterPool, Engine, EnginePlugin, Request
+from loadtest.twin.engine import FINISHED, ClusterPool, Engine, EnginePlugin, Request
 from loadtest.twin.exporter import TwinMetrics
 from loadtest.twin.publisher import KVEventPublisher
 from loadtest.twin.tokenize import ModelTokenizer
@@ -314,11 +314,19 @@ class TwinReplica:
     def _output_token(self, req: Request, i: int) -> int:
         return self.tokenizer.plain_token(zlib.crc32(f"{req.id}/{i}".encode()))
 
-    def check_alive(self) -> None:
+    def check_alive(self, served: Request | None = None) -> None:
+        """Raise the error a call gets from a dead engine (500) or a replica that is not up
+        (503: draining, restarting, down). With ``served`` (after its stream ended), only
+        what cut it short: a call that finished while its replica drains is answered."""
         if self.failed is not None:
             raise ApiError(
                 500, f"EngineCore encountered an issue: {self.failed!r}", "EngineDeadError"
             )
+        if served is not None:
+            if served.status != FINISHED and self.state != "up":
+                raise ApiError(503, f"replica {self.cfg.name} went {self.state}",
+                               "ServiceUnavailable")  # fmt: skip
+            return
         if self.state != "up":
             raise ApiError(503, f"replica {self.cfg.name} is {self.state}", "ServiceUnavailable")
 

@@ -344,7 +344,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         toks: list[int] = []
         while (t := await st.queue.get()) is not None:
             toks.append(t)
-        twin.check_alive()  # the engine died under this request
+        twin.check_alive(st.req)  # the engine died (or the replica went down) under it
         reason = finish_reason(turn)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason,
                                   "stop_reason": None}  # fmt: skip

@@ -163,3 +163,33 @@ async def test_a_lost_twin_refuses_calls_with_503_until_it_is_up():
         assert bad.status_code == 400
         assert (await h.post(url + "/twin/disrupt", json={"action": "up"})).status_code == 200
         assert (await h.post(url + "/v1/completions", json=body)).status_code == 200
+
+
+async def _in_flight(twin) -> None:
+    for _ in range(1000):
+        if twin.streams:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the call never reached the engine")
+
+
+async def test_a_call_in_flight_finishes_through_a_drain_and_is_cut_by_a_loss():
+    async with start_cluster(1, PROFILE) as c, httpx.AsyncClient(timeout=30) as h:
+        url = c.urls[0]
+        body = {"model": "tiny", "prompt": words(300, seed=5), "max_tokens": 300,
+                "ignore_eos": True}  # fmt: skip
+        call = asyncio.create_task(h.post(url + "/v1/completions", json=body))
+        await _in_flight(c.replicas[0])
+        await h.post(url + "/twin/disrupt", json={"action": "restart"})
+        r = await call
+        assert r.status_code == 200, r.text  # the drain waited for it
+        assert r.json()["usage"]["completion_tokens"] == 300
+        for _ in range(200):
+            if (await h.get(url + "/health")).status_code == 200:
+                break
+            await asyncio.sleep(0.02)
+        call = asyncio.create_task(h.post(url + "/v1/completions", json=body))
+        await _in_flight(c.replicas[0])
+        await h.post(url + "/twin/disrupt", json={"action": "down"})
+        r = await call
+        assert r.status_code == 503, r.text  # lost with its replica
