@@ -82,8 +82,9 @@ from costmodel.steptime import (
 class CallShape:
     """The call being placed, as seen against one replica's cache.
 
-    ``gpu_blocks``/``cpu_blocks``/``storage_blocks``: the replica's matched prefix split by
-    fastest tier (:class:`router.kv.index.TierDepth`), in blocks of the profile's block size.
+    ``gpu_blocks``/``cpu_blocks``/``storage_blocks``/``pool_blocks``: the replica's matched
+    prefix split by fastest tier (:class:`router.kv.index.TierDepth`; ``pool``: the cluster
+    pool every replica reads), in blocks of the profile's block size.
     """
 
     prompt_tokens: int
@@ -93,12 +94,11 @@ class CallShape:
     expected_output_tokens: int | None = None
     # calls this session is expected to make after this one (0: none, or not known)
     next_calls: float = 0.0
+    pool_blocks: int = 0  # after storage in the prefix (the slowest tier)
 
     def __post_init__(self) -> None:
-        if (
-            min(self.prompt_tokens, self.gpu_blocks, self.cpu_blocks, self.storage_blocks) < 0
-            or self.next_calls < 0
-        ):
+        sizes = (self.gpu_blocks, self.cpu_blocks, self.storage_blocks, self.pool_blocks)
+        if min(self.prompt_tokens, *sizes) < 0 or self.next_calls < 0:
             raise ValueError(f"negative sizes in {self}")
 
 
@@ -259,7 +259,12 @@ def segment_costs(
     load_s: dict[str, float] = {}
     rec_s: dict[str, float] = {}
     chose: dict[str, str] = {}
-    for tier, blocks in (("cpu", call.cpu_blocks), ("storage", call.storage_blocks)):
+    segments = (
+        ("cpu", call.cpu_blocks),
+        ("storage", call.storage_blocks),
+        ("pool", call.pool_blocks),
+    )
+    for tier, blocks in segments:
         if blocks <= 0:
             continue
         n = min(blocks * bs, max(call.prompt_tokens - pos, 0))

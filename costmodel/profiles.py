@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-TIERS = ("gpu", "cpu", "storage")
+TIERS = ("gpu", "cpu", "storage", "pool")  # pool: the cluster KV pool (every replica reads)
 
 
 class ProfileError(ValueError):
@@ -162,6 +162,8 @@ class ReplicaProfile:
             return self.cpu_kv_blocks
         if tier == "storage":
             return self.storage_kv_blocks
+        if tier == "pool":
+            return self.pool_kv_blocks
         raise ProfileError(f"unknown tier {tier!r}; known: {TIERS}")
 
     def replace(self, **changes: Any) -> ReplicaProfile:

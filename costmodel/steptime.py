@@ -176,6 +176,8 @@ def load_time(profile: ReplicaProfile, n_blocks: int, tier: str) -> float:
     nbytes = n_blocks * profile.kv_bytes_per_block / profile.tensor_parallel_size
     if tier == "cpu":
         return hw.host_latency_s + nbytes / hw.host_load_bw
+    if tier == "pool":  # the cluster pool's link (shared volume / network store)
+        return hw.pool_latency_s + nbytes / hw.pool_bw
     return hw.storage_latency_s + nbytes / hw.storage_bw
 
 

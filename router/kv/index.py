@@ -15,10 +15,11 @@ over 8 replicas, docs/results.md).
 
 The cluster pool (a tier every replica reads: the engine plugin's ``--pool-dir``, whose
 events carry ``medium`` STORAGE and ``locality`` REMOTE) is one key set for all replicas, not
-a tier per replica: a pool block counts as STORAGE for every *pool member* (a replica that has
-published a pool event; ``add_pool_member`` for one known to mount it before it writes), and
-a ``BlockRemoved`` from any replica takes it out (the pool's files are shared, so one
-eviction removes it for all). ``AllBlocksCleared`` (an engine's cache reset) leaves the pool.
+a tier per replica: a pool block counts in ``TierDepth.pool`` (after STORAGE, the slowest) for
+every *pool member* (a replica that has published a pool event; ``add_pool_member`` for one
+known to mount it before it writes), and a ``BlockRemoved`` from any replica takes it out (the
+pool's files are shared, so one eviction removes it for all). ``AllBlocksCleared`` (an
+engine's cache reset) leaves the pool.
 
 Operations and their cost (n = blocks in the event or prompt, N = keys in the index):
 
@@ -47,7 +48,8 @@ import numpy as np
 
 from router.vllm.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-TIERS: tuple[str, ...] = ("GPU", "CPU", "STORAGE")  # fastest first
+TIERS: tuple[str, ...] = ("GPU", "CPU", "STORAGE")  # fastest first (per replica)
+POOL = "POOL"  # the cluster pool's tier in TierDepth / holds(): after STORAGE
 MAX_REPLICAS = 64
 POOL_LOCALITY = "REMOTE"  # vLLM's locality of a tier shared with other instances
 
@@ -65,17 +67,19 @@ def is_pool_event(ev: KVEvent) -> bool:
 class TierDepth:
     """How much of a prompt's prefix one replica holds.
 
-    ``depth`` counts consecutive leading blocks present in any tier; ``gpu + cpu + storage ==
-    depth``, each block counted in the fastest tier that holds it on that replica.
+    ``depth`` counts consecutive leading blocks present in any tier; ``gpu + cpu + storage +
+    pool == depth``, each block counted in the fastest tier that holds it on that replica
+    (``pool``: the cluster pool, for a pool member, slowest).
     """
 
     depth: int
     gpu: int = 0
     cpu: int = 0
     storage: int = 0
+    pool: int = 0
 
     def in_tier(self, tier: str) -> int:
-        return {"GPU": self.gpu, "CPU": self.cpu, "STORAGE": self.storage}[tier]
+        return {"GPU": self.gpu, "CPU": self.cpu, "STORAGE": self.storage, POOL: self.pool}[tier]
 
 
 @dataclass(slots=True)
@@ -115,11 +119,11 @@ def _depths_from_masks(masks: list[np.ndarray], slots: dict[int, str]) -> dict[s
     """Per-replica :class:`TierDepth` from per-tier uint64 masks of the prompt's blocks."""
     if not slots:
         return {}
-    g, c, s = masks
+    g, c, s, p = masks
     wanted = 0
     for slot in slots:
         wanted |= 1 << slot
-    anym = (g | c | s) & np.uint64(wanted)
+    anym = (g | c | s | p) & np.uint64(wanted)
     cum = np.bitwise_and.accumulate(anym)
     # cum is monotone (bits only drop): a slot's depth is where its bit drops.
     n = len(cum)
@@ -142,16 +146,21 @@ def _depths_from_masks(masks: list[np.ndarray], slots: dict[int, str]) -> dict[s
     nmax = max(depth.values())
     nbytes = max(depth) // 8 + 1
     cum = cum[:nmax]
-    cpu = storage = None
+    cpu = storage = pool = None
     if c.any():
         cpu = _slot_counts((c[:nmax] & ~g[:nmax]) & cum, nbytes)
     if s.any():
         storage = _slot_counts((s[:nmax] & ~g[:nmax] & ~c[:nmax]) & cum, nbytes)
+    if p.any():
+        pool = _slot_counts((p[:nmax] & ~g[:nmax] & ~c[:nmax] & ~s[:nmax]) & cum, nbytes)
     out: dict[str, TierDepth] = {}
     for slot, d in depth.items():
         nc = int(cpu[slot]) if cpu is not None else 0
         ns = int(storage[slot]) if storage is not None else 0
-        out[slots[slot]] = TierDepth(depth=d, gpu=d - nc - ns, cpu=nc, storage=ns)
+        npool = int(pool[slot]) if pool is not None else 0
+        out[slots[slot]] = TierDepth(
+            depth=d, gpu=d - nc - ns - npool, cpu=nc, storage=ns, pool=npool
+        )
     return out
 
 
@@ -272,7 +281,7 @@ class BlockIndex:
     # ---- the cluster pool -------------------------------------------------------------------
 
     def add_pool_member(self, replica: str) -> None:
-        """``replica`` reads the pool: every pool block counts as STORAGE on it."""
+        """``replica`` reads the pool: every pool block counts as a pool block on it."""
         st = self.add_replica(replica)
         if not self._pool_members & (1 << st.slot):
             self._pool_members |= 1 << st.slot
@@ -334,9 +343,11 @@ class BlockIndex:
             else:
                 out.append(np.zeros(n, dtype=np.uint64))
         if self._pool and self._pool_members:
-            # a pool block is on STORAGE for every member
+            # a pool block is reachable from every member
             in_pool = np.fromiter(map(self._pool.__contains__, keys), dtype=bool, count=n)
-            out[2] = out[2] | np.where(in_pool, np.uint64(self._pool_members), np.uint64(0))
+            out.append(np.where(in_pool, np.uint64(self._pool_members), np.uint64(0)))
+        else:
+            out.append(np.zeros(n, dtype=np.uint64))
         return out
 
     def match(
@@ -362,12 +373,10 @@ class BlockIndex:
         if st is None:
             return ()
         bit = 1 << st.slot
-        pooled = self._pool_members & bit and key in self._pool
-        return tuple(
-            TIERS[t]
-            for t, d in enumerate(self._tiers)
-            if d.get(key, 0) & bit or (t == 2 and pooled)
-        )
+        out = tuple(TIERS[t] for t, d in enumerate(self._tiers) if d.get(key, 0) & bit)
+        if self._pool_members & bit and key in self._pool:
+            out += (POOL,)
+        return out
 
     def __len__(self) -> int:
         """Distinct keys over all tiers and the pool."""
@@ -482,16 +491,19 @@ class NaiveBlockIndex:
             counts = dict.fromkeys(TIERS, 0)
             depth = 0
             member = name in self.pool_members
+            counts[POOL] = 0
             for k in keys:
                 tier = next((t for t in TIERS if k in tiers[t]), None)
                 if tier is None and member and k in self.pool:
-                    tier = "STORAGE"
+                    tier = POOL
                 if tier is None:
                     break
                 counts[tier] += 1
                 depth += 1
             if depth:
-                out[name] = TierDepth(depth, counts["GPU"], counts["CPU"], counts["STORAGE"])
+                out[name] = TierDepth(
+                    depth, counts["GPU"], counts["CPU"], counts["STORAGE"], counts[POOL]
+                )
         return out
 
     def snapshot(self) -> dict[str, dict[str, frozenset[int]]]:

@@ -249,13 +249,15 @@ class KVView:
         g = int((match.gpu if match else 0) * ratio)
         c = int((match.cpu if match else 0) * ratio)
         s = int((match.storage if match else 0) * ratio)
+        p = int((match.pool if match else 0) * ratio)
         real = self.calibration(replica).hit_realization
-        if real < 1.0 and g + c + s:
-            cut = (g + c + s) - int(real * (g + c + s))
-            s_cut = min(s, cut)
-            c_cut = min(c, cut - s_cut)
-            g, c, s = g - (cut - s_cut - c_cut), c - c_cut, s - s_cut
-        return CallShape(n_tokens, g, c, s, output_tokens, next_calls)
+        if real < 1.0 and g + c + s + p:
+            cut = (g + c + s + p) - int(real * (g + c + s + p))
+            p_cut = min(p, cut)
+            s_cut = min(s, cut - p_cut)
+            c_cut = min(c, cut - p_cut - s_cut)
+            g, c, s, p = g - (cut - p_cut - s_cut - c_cut), c - c_cut, s - s_cut, p - p_cut
+        return CallShape(n_tokens, g, c, s, output_tokens, next_calls, pool_blocks=p)
 
     def host_residence(self, e: EndpointView) -> float | None:
         """How long a chunk stays in ``e``'s host tier after its last use while that tier is

@@ -154,6 +154,7 @@ class KVCost:
                         "gpu": call.gpu_blocks,
                         "cpu": call.cpu_blocks,
                         "storage": call.storage_blocks,
+                        "pool": call.pool_blocks,
                     },
                     "source": view.source(e.name),
                     "free_gpu_blocks": load.free_gpu_blocks,

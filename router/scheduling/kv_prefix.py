@@ -70,7 +70,7 @@ class KVPrefix:
     ) -> Mapping[str, float]:
         g, c, s = self.weights
         raw = {
-            r: g * d.gpu + c * d.cpu + s * d.storage
+            r: g * d.gpu + c * d.cpu + s * (d.storage + d.pool)
             for r, d in prefix_matches(ctx, snap, endpoints).items()
         }
         raw = {r: v for r, v in raw.items() if v > 0}

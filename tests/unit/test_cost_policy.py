@@ -71,7 +71,7 @@ def test_blocks_on_gpu_win():
     st.index.store("A", KEYS)
     winner, s = pick(st, [ep("A"), ep("B")], ctx_for())
     assert winner == "A" and s["B"] < 0.2
-    assert s.terms["A"]["tiers"] == {"gpu": N, "cpu": 0, "storage": 0}
+    assert s.terms["A"]["tiers"] == {"gpu": N, "cpu": 0, "storage": 0, "pool": 0}
     assert s.terms["A"]["source"] == "events"
 
 
@@ -662,7 +662,7 @@ def test_a_replica_that_breaks_its_matches_is_costed_on_what_it_delivers():
     winner, s = pick(st, eps, ctx_for(session="x"))
     assert winner == "B"
     assert s.terms["A"]["match_blocks"] == N
-    assert s.terms["A"]["tiers"] == {"gpu": N // 5, "cpu": 0, "storage": 0}
+    assert s.terms["A"]["tiers"] == {"gpu": N // 5, "cpu": 0, "storage": 0, "pool": 0}
     assert st.calibration("B").hit_realization == 1.0
 
 

@@ -40,6 +40,7 @@ def anchors(path: Path) -> set[str]:
     seen: dict[str, int] = {}
     out = set()
     for _, line in _prose(path.read_text(encoding="utf-8")):
+        out.update(re.findall(r'<a id="([^"]+)"></a>', line))  # explicit anchors
         m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not m:
             continue
