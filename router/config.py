@@ -97,8 +97,12 @@ class RouterConfig:
     client_body_timeout_s: float = 30.0  # a client must finish sending its body by then
     max_body_bytes: int = 32 << 20
     max_header_bytes: int = 8190
-    max_connections: int = 1024
+    max_connections: int = 1024  # upstream connections in all
     max_connections_per_replica: int = 256
+    # a call waits at most this long for an upstream connection when one of the two limits
+    # above is reached, then gets a 503 naming the limit (the replica is not blamed; 0: no
+    # bound). first_byte_timeout_s starts once the request is sent, after this wait.
+    pool_timeout_s: float = 60.0
     retries: int = 2  # extra replicas tried before the first byte
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
@@ -151,6 +155,8 @@ class RouterConfig:
             raise ConfigError("workers >= 1")
         if self.max_body_bytes <= 0 or self.retries < 0 or self.breaker_failures < 1:
             raise ConfigError("max_body_bytes > 0, retries >= 0 and breaker_failures >= 1")
+        if self.pool_timeout_s < 0:
+            raise ConfigError("pool_timeout_s >= 0 (0: no bound)")
         if self.loop_stall_log_ms < 0:
             raise ConfigError("loop_stall_log_ms >= 0 (0: off)")
 

@@ -32,7 +32,7 @@ from router.responses import RESPONSES_ROUTE
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
 from router.state import SessionRecord
-from router.upstream import UpstreamResponse
+from router.upstream import FirstByteTimeout, PoolTimeout, UpstreamResponse
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -179,6 +179,8 @@ async def forward(
         try:
             return await _stream_from(request, ctx, raw, headers, path, replica, t0, route_label,
                                       decision, last_attempt=attempt == cfg.retries)  # fmt: skip
+        except PoolTimeout as e:  # the router's own limit: no retry, the replica not blamed
+            return _pool_full(ctx, route_label, cfg.health_interval_s, e, metrics)
         except _RetryElsewhere as e:
             last_problem = e.reason
             if e.first_byte:
@@ -205,6 +207,21 @@ async def forward(
         route, 503, f"no replica could take the request ({last_problem})", "service_unavailable",
         headers={"Retry-After": str(max(1, int(cfg.health_interval_s))),
                  "X-Request-Id": ctx.request_id},
+    )  # fmt: skip
+
+
+def _pool_full(
+    ctx: RequestContext, route_label: str, retry_s: float, e: PoolTimeout, metrics: Any
+) -> web.Response:
+    """503 for a call that waited ``pool_timeout_s`` for an upstream connection: the message
+    names the router's limit that was reached (the replica was not tried, nor blamed)."""
+    metrics.pool_timeouts.labels(e.limit).inc()
+    metrics.requests_by(route_label, "-", "503").inc()
+    log.warning("request %s: %s", ctx.request_id, e)
+    return error_response(
+        ctx.route, 503, f"router connection limit reached: {e} (pool_timeout_s)",
+        "service_unavailable",
+        headers={"Retry-After": str(max(1, int(retry_s))), "X-Request-Id": ctx.request_id},
     )  # fmt: skip
 
 
@@ -244,24 +261,21 @@ async def _stream_from(
         headers = headers.copy()
         headers["Authorization"] = replica.auth
     first_byte = app[CONFIG].first_byte_deadline_s(ctx.body.get("stream") is True)
-    # (no timeout context at all when off: the default for non-streamed calls)
-    deadline = asyncio.timeout(first_byte) if first_byte > 0 else None
     upstream = app[UPSTREAM]
     try:
-        # bounded by the upstream client's connect / read (read_timeout_s) timeouts, and by
-        # first_byte_timeout_s: a replica that sent no response head by then (frozen, stuck)
-        # is left, and the call that has received nothing goes to another one. (A redirect
-        # is the client's to follow: neither upstream client follows one.)
-        if deadline is None:
-            resp = await upstream.request(request.method, replica.url, path, headers, raw)
-        else:
-            async with deadline:
-                resp = await upstream.request(request.method, replica.url, path, headers, raw)
+        # bounded by the upstream client's pool wait (pool_timeout_s: PoolTimeout, handled by
+        # the caller), connect / read (read_timeout_s) timeouts, and by first_byte_timeout_s
+        # counted from the send: a replica that sent no response head by then (frozen,
+        # stuck) is left, and the call that has received nothing goes to another one. (A
+        # redirect is the client's to follow: neither upstream client follows one.)
+        resp = await upstream.request(request.method, replica.url, path, headers, raw,
+                                      first_byte if first_byte > 0 else None)  # fmt: skip
+    except FirstByteTimeout:
+        replica.breaker.on_failure()
+        raise _RetryElsewhere("no_response", f"no response head in {first_byte:g} s",
+                              first_byte=True) from None  # fmt: skip
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
-        if deadline is not None and deadline.expired():
-            raise _RetryElsewhere("no_response", f"no response head in {first_byte:g} s",
-                                  first_byte=True) from None  # fmt: skip
         raise _RetryElsewhere("no_response", f"{type(e).__name__}") from None
     try:
         if resp.status in RETRYABLE_STATUS and not last_attempt:

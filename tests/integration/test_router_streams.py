@@ -9,6 +9,7 @@ import asyncio
 import os
 
 import aiohttp
+import orjson
 import pytest
 
 from tests.integration.test_router_proxy import fakes, router  # noqa: F401
@@ -45,3 +46,60 @@ async def test_concurrent_streams_all_complete_and_release_their_sockets(fakes, 
     await app[UPSTREAM].close()
     await asyncio.sleep(0.2)
     assert fds() <= base + 4, (base, peak, fds())
+
+
+SLOW = [b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'] * 10 + [b"data: [DONE]\n\n"]
+
+
+async def _six_streams(url: str, route: str = "/v1/chat/completions") -> list[tuple[int, bytes]]:
+    body = {"model": "tiny", "messages": [], "stream": True, "max_tokens": 4}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+        async def one(i: int) -> tuple[int, bytes]:
+            async with s.post(url + route, json=body, headers={"x-session-id": f"s{i}"}) as r:
+                return r.status, await r.read()
+
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+
+async def test_a_pool_wait_is_not_the_replicas_silence(fakes, router):
+    """Issue 45 (1): with 2 connections per replica, 6 concurrent streams — 4 wait for a
+    socket longer than first_byte_timeout_s, yet all are served and the breaker stays closed
+    (before: 4 × 503 at the first-byte timeout and the breaker open on a healthy replica)."""
+    from router.keys import REPLICAS
+
+    (f,) = await fakes(1, chunks=SLOW, chunk_delay_s=0.12)  # ~1.3 s per stream
+    url, app = await router([f.url], max_connections_per_replica=2, first_byte_timeout_s=0.6)
+    got = await _six_streams(url)
+    assert [st for st, _ in got] == [200] * 6 and all(b == b"".join(SLOW) for _, b in got)
+    r = app[REPLICAS].get(f.url)
+    assert r is not None and r.breaker.state == "closed" and r.breaker.failures == 0
+    assert len(f.seen) == 6  # each call sent once: no retry
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as m:
+        assert "kvroute_retries_total{" not in await m.text()
+
+
+async def test_a_pool_wait_past_pool_timeout_s_is_a_503_naming_the_limit(fakes, router):
+    from router.keys import REPLICAS
+
+    (f,) = await fakes(1, chunks=SLOW, chunk_delay_s=0.3)  # ~3 s per stream
+    url, app = await router([f.url], max_connections_per_replica=2, first_byte_timeout_s=0.5,
+                            pool_timeout_s=0.4)  # fmt: skip
+    for route, anthropic in (("/v1/chat/completions", False), ("/v1/messages", True)):
+        got = await _six_streams(url, route)
+        assert sorted(st for st, _ in got) == [200, 200, 503, 503, 503, 503], route
+        for st, b in got:
+            if st != 503:
+                continue
+            doc = orjson.loads(b)
+            msg = doc["error"]["message"]
+            assert "max_connections_per_replica=2" in msg and "pool_timeout_s" in msg
+            assert doc["type"] == "error" if anthropic else doc["error"]["code"] == 503
+    r = app[REPLICAS].get(f.url)
+    assert r is not None and r.breaker.state == "closed" and r.breaker.failures == 0
+    assert len(f.seen) == 4  # the refused calls never reached the replica, nor went elsewhere
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as m:
+        text = await m.text()
+    assert "kvroute_retries_total{" not in text
+    want = 'kvroute_upstream_pool_timeouts_total{limit="max_connections_per_replica"} 8.0'
+    assert want in text
