@@ -313,3 +313,58 @@ async def test_a_replica_frozen_mid_stream_ends_the_stream_with_an_sse_error(fak
     assert got.startswith(SSE_CHUNKS[0])
     tail = got[len(SSE_CHUNKS[0]) :]
     assert orjson.loads(tail.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+
+
+# passwords holding each character that ends a URL's user info early when left unescaped
+ODD_PASSWORDS = ["pw#s3cret", "pw/s3cret", "pw?s3cret", "pw@s3cret", "12/s3cret", "p:w%s3cret"]
+
+
+async def test_credentials_with_reserved_characters_are_used_and_masked(fakes, router, http,
+                                                                        caplog):  # fmt: skip
+    """Issue 45 (2, 3): percent-escaped credentials holding ``#``, ``/``, ``?``, ``@`` reach
+    the replica decoded and show nowhere; a Redis password given as ``?password=`` is masked
+    in /admin/config."""
+    from urllib.parse import quote
+
+    from tests.integration.test_router_proxy import dead_url
+
+    caplog.set_level(logging.DEBUG)
+    reps = await fakes(len(ODD_PASSWORDS))
+    urls = [f.url.replace("http://", f"http://ops:{quote(pw, safe='')}@")
+            for f, pw in zip(reps, ODD_PASSWORDS, strict=True)]  # fmt: skip
+    redis = dead_url().replace("http://", "redis://") + "/0?password=redis-s3cret&db=0"
+    url, app = await router(urls, admin_key="adm", policy="round_robin")
+    # (a second router for the Redis URL: with Redis away, placement is not round robin)
+    url2, app2 = await router(urls[:1], admin_key="adm", redis_url=redis, redis_timeout_s=0.1)
+    for _ in ODD_PASSWORDS:
+        async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200 and await r.read() == b"".join(SSE_CHUNKS)
+    for f, pw in zip(reps, ODD_PASSWORDS, strict=True):
+        basic = "Basic " + base64.b64encode(f"ops:{pw}".encode()).decode()
+        assert f.seen[-1].headers["Authorization"] == basic
+    adm = {"X-Admin-Key": "adm"}
+    async with http.get(url + "/admin/replicas", headers=adm) as r:
+        shown = await r.text()
+        assert r.status == 200 and all(x["healthy"] for x in orjson.loads(shown))
+    async with http.get(url + "/metrics") as r:
+        shown += await r.text()
+    for u in (url, url2):
+        async with http.get(u + "/admin/config", headers=adm) as r:
+            shown += await r.text()
+    assert "password=***" in shown and all(f.url in shown for f in reps)
+    shown += caplog.text + repr(app[CONFIG]) + repr(app2[CONFIG])
+    for secret in ("s3cret", "redis-s3cret", "%2Fs3cret", "%23s3cret"):
+        assert secret not in shown, secret
+
+
+@pytest.mark.parametrize("pw", ["pw#s3cret", "pw/s3cret", "pw?s3cret", "12/s3cret", "1#s3cret"])
+def test_a_url_with_unescaped_reserved_characters_is_refused_at_start_up(pw):
+    from router.config import ConfigError, load_config
+
+    for key, url in (("replicas", f"http://ops:{pw}@127.0.0.1:8000"),
+                     ("redis_url", f"redis://:{pw}@127.0.0.1:6379/0")):  # fmt: skip
+        extra = {} if key == "replicas" else {"replicas": ["http://127.0.0.1:8000"]}
+        with pytest.raises(ConfigError) as e:
+            load_config(env={}, overrides={key: [url] if key == "replicas" else url, **extra})
+        msg = str(e.value)
+        assert "s3cret" not in msg and "%23" in msg and "%2F" in msg and "127.0.0.1" in msg
