@@ -9,7 +9,9 @@ Owns:
   puts the offending header line, keys included, in the body and in an ERROR log line);
   a request head must be complete ``header_timeout_s`` after its first byte (slowloris), and
   a connection without a request in progress is closed after ``keepalive_timeout`` (aiohttp
-  arms that timer at connection start too, so a silent connection goes as well).
+  arms that timer at connection start too, so a silent connection goes as well); ``CONNECT``
+  is refused (405 JSON) and, like any request that asks for an upgrade, the bytes after its
+  head are never parsed as another request: the connection closes after the answer.
 - :func:`json_errors` — the app middleware: refuses dot segments and encoded separators in the
   path (``/v1/%2e%2e/reset_prefix_cache``), header values that are not UTF-8, and turns every
   ``HTTPException`` (404, 405, 413 ...) and unhandled error into the JSON error of the route's
@@ -73,6 +75,14 @@ class FrontDoorHandler(RequestHandler):
         if self._head_timer is None and self._current_request is None and not self._messages:
             self._arm_head_timer()
         super().data_received(data)
+        if self._upgraded:
+            # a CONNECT or Upgrade request: the parser stopped at its head and keeps what
+            # follows as a tunnel's bytes, which aiohttp parses as the next request once the
+            # upgrade is declined (a CONNECT's "body" served as a second request, issue 45).
+            # The router tunnels nothing: those bytes are dropped, no more are read, and the
+            # connection closes after the answer to the request.
+            self._message_tail = b""
+            self._close = True
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:
@@ -174,6 +184,11 @@ def _outside_middlewares(handler: Any) -> Any:
     server's own handler is wrapped as well."""
 
     async def handle(request: web.BaseRequest) -> StreamResponse:
+        if request.method == "CONNECT":  # not a proxy (its bytes after the head: above)
+            resp = error_response("/", 405, "CONNECT is not served", "method_not_allowed",
+                                  headers={"Allow": "GET, POST, DELETE"})  # fmt: skip
+            resp.force_close()
+            return resp
         problem = header_problem(request)
         request[HEADERS_CHECKED] = True  # the app's middleware need not look again
         if problem is None:

@@ -368,3 +368,52 @@ def test_a_url_with_unescaped_reserved_characters_is_refused_at_start_up(pw):
             load_config(env={}, overrides={key: [url] if key == "replicas" else url, **extra})
         msg = str(e.value)
         assert "s3cret" not in msg and "%23" in msg and "%2F" in msg and "127.0.0.1" in msg
+
+
+async def _all_answers(url: str, parts: list[bytes]) -> tuple[bytes, bool]:
+    """Send ``parts`` one write each, reading what comes back after each (a write after the
+    server closed may reset the connection); everything read, and whether it closed."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    data, closed = b"", False
+    try:
+        for p in parts:
+            try:
+                writer.write(p)
+                await writer.drain()
+                async with asyncio.timeout(1.0):
+                    while chunk := await reader.read(65536):
+                        data += chunk
+                    closed = True
+            except TimeoutError:
+                continue  # nothing more for now: send the next part
+            except ConnectionError:
+                closed = True
+            if closed:
+                break
+    finally:
+        writer.close()
+    return data, closed
+
+
+async def test_connect_is_refused_and_its_body_never_served_as_a_request(fakes, router):
+    """Issue 45 (4): a CONNECT (or an upgrade request) whose bytes after the head hold a
+    second request gets one JSON refusal and a closed connection; the second request is
+    never served (before: a 404, then /admin/config)."""
+    (f,) = await fakes(1)
+    url, _ = await router([f.url], admin_key="adm-secret")
+    inner = b"GET /admin/config HTTP/1.1\r\nHost: x\r\nX-Admin-Key: adm-secret\r\n\r\n"
+    posted = post("/v1/completions", orjson.dumps({"model": "tiny", "prompt": "x"}))
+    for target in (b"example.com:443", b"/admin/config", b"127.0.0.1:1"):
+        head = b"CONNECT " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+        for parts in ([head % len(inner) + inner], [head % len(inner), inner, posted]):
+            data, closed = await _all_answers(url, parts)
+            assert data.count(b"HTTP/1.1 ") == 1 and data.startswith(b"HTTP/1.1 405 "), data
+            assert closed and b"adm-secret" not in data and b'"config"' not in data
+            is_json_error(data.split(b"\r\n\r\n", 1)[1])
+    # a declined upgrade: answered, then closed; what follows its head is not a request
+    up = (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+          b"Upgrade: websocket\r\n\r\n")  # fmt: skip
+    data, closed = await _all_answers(url, [up + inner, posted])
+    assert data.count(b"HTTP/1.1 ") == 1 and b'"config"' not in data and closed, data
+    assert f.seen == []
