@@ -157,6 +157,9 @@ class RouterConfig:
     header_timeout_s: float = 10.0  # a client's request head must be complete by then
     idle_timeout_s: float = 75.0  # a client connection with no request in progress
     client_body_timeout_s: float = 30.0  # a client must finish sending its body by then
+    # a client that reads nothing of a streamed answer for this long (one write blocked by
+    # backpressure) is cut, and the upstream call closed (0: off)
+    send_timeout_s: float = 30.0
     max_body_bytes: int = 32 << 20
     max_header_bytes: int = 8190
     max_connections: int = 1024  # upstream connections in all

@@ -25,6 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.errors import error_response, replica_error_body, sse_error_event
+from router.frontdoor import SendWatch, stream_to
 from router.hints import call_hint, hinted_body
 from router.keys import CALLS, CONFIG, METRICS, REPLICAS, RESPONSES, STORE, UPSTREAM
 from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_body, usage_from_stream
@@ -277,6 +278,7 @@ async def _stream_from(
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
         raise _RetryElsewhere("no_response", f"{type(e).__name__}") from None
+    watch: SendWatch | None = None
     try:
         if resp.status in RETRYABLE_STATUS and not last_attempt:
             replica.breaker.on_failure()
@@ -296,6 +298,8 @@ async def _stream_from(
             reason=resp.reason,
             headers=response_headers(resp.headers, ctx.request_id),
         )
+        stream_to(request, out)  # HTTP/1.0: the stream ends with the connection
+        watch = SendWatch(request, app[CONFIG].send_timeout_s)  # a client that stops reading
         await out.prepare(request)
         first_at = None
         last_at = 0.0
@@ -343,8 +347,11 @@ async def _stream_from(
                 head += chunk[: HEAD_BYTES - len(head)]
                 if ctx.route == RESPONSES_ROUTE and resp.status < 400:
                     _note_response(app, ctx, name, head)
+            watch.since = now
             await out.write(chunk)  # backpressure: waits while the client's buffer is full
+            watch.since = None
         if status != "upstream_error":
+            watch.since = time.perf_counter()
             await out.write_eof()
         end = time.perf_counter()
         if sse and first_at is not None and events > 1:
@@ -358,15 +365,22 @@ async def _stream_from(
         return out
     except asyncio.CancelledError:
         # The client went away: closing the upstream connection makes vLLM abort the request.
-        metrics.requests_by(route_label, name, "client_closed").inc()
+        metrics.requests_by(route_label, name, _gone(watch)).inc()
         resp.close()
         raise
     except ConnectionResetError:  # the write found the client gone before the cancellation
-        metrics.requests_by(route_label, name, "client_closed").inc()
+        metrics.requests_by(route_label, name, _gone(watch)).inc()
         resp.close()
         return out
     finally:
+        if watch is not None:
+            watch.stop()
         resp.release()
+
+
+def _gone(watch: SendWatch | None) -> str:
+    """How the client left: cut for reading nothing (send_timeout_s), or gone by itself."""
+    return "client_stalled" if watch is not None and watch.cut else "client_closed"
 
 
 async def _buffered(

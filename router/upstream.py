@@ -12,13 +12,14 @@ reused last-in first-out, dropped after ``keepalive_s`` or when the replica clos
 wait for a connection when a bound is reached, itself bounded by ``pool_timeout_s`` and ended
 by :class:`PoolTimeout` (the router's limit, not an ``OSError``: no caller blames the replica);
 the first-byte deadline (``first_byte_s``, :class:`FirstByteTimeout`) counted from the moment
-the request is written, not from the start of the pool wait; connect and read timeouts (``read_timeout_s``: the longest silence, the wait for the response
-head included); response bodies read whole or chunk by chunk with backpressure (reading pauses
-while more than ``HIGH_WATER`` bytes wait for the consumer); abort by closing the connection,
-which makes vLLM abort the request; informational (1xx) heads before the answer skipped. A
-request that finds a reused idle connection closed by the replica before any answer byte (a
-keep-alive race) is sent once more on a fresh one. Idle sockets past ``keepalive_s`` are closed
-in every pool by a sweep that runs when a socket goes idle, at most once per ``keepalive_s``.
+the request is written, not from the start of the pool wait; connect and read timeouts
+(``read_timeout_s``: the longest silence, the wait for the response head included); response
+bodies read whole or chunk by chunk with backpressure (reading pauses while more than
+``HIGH_WATER`` bytes wait for the consumer); abort by closing the connection, which makes vLLM
+abort the request; informational (1xx) heads before the answer skipped. A request that finds a
+reused idle connection closed by the replica before any answer byte (a keep-alive race) is sent
+once more on a fresh one. Idle sockets past ``keepalive_s`` are closed in every pool by a sweep
+that runs when a socket goes idle, at most once per ``keepalive_s``.
 
 Plain ``http://`` replicas only: ``https://`` ones (and any method with a bodiless answer, such
 as HEAD) go through the aiohttp session, behind the same response interface. The health,

@@ -103,3 +103,76 @@ async def test_a_pool_wait_past_pool_timeout_s_is_a_503_naming_the_limit(fakes, 
     assert "kvroute_retries_total{" not in text
     want = 'kvroute_upstream_pool_timeouts_total{limit="max_connections_per_replica"} 8.0'
     assert want in text
+
+
+async def _raw_stream(url: str, req: bytes, rcvbuf: int | None = None) -> tuple[
+    asyncio.StreamReader, asyncio.StreamWriter]:  # fmt: skip
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+    writer.write(req)
+    await writer.drain()
+    return reader, writer
+
+
+def _post10(route: str, body: bytes) -> bytes:
+    head = (f"POST {route} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Connection: keep-alive\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    return head.encode() + body
+
+
+async def test_an_http_1_0_stream_ends_with_the_connection(fakes, router):
+    """Issue 45 (5): an HTTP/1.0 keep-alive client asking for a stream gets
+    ``Connection: close`` and the connection closes at the end of the body (before: neither
+    length nor close, and the socket stayed open for idle_timeout_s)."""
+    from tests.integration.test_router_proxy import SSE_CHUNKS
+
+    (f,) = await fakes(1)
+    url, _ = await router([f.url])  # idle_timeout_s: the default 75 s
+    for route in ("/v1/messages", "/v1/chat/completions"):
+        body = orjson.dumps({"model": "tiny", "messages": [], "stream": True, "max_tokens": 4})
+        reader, writer = await _raw_stream(url, _post10(route, body))
+        try:
+            data = await asyncio.wait_for(reader.read(), 10)  # to EOF: the server closed
+        finally:
+            writer.close()
+        head, _, got = data.partition(b"\r\n\r\n")
+        lines = head.lower().split(b"\r\n")
+        assert lines[0].startswith(b"http/1.0 200"), head
+        assert b"connection: close" in lines and not any(
+            ln.startswith((b"transfer-encoding", b"content-length")) for ln in lines)  # fmt: skip
+        assert got == b"".join(SSE_CHUNKS)
+    # a non-streamed answer to HTTP/1.0 keeps its Content-Length (and may stay open)
+    body = orjson.dumps({"model": "tiny", "messages": []})
+    reader, writer = await _raw_stream(url, _post10("/v1/chat/completions", body))
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    finally:
+        writer.close()
+    assert b"content-length:" in head.lower()
+
+
+async def test_a_client_that_stops_reading_is_cut_and_the_upstream_closed(fakes, router):
+    """Issue 45 (5): a streamed answer to a client that reads nothing: after send_timeout_s
+    with a write blocked, the router cuts the client and closes the upstream call (the replica
+    sees the abort). Before: held for as long as the replica kept sending."""
+    big = [b"data: " + b"x" * 65536 + b"\n\n"] * 400  # ~26 MB, far past every buffer
+    (f,) = await fakes(1, chunks=big)
+    url, _ = await router([f.url], send_timeout_s=0.5)
+    body = orjson.dumps({"model": "tiny", "messages": [], "stream": True})
+    req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+           b"\r\nContent-Length: %d\r\n\r\n" % len(body)) + body  # fmt: skip
+    _, writer = await _raw_stream(url, req, rcvbuf=4096)
+    try:
+        await asyncio.wait_for(f.aborted.wait(), 20)  # never read a byte meanwhile
+    finally:
+        writer.close()
+    assert f.completed == 0
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as m:
+        assert 'status="client_stalled"' in await m.text()
