@@ -107,8 +107,9 @@ async def place_session(
         return chosen
     if store.backend == "redis" and not store.up:
         # Redis away: every router must give a session the same answer without talking to
-        # the others — the binding this router holds, else a rendezvous hash of the session
-        # over the replicas the policy ranked (the same healthy set on every router)
+        # the others — the newest binding published through Redis before it went (every
+        # router heard it: router.state), else a rendezvous hash of the session over the
+        # replicas the policy ranked (the same healthy set on every router)
         names = [e.name for e, _ in decision.ranked]
         if record.replica not in names:
             chosen = rendezvous(ctx.identity.key, names) or chosen
