@@ -47,6 +47,7 @@ from router.sessions import SessionIdentity
 
 log = logging.getLogger("kvroute.state")
 MAX_GAPS = 32
+RECONCILE_BATCH = 256  # sessions written back per round trip when Redis returns
 
 
 @dataclass
@@ -455,6 +456,32 @@ class RedisStore:
     def list(self, limit: int = 100) -> list[SessionRecord]:
         return self.local.list(limit)
 
+    async def _write_back(self, keys: list[str], moved: set[str]) -> None:
+        """Write the sessions ``keys`` back in one pipeline: their fields, and their binding
+        — as a move when the outage rule changed it (``moved``), else placed only if Redis
+        has none (an owner already there wins and is adopted)."""
+        recs = [(key, self.local._d[key]) for key in keys if key in self.local._d]
+        async with self._r.pipeline(transaction=False) as p:
+            bound = []
+            for key, rec in recs:
+                k = self.PREFIX + key
+                p.hset(k, mapping=cast(Any, self._fields(rec)))
+                p.expire(k, int(self.ttl_s))
+                if rec.parent:
+                    p.sadd(self.CHILDREN + rec.parent, key)
+                if rec.replica:
+                    flag = "0" if key in moved else "1"
+                    await self._bind(keys=[k], args=[rec.replica, flag, self.CHANNEL, key],
+                                     client=p)  # fmt: skip
+                    bound.append((key, rec))
+            res = await p.execute()
+        scripts = [r for r in res if isinstance(r, list)]  # the scripts' {owner, version}
+        for (key, rec), (owner, ver) in zip(bound, scripts, strict=True):
+            self._heard(key, str(owner), int(ver or 0))
+            if rec.replica != str(owner):
+                rec.replica = str(owner)  # another router's binding won
+                self.adopted += 1
+
     async def reconcile(self) -> bool:
         """Ping Redis; when it answers, write back what changed while it was away and adopt
         the owner Redis holds for each of those sessions (``HSETNX``: a binding another
@@ -469,35 +496,21 @@ class RedisStore:
                     await self._r.connection_pool.disconnect()
             async with asyncio.timeout(self.timeout_s * 4):
                 await self._r.ping()
-                dirty, self._dirty = self._dirty, set()
-                moved, self._moved_offline = self._moved_offline, set()
-                for key in dirty:
-                    rec = self.local._d.get(key)
-                    if rec is None:
-                        continue
-                    k = self.PREFIX + key
-                    async with self._r.pipeline(transaction=False) as p:
-                        p.hset(k, mapping=cast(Any, self._fields(rec)))
-                        p.expire(k, int(self.ttl_s))
-                        if rec.parent:
-                            p.sadd(self.CHILDREN + rec.parent, key)
-                        await p.execute()
-                    if rec.replica:  # a binding the outage rule changed is written as a move
-                        flag = "0" if key in moved else "1"
-                        owner, ver = await self._bind(
-                            keys=[k], args=[rec.replica, flag, self.CHANNEL, key]
-                        )
-                        self._heard(key, str(owner), int(ver or 0))
-                    if rec.replica != self.bindings.get(key, (rec.replica,))[0]:
-                        rec.replica = self.bindings[key][0]  # another router's binding won
-                        self.adopted += 1
+            dirty, self._dirty = self._dirty, set()
+            moved, self._moved_offline = self._moved_offline, set()
+            keys = [k for k in dirty if k in self.local._d]
+            for i in range(0, len(keys), RECONCILE_BATCH):  # one round trip per batch
+                async with asyncio.timeout(self.timeout_s * 4):
+                    await self._write_back(keys[i : i + RECONCILE_BATCH], moved)
+                dirty.difference_update(keys[i : i + RECONCILE_BATCH])
+                moved.difference_update(keys[i : i + RECONCILE_BATCH])
         except Exception as e:  # still away: keep the dirty keys for next time
             self._dirty |= locals().get("dirty", set())
             self._moved_offline |= locals().get("moved", set())
             log.debug("redis still unreachable: %s", e)
             return False
         if not self._up:
-            log.warning("redis is back: reconciled %d sessions", len(dirty))
+            log.warning("redis is back: reconciled %d sessions", len(keys))
             # a restarted Redis counts binding versions from 0 again: keep the bindings,
             # forget their versions, so the changes published from now on are taken
             for key, (replica, _, at) in list(self.bindings.items()):
