@@ -54,12 +54,18 @@ log = logging.getLogger("kvroute")
 
 __all__ = ["build_app", "drain", "start_site"]
 
+PROBE_HEADROOM = 8  # connector slots above the proxy's limits, for health/metrics probes
+
 
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
+    # the proxied calls' bounds are enforced (and waited for) in Upstream; the connector has
+    # headroom above them for the probes that share it, so no proxied call waits in it
     conn = aiohttp.TCPConnector(
-        limit=cfg.max_connections,
-        limit_per_host=cfg.max_connections_per_replica,
+        limit=cfg.max_connections + PROBE_HEADROOM if cfg.max_connections else 0,
+        limit_per_host=cfg.max_connections_per_replica + PROBE_HEADROOM
+        if cfg.max_connections_per_replica
+        else 0,
         ttl_dns_cache=int(cfg.dns_interval_s),
         keepalive_timeout=30,
     )
@@ -72,6 +78,7 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     app[UPSTREAM] = Upstream(
         app[CLIENT], limit=cfg.max_connections, limit_per_host=cfg.max_connections_per_replica,
         connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
+        pool_timeout_s=cfg.pool_timeout_s,
     )  # fmt: skip
     yield
     await app[UPSTREAM].close()

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 
@@ -30,23 +30,85 @@ class ConfigError(ValueError):
     """A configuration value is missing, malformed or contradictory."""
 
 
+# query parameters whose value is a secret (redis-py takes any query parameter as a
+# connection argument: ``redis://host/0?password=...``)
+_SECRET_PARAMS = ("pass", "secret", "token", "key", "auth")
+ESCAPES = "percent-escape it (% as %25, @ as %40, # as %23, / as %2F, ? as %3F, : as %3A)"
+
+
+def _redacted(url: str) -> str:
+    """A form of a URL that may not parse, fit to show: everything up to its last ``@`` and
+    its query go (either could hold a credential)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "<URL>"
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return f"{scheme}://{rest.split('?', 1)[0]}"
+
+
+def _unambiguous(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError on a port that is not a number)
+    except ValueError:
+        return False
+    return "@" not in parts.path + parts.query + parts.fragment
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be parsed unambiguously (a credential holding an unescaped ``#``,
+    ``/``, ``?``; a bad port; no host; a fragment), or None. The message shows the URL
+    masked and tells how to escape."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError on a port that is not a number)
+    except ValueError as e:
+        return (f"{_redacted(url)!r} cannot be parsed ({e}): if the user name or password "
+                f"holds a reserved character, {ESCAPES}")  # fmt: skip
+    if "@" in parts.path or "@" in parts.query or "@" in parts.fragment:
+        return (f"{_redacted(url)!r} is ambiguous: an '@' follows a '/', '?' or '#', so the "
+                f"credentials end where they should not; in the user name or password, "
+                f"{ESCAPES}")  # fmt: skip
+    if parts.fragment or url.endswith("#"):
+        return f"{mask_url_password(url)!r} has a fragment ('#'); in a password, {ESCAPES}"
+    if not parts.hostname:
+        return f"{mask_url_password(url)!r} has no host"
+    return None
+
+
 def mask_url_password(url: str) -> str:
-    """``redis://user:secret@host`` -> ``redis://user:***@host`` (for repr, logs, admin)."""
+    """``redis://user:secret@host/0?password=x`` -> ``redis://user:***@host/0?password=***``
+    (for repr, logs, admin): the password of the user info and the values of secret-looking
+    query parameters, found by parsing; a URL that does not parse unambiguously is shown
+    without what precedes its last ``@`` and without its query."""
+    if not _unambiguous(url):
+        return _redacted(url)
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    out = url
+    if parts.password is not None:
+        user = parts.netloc.rsplit("@", 1)[0].split(":", 1)[0]
+        netloc = f"{user}:***@{parts.netloc.rsplit('@', 1)[1]}"
+        out = out.replace(parts.netloc, netloc, 1)
+    if parts.query:
+        pairs = []
+        for pair in parts.query.split("&"):
+            name, eq, _ = pair.partition("=")
+            secret = any(w in unquote(name).lower() for w in _SECRET_PARAMS)
+            pairs.append(f"{name}=***" if eq and secret else pair)
+        head, _, _ = out.partition("?")
+        out = f"{head}?{'&'.join(pairs)}" + (f"#{parts.fragment}" if parts.fragment else "")
+    return out
 
 
 def strip_url_credentials(url: str) -> str:
     """``http://user:secret@host:8000/x`` -> ``http://host:8000/x``: the form a URL takes
-    wherever it is shown (names, metrics labels, admin views, logs)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
+    wherever it is shown (names, metrics labels, admin views, logs). Parsed; a URL that does
+    not parse unambiguously (refused at start-up, :func:`url_problem`) loses everything up to
+    its last ``@`` and its query."""
+    if not _unambiguous(url):
+        return _redacted(url).replace("***@", "")
+    parts = urlsplit(url)
     if "@" not in parts.netloc:
         return url
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
@@ -95,10 +157,17 @@ class RouterConfig:
     header_timeout_s: float = 10.0  # a client's request head must be complete by then
     idle_timeout_s: float = 75.0  # a client connection with no request in progress
     client_body_timeout_s: float = 30.0  # a client must finish sending its body by then
+    # a client that reads nothing of a streamed answer for this long (one write blocked by
+    # backpressure) is cut, and the upstream call closed (0: off)
+    send_timeout_s: float = 30.0
     max_body_bytes: int = 32 << 20
     max_header_bytes: int = 8190
-    max_connections: int = 1024
+    max_connections: int = 1024  # upstream connections in all
     max_connections_per_replica: int = 256
+    # a call waits at most this long for an upstream connection when one of the two limits
+    # above is reached, then gets a 503 naming the limit (the replica is not blamed; 0: no
+    # bound). first_byte_timeout_s starts once the request is sent, after this wait.
+    pool_timeout_s: float = 60.0
     retries: int = 2  # extra replicas tried before the first byte
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
@@ -146,11 +215,24 @@ class RouterConfig:
             raise ConfigError("no replicas: give --replica URL, --replica-dns URL or --k8s-service")
         for u in [*self.replicas, *self.replica_dns]:
             if not u.startswith(("http://", "https://")):
-                raise ConfigError(f"replica URL must start with http:// or https://: {u!r}")
+                raise ConfigError("replica URL must start with http:// or https://: "
+                                  f"{_redacted(u)!r}")  # fmt: skip
+            problem = url_problem(u)
+            if problem is None and urlsplit(u).query:
+                problem = f"{mask_url_password(u)!r} has a query; a replica's base URL has none"
+            if problem is not None:
+                raise ConfigError(f"replica URL {problem}")
+        for name in ("redis_url", "k8s_api_url"):
+            u = getattr(self, name)
+            problem = None if not u else url_problem(u)
+            if problem is not None and not (name == "redis_url" and u.startswith("unix:")):
+                raise ConfigError(f"{name} {problem}")
         if self.workers < 1:
             raise ConfigError("workers >= 1")
         if self.max_body_bytes <= 0 or self.retries < 0 or self.breaker_failures < 1:
             raise ConfigError("max_body_bytes > 0, retries >= 0 and breaker_failures >= 1")
+        if self.pool_timeout_s < 0:
+            raise ConfigError("pool_timeout_s >= 0 (0: no bound)")
         if self.loop_stall_log_ms < 0:
             raise ConfigError("loop_stall_log_ms >= 0 (0: off)")
 

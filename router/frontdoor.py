@@ -9,7 +9,12 @@ Owns:
   puts the offending header line, keys included, in the body and in an ERROR log line);
   a request head must be complete ``header_timeout_s`` after its first byte (slowloris), and
   a connection without a request in progress is closed after ``keepalive_timeout`` (aiohttp
-  arms that timer at connection start too, so a silent connection goes as well).
+  arms that timer at connection start too, so a silent connection goes as well); ``CONNECT``
+  is refused (405 JSON) and, like any request that asks for an upgrade, the bytes after its
+  head are never parsed as another request: the connection closes after the answer.
+- :func:`stream_to` and :class:`SendWatch` — for streamed answers: an HTTP/1.0 client's
+  stream ends with the connection (``Connection: close``), and a client that stops reading
+  is cut after ``send_timeout_s`` with one write blocked (the upstream call is then closed).
 - :func:`json_errors` — the app middleware: refuses dot segments and encoded separators in the
   path (``/v1/%2e%2e/reset_prefix_cache``), header values that are not UTF-8, and turns every
   ``HTTPException`` (404, 405, 413 ...) and unhandled error into the JSON error of the route's
@@ -25,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import traceback
 from typing import Any, cast
 from urllib.parse import unquote
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
@@ -43,7 +49,7 @@ log = logging.getLogger("kvroute.frontdoor")
 # set on a request whose header values the server-level wrapper has checked already
 HEADERS_CHECKED = web.RequestKey("kvroute.headers_checked", bool)
 
-__all__ = ["FrontDoorRunner", "json_errors", "path_problem"]
+__all__ = ["FrontDoorRunner", "SendWatch", "json_errors", "path_problem", "stream_to"]
 
 
 def _exc_name(exc: BaseException | None) -> str:
@@ -73,6 +79,14 @@ class FrontDoorHandler(RequestHandler):
         if self._head_timer is None and self._current_request is None and not self._messages:
             self._arm_head_timer()
         super().data_received(data)
+        if self._upgraded:
+            # a CONNECT or Upgrade request: the parser stopped at its head and keeps what
+            # follows as a tunnel's bytes, which aiohttp parses as the next request once the
+            # upgrade is declined (a CONNECT's "body" served as a second request, issue 45).
+            # The router tunnels nothing: those bytes are dropped, no more are read, and the
+            # connection closes after the answer to the request.
+            self._message_tail = b""
+            self._close = True
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:
@@ -174,6 +188,11 @@ def _outside_middlewares(handler: Any) -> Any:
     server's own handler is wrapped as well."""
 
     async def handle(request: web.BaseRequest) -> StreamResponse:
+        if request.method == "CONNECT":  # not a proxy (its bytes after the head: above)
+            resp = error_response("/", 405, "CONNECT is not served", "method_not_allowed",
+                                  headers={"Allow": "GET, POST, DELETE"})  # fmt: skip
+            resp.force_close()
+            return resp
         problem = header_problem(request)
         request[HEADERS_CHECKED] = True  # the app's middleware need not look again
         if problem is None:
@@ -190,6 +209,63 @@ def _outside_middlewares(handler: Any) -> Any:
             return _as_json(request, e)
 
     return handle
+
+
+# ---- streamed answers ----------------------------------------------------------------------
+
+
+def stream_to(request: web.BaseRequest, resp: web.StreamResponse) -> None:
+    """Make ``resp`` (a body of unknown length, about to be prepared) end unambiguously for
+    the client that sent ``request``: an HTTP/1.0 client has no chunked encoding, so the end
+    of the body is the end of the connection — ``Connection: close``, and the connection
+    closes once the body is written. (aiohttp drops keep-alive for such a body but still
+    keeps the connection open when the client asked ``Connection: keep-alive``, so the client
+    waited for ``idle_timeout_s`` to learn the body had ended: issue 45.)"""
+    if request.version < HttpVersion11:
+        resp.force_close()
+        resp.headers["Connection"] = "close"
+
+
+class SendWatch:
+    """Cuts a client that stops reading a streamed answer: one write blocked (the client's
+    socket buffer full, backpressure) for ``timeout_s`` aborts the client's connection, which
+    cancels the handler and so closes the upstream call (the replica frees the request).
+
+    One timer per stream, re-armed every ``timeout_s``; the stream marks each write
+    (``since = now`` before, ``None`` after): no timeout context per chunk. The bytes held
+    meanwhile are bounded by backpressure (the transport's high-water mark, one chunk, the
+    kernel's socket buffers); the time by ``timeout_s``."""
+
+    __slots__ = ("_handle", "_loop", "_request", "cut", "since", "timeout_s")
+
+    def __init__(self, request: web.BaseRequest, timeout_s: float):
+        self._request = request
+        self.timeout_s = timeout_s
+        self.since: float | None = None  # time.perf_counter() when the write in progress began
+        self.cut = False
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = None
+        if timeout_s > 0:
+            self._handle = self._loop.call_later(timeout_s, self._check)
+
+    def _check(self) -> None:
+        since, now = self.since, time.perf_counter()
+        if since is not None and now - since >= self.timeout_s:
+            self._handle = None
+            self.cut = True
+            log.info("cutting a client that read nothing of its stream for %.1f s",
+                     self.timeout_s)  # fmt: skip
+            t = self._request.transport
+            if t is not None:
+                t.abort()  # not close(): that would wait to flush to a client that never reads
+            return
+        wait = self.timeout_s if since is None else self.timeout_s - (now - since)
+        self._handle = self._loop.call_later(max(wait, 0.01), self._check)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 # ---- the middleware ----------------------------------------------------------------------

@@ -226,6 +226,13 @@ class RouterMetrics:
         self.retries = LoopCounter(
             "kvroute_retries", "Retries on another replica", ["reason"], registry=r
         )
+        self.pool_timeouts = LoopCounter(
+            "kvroute_upstream_pool_timeouts",
+            "Calls answered 503 after waiting pool_timeout_s for an upstream connection, by the "
+            "router limit that was reached (not a replica failure)",
+            ["limit"],
+            registry=r,
+        )
         self.breaker = Gauge(
             "kvroute_breaker_state",
             "Circuit breaker: 0 closed, 1 half-open, 2 open",

@@ -25,6 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.errors import error_response, replica_error_body, sse_error_event
+from router.frontdoor import SendWatch, stream_to
 from router.hints import call_hint, hinted_body
 from router.keys import CALLS, CONFIG, METRICS, REPLICAS, RESPONSES, STORE, UPSTREAM
 from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_body, usage_from_stream
@@ -32,7 +33,7 @@ from router.responses import RESPONSES_ROUTE
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
 from router.state import SessionRecord
-from router.upstream import UpstreamResponse
+from router.upstream import FirstByteTimeout, PoolTimeout, UpstreamResponse
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -106,8 +107,9 @@ async def place_session(
         return chosen
     if store.backend == "redis" and not store.up:
         # Redis away: every router must give a session the same answer without talking to
-        # the others — the binding this router holds, else a rendezvous hash of the session
-        # over the replicas the policy ranked (the same healthy set on every router)
+        # the others — the newest binding published through Redis before it went (every
+        # router heard it: router.state), else a rendezvous hash of the session over the
+        # replicas the policy ranked (the same healthy set on every router)
         names = [e.name for e, _ in decision.ranked]
         if record.replica not in names:
             chosen = rendezvous(ctx.identity.key, names) or chosen
@@ -179,6 +181,8 @@ async def forward(
         try:
             return await _stream_from(request, ctx, raw, headers, path, replica, t0, route_label,
                                       decision, last_attempt=attempt == cfg.retries)  # fmt: skip
+        except PoolTimeout as e:  # the router's own limit: no retry, the replica not blamed
+            return _pool_full(ctx, route_label, cfg.health_interval_s, e, metrics)
         except _RetryElsewhere as e:
             last_problem = e.reason
             if e.first_byte:
@@ -205,6 +209,21 @@ async def forward(
         route, 503, f"no replica could take the request ({last_problem})", "service_unavailable",
         headers={"Retry-After": str(max(1, int(cfg.health_interval_s))),
                  "X-Request-Id": ctx.request_id},
+    )  # fmt: skip
+
+
+def _pool_full(
+    ctx: RequestContext, route_label: str, retry_s: float, e: PoolTimeout, metrics: Any
+) -> web.Response:
+    """503 for a call that waited ``pool_timeout_s`` for an upstream connection: the message
+    names the router's limit that was reached (the replica was not tried, nor blamed)."""
+    metrics.pool_timeouts.labels(e.limit).inc()
+    metrics.requests_by(route_label, "-", "503").inc()
+    log.warning("request %s: %s", ctx.request_id, e)
+    return error_response(
+        ctx.route, 503, f"router connection limit reached: {e} (pool_timeout_s)",
+        "service_unavailable",
+        headers={"Retry-After": str(max(1, int(retry_s))), "X-Request-Id": ctx.request_id},
     )  # fmt: skip
 
 
@@ -244,25 +263,23 @@ async def _stream_from(
         headers = headers.copy()
         headers["Authorization"] = replica.auth
     first_byte = app[CONFIG].first_byte_deadline_s(ctx.body.get("stream") is True)
-    # (no timeout context at all when off: the default for non-streamed calls)
-    deadline = asyncio.timeout(first_byte) if first_byte > 0 else None
     upstream = app[UPSTREAM]
     try:
-        # bounded by the upstream client's connect / read (read_timeout_s) timeouts, and by
-        # first_byte_timeout_s: a replica that sent no response head by then (frozen, stuck)
-        # is left, and the call that has received nothing goes to another one. (A redirect
-        # is the client's to follow: neither upstream client follows one.)
-        if deadline is None:
-            resp = await upstream.request(request.method, replica.url, path, headers, raw)
-        else:
-            async with deadline:
-                resp = await upstream.request(request.method, replica.url, path, headers, raw)
+        # bounded by the upstream client's pool wait (pool_timeout_s: PoolTimeout, handled by
+        # the caller), connect / read (read_timeout_s) timeouts, and by first_byte_timeout_s
+        # counted from the send: a replica that sent no response head by then (frozen,
+        # stuck) is left, and the call that has received nothing goes to another one. (A
+        # redirect is the client's to follow: neither upstream client follows one.)
+        resp = await upstream.request(request.method, replica.url, path, headers, raw,
+                                      first_byte if first_byte > 0 else None)  # fmt: skip
+    except FirstByteTimeout:
+        replica.breaker.on_failure()
+        raise _RetryElsewhere("no_response", f"no response head in {first_byte:g} s",
+                              first_byte=True) from None  # fmt: skip
     except UPSTREAM_ERRORS as e:
         replica.breaker.on_failure()
-        if deadline is not None and deadline.expired():
-            raise _RetryElsewhere("no_response", f"no response head in {first_byte:g} s",
-                                  first_byte=True) from None  # fmt: skip
         raise _RetryElsewhere("no_response", f"{type(e).__name__}") from None
+    watch: SendWatch | None = None
     try:
         if resp.status in RETRYABLE_STATUS and not last_attempt:
             replica.breaker.on_failure()
@@ -282,6 +299,8 @@ async def _stream_from(
             reason=resp.reason,
             headers=response_headers(resp.headers, ctx.request_id),
         )
+        stream_to(request, out)  # HTTP/1.0: the stream ends with the connection
+        watch = SendWatch(request, app[CONFIG].send_timeout_s)  # a client that stops reading
         await out.prepare(request)
         first_at = None
         last_at = 0.0
@@ -329,8 +348,11 @@ async def _stream_from(
                 head += chunk[: HEAD_BYTES - len(head)]
                 if ctx.route == RESPONSES_ROUTE and resp.status < 400:
                     _note_response(app, ctx, name, head)
+            watch.since = now
             await out.write(chunk)  # backpressure: waits while the client's buffer is full
+            watch.since = None
         if status != "upstream_error":
+            watch.since = time.perf_counter()
             await out.write_eof()
         end = time.perf_counter()
         if sse and first_at is not None and events > 1:
@@ -344,15 +366,22 @@ async def _stream_from(
         return out
     except asyncio.CancelledError:
         # The client went away: closing the upstream connection makes vLLM abort the request.
-        metrics.requests_by(route_label, name, "client_closed").inc()
+        metrics.requests_by(route_label, name, _gone(watch)).inc()
         resp.close()
         raise
     except ConnectionResetError:  # the write found the client gone before the cancellation
-        metrics.requests_by(route_label, name, "client_closed").inc()
+        metrics.requests_by(route_label, name, _gone(watch)).inc()
         resp.close()
         return out
     finally:
+        if watch is not None:
+            watch.stop()
         resp.release()
+
+
+def _gone(watch: SendWatch | None) -> str:
+    """How the client left: cut for reading nothing (send_timeout_s), or gone by itself."""
+    return "client_stalled" if watch is not None and watch.cut else "client_closed"
 
 
 async def _buffered(

@@ -313,3 +313,107 @@ async def test_a_replica_frozen_mid_stream_ends_the_stream_with_an_sse_error(fak
     assert got.startswith(SSE_CHUNKS[0])
     tail = got[len(SSE_CHUNKS[0]) :]
     assert orjson.loads(tail.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+
+
+# passwords holding each character that ends a URL's user info early when left unescaped
+ODD_PASSWORDS = ["pw#s3cret", "pw/s3cret", "pw?s3cret", "pw@s3cret", "12/s3cret", "p:w%s3cret"]
+
+
+async def test_credentials_with_reserved_characters_are_used_and_masked(fakes, router, http,
+                                                                        caplog):  # fmt: skip
+    """Issue 45 (2, 3): percent-escaped credentials holding ``#``, ``/``, ``?``, ``@`` reach
+    the replica decoded and show nowhere; a Redis password given as ``?password=`` is masked
+    in /admin/config."""
+    from urllib.parse import quote
+
+    from tests.integration.test_router_proxy import dead_url
+
+    caplog.set_level(logging.DEBUG)
+    reps = await fakes(len(ODD_PASSWORDS))
+    urls = [f.url.replace("http://", f"http://ops:{quote(pw, safe='')}@")
+            for f, pw in zip(reps, ODD_PASSWORDS, strict=True)]  # fmt: skip
+    redis = dead_url().replace("http://", "redis://") + "/0?password=redis-s3cret&db=0"
+    url, app = await router(urls, admin_key="adm", policy="round_robin")
+    # (a second router for the Redis URL: with Redis away, placement is not round robin)
+    url2, app2 = await router(urls[:1], admin_key="adm", redis_url=redis, redis_timeout_s=0.1)
+    for _ in ODD_PASSWORDS:
+        async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200 and await r.read() == b"".join(SSE_CHUNKS)
+    for f, pw in zip(reps, ODD_PASSWORDS, strict=True):
+        basic = "Basic " + base64.b64encode(f"ops:{pw}".encode()).decode()
+        assert f.seen[-1].headers["Authorization"] == basic
+    adm = {"X-Admin-Key": "adm"}
+    async with http.get(url + "/admin/replicas", headers=adm) as r:
+        shown = await r.text()
+        assert r.status == 200 and all(x["healthy"] for x in orjson.loads(shown))
+    async with http.get(url + "/metrics") as r:
+        shown += await r.text()
+    for u in (url, url2):
+        async with http.get(u + "/admin/config", headers=adm) as r:
+            shown += await r.text()
+    assert "password=***" in shown and all(f.url in shown for f in reps)
+    shown += caplog.text + repr(app[CONFIG]) + repr(app2[CONFIG])
+    for secret in ("s3cret", "redis-s3cret", "%2Fs3cret", "%23s3cret"):
+        assert secret not in shown, secret
+
+
+@pytest.mark.parametrize("pw", ["pw#s3cret", "pw/s3cret", "pw?s3cret", "12/s3cret", "1#s3cret"])
+def test_a_url_with_unescaped_reserved_characters_is_refused_at_start_up(pw):
+    from router.config import ConfigError, load_config
+
+    for key, url in (("replicas", f"http://ops:{pw}@127.0.0.1:8000"),
+                     ("redis_url", f"redis://:{pw}@127.0.0.1:6379/0")):  # fmt: skip
+        extra = {} if key == "replicas" else {"replicas": ["http://127.0.0.1:8000"]}
+        with pytest.raises(ConfigError) as e:
+            load_config(env={}, overrides={key: [url] if key == "replicas" else url, **extra})
+        msg = str(e.value)
+        assert "s3cret" not in msg and "%23" in msg and "%2F" in msg and "127.0.0.1" in msg
+
+
+async def _all_answers(url: str, parts: list[bytes]) -> tuple[bytes, bool]:
+    """Send ``parts`` one write each, reading what comes back after each (a write after the
+    server closed may reset the connection); everything read, and whether it closed."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    data, closed = b"", False
+    try:
+        for p in parts:
+            try:
+                writer.write(p)
+                await writer.drain()
+                async with asyncio.timeout(1.0):
+                    while chunk := await reader.read(65536):
+                        data += chunk
+                    closed = True
+            except TimeoutError:
+                continue  # nothing more for now: send the next part
+            except ConnectionError:
+                closed = True
+            if closed:
+                break
+    finally:
+        writer.close()
+    return data, closed
+
+
+async def test_connect_is_refused_and_its_body_never_served_as_a_request(fakes, router):
+    """Issue 45 (4): a CONNECT (or an upgrade request) whose bytes after the head hold a
+    second request gets one JSON refusal and a closed connection; the second request is
+    never served (before: a 404, then /admin/config)."""
+    (f,) = await fakes(1)
+    url, _ = await router([f.url], admin_key="adm-secret")
+    inner = b"GET /admin/config HTTP/1.1\r\nHost: x\r\nX-Admin-Key: adm-secret\r\n\r\n"
+    posted = post("/v1/completions", orjson.dumps({"model": "tiny", "prompt": "x"}))
+    for target in (b"example.com:443", b"/admin/config", b"127.0.0.1:1"):
+        head = b"CONNECT " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+        for parts in ([head % len(inner) + inner], [head % len(inner), inner, posted]):
+            data, closed = await _all_answers(url, parts)
+            assert data.count(b"HTTP/1.1 ") == 1 and data.startswith(b"HTTP/1.1 405 "), data
+            assert closed and b"adm-secret" not in data and b'"config"' not in data
+            is_json_error(data.split(b"\r\n\r\n", 1)[1])
+    # a declined upgrade: answered, then closed; what follows its head is not a request
+    up = (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+          b"Upgrade: websocket\r\n\r\n")  # fmt: skip
+    data, closed = await _all_answers(url, [up + inner, posted])
+    assert data.count(b"HTTP/1.1 ") == 1 and b'"config"' not in data and closed, data
+    assert f.seen == []

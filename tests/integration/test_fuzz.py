@@ -272,7 +272,7 @@ header_lines = st.lists(
     max_size=5,
 )
 methods = st.sampled_from([b"GET", b"POST", b"POST", b"POST", b"PUT", b"DELETE", b"HEAD",
-                           b"OPTIONS", b"PATCH", b"BREW"])  # fmt: skip
+                           b"OPTIONS", b"PATCH", b"BREW", b"CONNECT"])  # fmt: skip
 
 
 @st.composite

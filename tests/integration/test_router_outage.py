@@ -16,7 +16,7 @@ from aiohttp import web
 
 from router.app import build_app, start_site
 from router.config import RouterConfig
-from router.keys import STORE
+from router.keys import REPLICAS, STORE
 from router.state import RedisStore
 from tests.integration.test_router_proxy import fakes, http  # noqa: F401
 from tests.integration.test_router_redis import RedisServer, redis_server  # noqa: F401
@@ -122,3 +122,82 @@ async def test_two_routers_agree_through_a_frozen_then_restarted_redis(
 
 def await_name(reps: list[Any], url: str | None) -> str:
     return next(r.name for r in reps if r.url == url)
+
+
+async def test_sessions_one_router_moved_or_placed_alone_do_not_bounce_through_outages(
+    fakes, http, redis_server, routers
+):
+    """Issue 45 (6): sessions the other router never saw since it (re)placed them — moved off
+    a failing replica by router A, or placed by A alone — get the same replica from both
+    routers while Redis is frozen, after it returns, and through a kill and restart with an
+    empty Redis. Before: each router used the binding it last saw (or a hash for a session it
+    had never seen), so calls alternating between them switched replica each time."""
+    reps = await fakes(3, delay_s=0.02)
+    urls = [r.url for r in reps]
+    (a_url, a), (b_url, b) = (
+        await routers(urls, redis_server.url),
+        await routers(urls, redis_server.url),
+    )
+    both = [a_url, b_url]
+    n = 24
+    moved = [f"moved{i}" for i in range(n)]
+    alone = [f"alone{i}" for i in range(n)]
+    for sid in moved:  # seen by both routers first
+        assert (await call(http, a_url, sid))[0] == 200
+        assert (await call(http, b_url, sid))[0] == 200
+    # router A moves them: their replica fails once, A places them elsewhere
+    before = {sid: binding(a, sid) for sid in moved}
+    for r in reps:
+        r.fail_status = 503
+        for sid in moved:
+            if before[sid] == r.url:
+                assert (await call(http, a_url, sid))[0] == 200
+                for rep in a[REPLICAS]:  # (a breaker opened by these failures would narrow
+                    rep.breaker.on_success()  # the choice: not what this test is about)
+        r.fail_status = None
+    assert all(binding(a, sid) != before[sid] for sid in moved)
+    for sid in alone:  # placed and called through router A only
+        assert (await call(http, a_url, sid))[0] == 200
+    await asyncio.sleep(0.3)  # (binding changes reach the other router in milliseconds)
+    assert redis_server.proc is not None
+
+    async def rounds(sids: list[str], k: int, together: bool = True) -> dict[str, set[str]]:
+        answers: dict[str, set[str]] = {}
+        for rnd in range(k):  # each session alternates between the routers
+            calls = [call(http, both[(i + rnd) % 2], sid) for i, sid in enumerate(sids)]
+            # (with Redis up the policy may move a session for load: one at a time, none)
+            got = await asyncio.gather(*calls) if together else [await c for c in calls]
+            for sid, (status, rep) in zip(sids, got, strict=True):
+                assert status == 200, sid
+                answers.setdefault(sid, set()).add(rep)
+        return answers
+
+    def bouncing(answers: dict[str, set[str]]) -> list[str]:
+        return [sid for sid, got in answers.items() if len(got) > 1]
+
+    sids = moved + alone
+    want = {sid: binding(a, sid) for sid in sids}
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        during = await rounds(sids, 4)
+        assert not a[STORE].up and not b[STORE].up
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert bouncing(during) == [], bouncing(during)
+    await until(lambda: a[STORE].up and b[STORE].up)
+    after = await rounds(sids, 2, together=False)
+    assert bouncing(after) == [], bouncing(after)
+    # the replica each session had before the outage, still: nothing moved at all
+    names = {r.url: r.name for r in reps}
+    assert all(during[sid] == after[sid] == {names[want[sid]]} for sid in sids)
+
+    # killed and restarted empty: the same, and the views agree once it is back
+    redis_server.kill()
+    during = await rounds(sids, 4)
+    redis_server.start()
+    await until(lambda: a[STORE].up and b[STORE].up)
+    await asyncio.sleep(0.5)
+    after = await rounds(sids, 2, together=False)
+    assert bouncing(during) == [] and bouncing(after) == [], (bouncing(during), bouncing(after))
+    assert all(during[sid] == after[sid] == {names[want[sid]]} for sid in sids)
+    assert [s for s in sids if binding(a, s) != binding(b, s)] == []

@@ -13,7 +13,15 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from router.upstream import HIGH_WATER, BadResponse, ServerDisconnected, Upstream, UpstreamError
+from router.upstream import (
+    HIGH_WATER,
+    BadResponse,
+    FirstByteTimeout,
+    PoolTimeout,
+    ServerDisconnected,
+    Upstream,
+    UpstreamError,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -149,6 +157,56 @@ async def test_the_per_replica_bound_holds_and_a_waiting_call_gets_the_freed_soc
     gate.set()
     assert await asyncio.gather(*calls) == [b"{}"] * 5
     assert srv.connections == 2 and up.open == 2  # the waiting calls reused the two sockets
+
+
+async def test_a_pool_wait_has_its_own_bound_and_error_naming_the_limit(servers):
+    gate = asyncio.Event()
+
+    async def slow(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> None:
+        await gate.wait()
+        w.write(OK)
+        await w.drain()
+
+    for kw, limit in (({"limit_per_host": 1}, "max_connections_per_replica"),
+                      ({"limit": 1}, "max_connections")):  # fmt: skip
+        gate.clear()
+        srv, up = await servers(slow, pool_timeout_s=0.3, **kw)
+        held = asyncio.create_task(fetch(up, srv.url))
+        await asyncio.sleep(0.1)
+        with pytest.raises(PoolTimeout) as e:
+            await up.request("POST", srv.url, "/v1/x", hdrs(), b"", first_byte_s=30)
+        assert e.value.limit == limit and f"{limit}=1" in str(e.value)
+        assert not isinstance(e.value, OSError)  # never mistaken for a failed replica
+        assert len(srv.requests) == 1 and up.pool_timeouts == 1
+        gate.set()
+        assert await held == b"{}"
+
+
+async def test_first_byte_s_counts_from_the_send_not_from_the_pool_wait(servers):
+    async def half_second(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> None:
+        await asyncio.sleep(0.5)
+        w.write(OK)
+        await w.drain()
+
+    srv, up = await servers(half_second, limit_per_host=1)
+
+    async def one() -> bytes:
+        r = await up.request("POST", srv.url, "/v1/x", hdrs(), b"", first_byte_s=1.2)
+        try:
+            return await r.read()
+        finally:
+            r.release()  # the next waiter gets the socket
+
+    # the fourth call waits ~1.5 s for the one socket, then has its head 0.5 s after its send
+    assert await asyncio.gather(*(one() for _ in range(4))) == [b"{}"] * 4
+    assert srv.connections == 1
+
+    async def silent(s: RawServer, w: asyncio.StreamWriter, req: bytes) -> None:
+        await asyncio.sleep(10)
+
+    srv, up = await servers(silent)
+    with pytest.raises(FirstByteTimeout):
+        await up.request("POST", srv.url, "/v1/x", hdrs(), b"", first_byte_s=0.2)
 
 
 async def test_the_total_bound_frees_an_idle_socket_of_another_replica(servers):
