@@ -151,20 +151,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            choices=choices, help=text)  # fmt: skip
 
 
+def _config_error(msg: str) -> Exception:
+    from router.config import ConfigError
+
+    return ConfigError(msg)
+
+
+def config_from_args(args: argparse.Namespace, env: Any = None) -> Any:
+    """The :class:`router.config.RouterConfig` the parsed flags, ``env`` (default: the
+    process's) and ``--config`` make; ``--kv-events-port`` wins over ``kv.events_port``."""
+    from router.config import RouterConfig, load_config
+
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(RouterConfig)}
+    cfg = load_config(args.config, env=env, overrides=overrides)
+    port = getattr(args, "kv_events_port", None)
+    if port is not None:
+        from router.kv.config import KVConfig
+
+        try:
+            cfg.kv = dataclasses.replace(cfg.kv or KVConfig(), events_port=port)
+        except ValueError as e:
+            raise _config_error(f"--kv-events-port: {e}") from None
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
     import sys
 
-    from router.config import ConfigError, RouterConfig, load_config
+    from router.config import ConfigError
 
-    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(RouterConfig)}
     try:
-        cfg = load_config(args.config, overrides=overrides)
-        port = getattr(args, "kv_events_port", None)
-        if port is not None:  # the flag wins over kv.events_port / KVROUTE_KV_EVENTS_PORT
-            from router.kv.config import KVConfig
-
-            cfg.kv = dataclasses.replace(cfg.kv or KVConfig(), events_port=port)
+        cfg = config_from_args(args)
         from router.scheduling.registry import build_pipeline
 
         build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)  # fail before binding
