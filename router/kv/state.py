@@ -186,6 +186,7 @@ class KVState:
         self.discovered = False  # autoconfigure() has applied a replica's facts
         self.discovery_notes: list[str] = []  # why something could not be discovered
         self.tokenizer_source: str | None = "configured" if tokenizer is not None else None
+        self.tokenizer_note: str | None = None  # why discovery found no tokenizer
         self._auto_profile: ReplicaProfile | None = None  # generic, sized to the replicas
         self._auto_events: set[str] = set()  # replicas subscribed at tcp://host:events_port
         self.sessions: dict[str, SessionFootprint] = {}
@@ -429,12 +430,12 @@ class KVState:
                 try:
                     tokenizer = ModelTokenizer.from_dir(path)
                 except Exception as e:  # a broken model dir: degrade, never crash
-                    notes.append(f"tokenizer at {path} failed to load: {e}")
+                    self.tokenizer_note = f"{path} failed to load: {e}"
                 else:
                     self.cfg = replace(self.cfg, tokenizer=path)
                     self.tokenizer_source = how
             else:
-                notes.append(f"no tokenizer: {how}")
+                self.tokenizer_note = how
         self.tokenizer = tokenizer
         self.tokens = (
             SessionTokenizer(tokenizer, self.hasher, max_tokens=self.cfg.max_cached_tokens)
@@ -464,8 +465,10 @@ class KVState:
             reasons.append("no replica has reported its model (/v1/models) yet")
         if self.tokens is None:
             if not (cfg.discover and not self.discovered):
+                why = f" ({self.tokenizer_note})" if self.tokenizer_note else ""
                 reasons.append(
-                    "no tokenizer: calls are placed on their prompt text and session context"
+                    f"no tokenizer{why}: calls are placed on their prompt text and session "
+                    "context (give kv.tokenizer, or the model directory on this machine)"
                 )
         has_events = bool(cfg.events_bind or cfg.events_connect or cfg.events_port)
         if not has_events:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from costmodel.profiles import load_profile
 from loadtest import tinymodel
@@ -228,3 +229,143 @@ async def _compare(http, url_a, url_b, urls_a, urls_b, kv_a, tmp_path) -> None:
     async with http.get(url_a + "/ready") as r:
         streams = (await r.json())["kv_layer"]["event_streams"]
     assert set(streams.values()) == {"fresh"}, streams
+
+
+# ---- degraded cases: said at start-up, on /ready and in /metrics, never silently -------------
+
+
+def fake_replica(model_id: str, root: str, metrics: str = "") -> web.Application:
+    """A replica that answers health, models and metrics (no cache_config_info unless given),
+    and any chat call with a fixed reply."""
+
+    async def health(_r: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(_r: web.Request) -> web.Response:
+        card = {"id": model_id, "object": "model", "root": root, "max_model_len": 2048}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def scrape(_r: web.Request) -> web.Response:
+        return web.Response(text=metrics + "vllm:num_requests_running 0.0\n")
+
+    async def chat_call(_r: web.Request) -> web.Response:
+        msg = {"role": "assistant", "content": "ok"}
+        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+        return web.json_response(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "model": model_id,
+                "usage": usage,
+                "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}],
+            }
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", scrape)
+    app.router.add_post("/v1/chat/completions", chat_call)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, port: int = 0):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def layer(http, url: str) -> tuple[dict, str]:
+    async with http.get(url + "/ready") as r:
+        ready = (await r.json())["kv_layer"]
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    modes = [ln for ln in text.splitlines() if ln.startswith("kvroute_kv_layer_mode{")]
+    on = [ln.split('"')[1] for ln in modes if ln.endswith(" 1.0")]
+    assert len(on) == 1, modes
+    return ready, on[0]
+
+
+MODEL = "acme/never-cached-model"
+
+
+async def test_a_replica_without_tokenizer_block_size_or_events_is_reported(caplog):
+    caplog.set_level(logging.INFO, logger="kvroute")
+    rep = fake_replica(MODEL, "/nonexistent/model")
+    async with serving(rep) as rurl, aiohttp.ClientSession() as http:
+        cfg = parse([f"--replica={rurl}"])  # no --kv-events-port
+        kv = kv_layer(cfg)
+        app = build_app(cfg, kv=kv)
+        runner, url = await start_site(app)
+        try:
+            ready, mode = await layer(http, url)
+            assert mode == ready["mode"] == "approximate", ready
+            why = " ".join(ready["reasons"])
+            assert "no tokenizer" in why and "no KV events" in why, why
+            assert "block_size" in why, why  # no vllm:cache_config_info
+            assert ready["model"] == MODEL and ready["max_model_len"] == 2048
+            # kv_cost still places calls (on their text and the session's context)
+            body = {**chat([{"role": "user", "content": words(50, 3)}]), "model": MODEL}
+            hdr = {"x-claude-code-session-id": "s"}
+            async with http.post(url + "/v1/chat/completions", json=body, headers=hdr) as r:
+                assert r.status == 200, await r.text()
+        finally:
+            await runner.cleanup()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(m.startswith("KV layer: approximate") and "no tokenizer" in m for m in warned)
+
+
+@pytest.mark.parametrize(("policy", "mode"), [("kv_cost", "affinity"), ("round_robin", "off")])
+async def test_no_kv_layer_is_reported(policy, mode, caplog):
+    caplog.set_level(logging.INFO, logger="kvroute")
+    rep = fake_replica("tiny", "/nonexistent")
+    async with serving(rep) as rurl, aiohttp.ClientSession() as http:
+        cfg = parse([f"--replica={rurl}", f"--policy={policy}"])
+        app = build_app(cfg)  # no KV layer installed (an embedding that passes none)
+        runner, url = await start_site(app)
+        try:
+            ready, on = await layer(http, url)
+            assert on == ready["mode"] == mode, ready
+        finally:
+            await runner.cleanup()
+    if mode == "affinity":
+        assert any("KV layer: affinity" in r.getMessage() for r in caplog.records)
+
+
+async def test_discovery_waits_for_a_replica_that_starts_late():
+    """No replica answers at start-up: the layer says so, and completes itself once one
+    does (the tokenizer is the twin's model directory, found from the card's root)."""
+    model = str(tinymodel.ensure())
+    labels = (
+        'vllm:cache_config_info{block_size="32",engine="0",enable_prefix_caching="True",'
+        'num_gpu_blocks="100",prefix_caching_hash_algo="sha256_cbor"} 1.0\n'
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = parse([f"--replica=http://127.0.0.1:{port}", "--health-interval-s=0.1"])
+    kv = kv_layer(cfg)
+    app = build_app(cfg, kv=kv)
+    runner, url = await start_site(app)
+    try:
+        async with aiohttp.ClientSession() as http:
+            ready, mode = await layer(http, url)
+            assert mode == "approximate" and "no replica has reported" in " ".join(
+                ready["reasons"]
+            ), ready
+            async with serving(fake_replica("tiny", model, labels), port):
+                async with asyncio.timeout(20):
+                    while not kv.discovered:  # noqa: ASYNC110 (no event to wait on)
+                        await asyncio.sleep(0.05)
+                ready, _ = await layer(http, url)
+        assert kv.tokenizer is not None and kv.cfg.block_size == 32, ready
+        assert ready["tokenizer"].startswith("local directory"), ready
+        assert kv.profile_of("x").gpu_kv_blocks == 100  # sized: 100 blocks of 32 tokens
+    finally:
+        await runner.cleanup()
