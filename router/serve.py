@@ -96,8 +96,7 @@ def kv_layer(cfg: Any) -> Any:
             return None
         from router.kv.config import KVConfig
 
-        port = kv.events_port if kv is not None else None
-        kv = KVConfig(discover=True, profile="none", events_port=port)
+        kv = dataclasses.replace(kv or KVConfig(), discover=True, profile="none")
     from router.kv.state import KVState
 
     return KVState(kv)

@@ -116,11 +116,13 @@ def events_endpoint(replica_url: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-def find_tokenizer(candidates: Iterable[str | None]) -> tuple[str | None, str]:
+def find_tokenizer(
+    candidates: Iterable[str | None], hub_cache: str | Path | None = None
+) -> tuple[str | None, str]:
     """The first candidate (a model card's ``root``, then its ``id``) that is a local model
     directory with a ``tokenizer.json``, else the first that the Hugging Face hub cache holds
-    (``HF_HOME`` / ``HF_HUB_CACHE``; nothing is downloaded). Returns (directory, how it was
-    found) or (None, why not)."""
+    (``HF_HOME`` / ``HF_HUB_CACHE``, or ``hub_cache``; nothing is downloaded). Returns
+    (directory, how it was found) or (None, why not)."""
     names = [c for c in dict.fromkeys(candidates) if c]
     for c in names:
         d = Path(c).expanduser()
@@ -134,7 +136,7 @@ def find_tokenizer(candidates: Iterable[str | None]) -> tuple[str | None, str]:
         except ImportError:  # pragma: no cover - huggingface_hub comes with tokenizers
             break
         try:
-            hit = try_to_load_from_cache(repo_id=c, filename="tokenizer.json")
+            hit = try_to_load_from_cache(repo_id=c, filename="tokenizer.json", cache_dir=hub_cache)
         except Exception as e:  # an id the hub library refuses: not a cached repo
             log.debug("hub cache lookup for %s failed: %s", c, e)
             continue

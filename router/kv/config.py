@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# the settings zero-config discovery fills in from the replicas (see KVConfig.is_bare)
+WIRING = ("tokenizer", "block_size", "hash_algo", "profile", "profiles", "events_bind",
+          "events_connect", "topics")  # fmt: skip
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 
@@ -74,14 +77,13 @@ class KVConfig:
             raise ValueError(f"events_port must be a TCP port (1-65535), got {self.events_port}")
 
     def is_bare(self) -> bool:
-        """Whether these settings say nothing but where events come from (``events_port``)
-        and ``discover``: what ``kvroute serve`` completes from the replicas (zero-config)."""
+        """Whether these settings leave the KV layer's wiring unsaid — tokenizer, block size,
+        hash algorithm, profiles and event endpoints (``WIRING``) all at their defaults; tuning
+        (``time_scale``, ``analysis_wait_s``, …), ``events_port``, ``hash_seed`` and
+        ``replay`` may be set: what ``kvroute serve`` completes from the replicas
+        (zero-config)."""
         base = KVConfig()
-        return all(
-            getattr(self, f.name) == getattr(base, f.name)
-            for f in fields(self)
-            if f.name not in ("events_port", "discover")
-        )
+        return all(getattr(self, name) == getattr(base, name) for name in WIRING)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> KVConfig:

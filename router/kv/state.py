@@ -422,7 +422,11 @@ class KVState:
             notes.append(f"{ref.replica} runs with prefix caching off: nothing is reused there")
         if changes:
             cfg = self.cfg = replace(cfg, **changes)
-            self.hasher = BlockHasher(cfg.block_size, cfg.hash_algo, cfg.hash_seed)
+            try:
+                self.hasher = BlockHasher(cfg.block_size, cfg.hash_algo, cfg.hash_seed)
+            except ValueError as e:  # xxhash without the engines' seed, or no xxhash package
+                notes.append(f"block keys cannot match the replicas' events: {e}")
+                self.hasher = BlockHasher(cfg.block_size, "sha256_cbor", cfg.hash_seed)
         tokenizer = self.tokenizer
         if tokenizer is None:
             path, how = find_tokenizer([ref.root, ref.model])
