@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ from router.keys import (
     UPSTREAM,
     Runtime,
 )
-from router.kv.autoconf import LayerStatus, no_layer_status, replica_facts
+from router.kv.autoconf import LayerStatus, no_layer_status, replica_facts, tokenize_request
 from router.metrics import RouterMetrics
 from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
 from router.responses import ResponseOwners
@@ -154,7 +155,33 @@ async def discover_kv(app: web.Application, kv: KVState) -> bool:
     ]
     if not facts:
         return False
-    return await asyncio.to_thread(kv.autoconfigure, facts)
+    done = await asyncio.to_thread(kv.autoconfigure, facts)
+    if done and kv.tokens is None and kv.remote_tokens is None:
+        kv.remote_tokens = functools.partial(replica_tokens, app)
+        kv.tokenizer_source = "a replica's /tokenize (a session's first call)"
+    return done
+
+
+async def replica_tokens(app: web.Application, route: str, body: Any) -> list[int] | None:
+    """The token ids of a call's prompt from a healthy replica's ``POST /tokenize`` (the one
+    with the fewest calls in flight from this router), for a zero-config KV layer with no
+    tokenizer on this machine; None when there is no prompt or no usable answer."""
+    payload = tokenize_request(route, body) if isinstance(body, dict) else None
+    ready = [r for r in app[REPLICAS] if r.healthy]
+    if payload is None or not ready:
+        return None
+    r = min(ready, key=lambda x: x.inflight)
+    timeout = aiohttp.ClientTimeout(total=max(app[CONFIG].health_timeout_s, 1.0))
+    async with app[CLIENT].post(
+        r.url + "/tokenize", json=payload, headers=app[MONITOR].headers_for(r), timeout=timeout
+    ) as resp:
+        if resp.status != 200:
+            return None
+        doc = await resp.json(content_type=None)
+    toks = doc.get("tokens") if isinstance(doc, dict) else None
+    if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+        return None
+    return toks
 
 
 async def _discover_later(app: web.Application, kv: KVState) -> None:

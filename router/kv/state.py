@@ -189,6 +189,10 @@ class KVState:
         self.tokenizer_note: str | None = None  # why discovery found no tokenizer
         self._auto_profile: ReplicaProfile | None = None  # generic, sized to the replicas
         self._auto_events: set[str] = set()  # replicas subscribed at tcp://host:events_port
+        # zero-config without a tokenizer on this machine: (route, body) -> a replica's token
+        # ids for the prompt (its /tokenize), asked for a session's first call (router.app)
+        self.remote_tokens: Callable[[str, Any], Awaitable[list[int] | None]] | None = None
+        self.remote_stats = {"asked": 0, "tokenized": 0, "failed": 0}
         self.sessions: dict[str, SessionFootprint] = {}
         self.stats: dict[str, ReplicaStat] = {}
         self.calibrators: dict[str, Calibrator] = {}
@@ -470,9 +474,14 @@ class KVState:
         if self.tokens is None:
             if not (cfg.discover and not self.discovered):
                 why = f" ({self.tokenizer_note})" if self.tokenizer_note else ""
+                first = (
+                    "a session's first call is tokenized by a replica's /tokenize, later "
+                    if self.remote_tokens is not None
+                    else ""
+                )
                 reasons.append(
-                    f"no tokenizer{why}: calls are placed on their prompt text and session "
-                    "context (give kv.tokenizer, or the model directory on this machine)"
+                    f"no tokenizer{why}: {first}calls are placed on their prompt text and "
+                    "session context (give kv.tokenizer, or the model directory on this machine)"
                 )
         has_events = bool(cfg.events_bind or cfg.events_connect or cfg.events_port)
         if not has_events:
@@ -595,6 +604,37 @@ class KVState:
             waits.append(own)
         await asyncio.gather(*waits, return_exceptions=True)
 
+    async def _remote_analysis(
+        self, ctx: Any, remote: Callable[[str, Any], Awaitable[list[int] | None]]
+    ) -> None:
+        """A session's first call without a local tokenizer: its token ids from a replica's
+        ``/tokenize`` (within ``analysis_wait_s``), hashed here into its block keys, so it is
+        matched against the KV events as with a tokenizer. Later calls of the session are
+        placed on their text and the session's context (a round trip per call would load the
+        replicas' API servers with every prompt twice)."""
+        st = self.remote_stats
+        st["asked"] += 1
+        try:
+            ids = await asyncio.wait_for(remote(ctx.route, ctx.body), self.cfg.analysis_wait_s)
+        except Exception as e:  # a slow or failing replica: placed on what is known
+            st["failed"] += 1
+            log.debug("kv: /tokenize for %s failed: %r", ctx.request_id, e)
+            return
+        if not ids:
+            st["failed"] += 1
+            return
+        if ctx.observed:  # the call ended (was placed and answered) meanwhile
+            return
+        salt = ctx.body.get("cache_salt") if isinstance(ctx.body, Mapping) else None
+        keys = await asyncio.to_thread(
+            self.hasher.hash_keys, ids, cache_salt=salt if isinstance(salt, str) else None
+        )
+        if ctx.observed:
+            return
+        ctx.block_keys = keys
+        ctx.prompt_tokens = len(ids)
+        st["tokenized"] += 1
+
     def analysis_stats(self) -> dict[str, int]:
         """Calls by how their analysis went (see ``kvroute_kv_analyses_total``)."""
         base = dict.fromkeys(("waited", "not_waited", "late", "dropped"), 0)
@@ -683,6 +723,9 @@ class KVState:
                 call.text_keys = text_keys(prompt_prefix_text(ctx.body, TEXT_LIMIT))
                 call.est_tokens = max(int(_text_chars(ctx.body) / self.chars_per_token), fp.tokens)
                 self._count(ctx, fp, call, call.est_tokens)
+                remote = self.remote_tokens
+                if remote is not None and fp.last_end is None and fp.inflight == 1:
+                    return self._remote_analysis(ctx, remote)  # the session's first call
             return None
         if ctx.body:
             call.text_keys = text_keys(prompt_prefix_text(ctx.body, TEXT_LIMIT))

@@ -369,3 +369,47 @@ async def test_discovery_waits_for_a_replica_that_starts_late():
         assert kv.profile_of("x").gpu_kv_blocks == 100  # sized: 100 blocks of 32 tokens
     finally:
         await runner.cleanup()
+
+
+async def test_without_a_local_tokenizer_a_sessions_first_call_is_tokenized_by_a_replica(
+    tmp_path, monkeypatch
+):
+    """The model directory is not on the router's machine: a session's first call gets its
+    tokens from a replica's /tokenize, so it is matched by KV events all the same."""
+    import router.kv.state as kvstate
+
+    monkeypatch.setattr(kvstate, "find_tokenizer", lambda names: (None, "not here"))
+    hosts = ["127.0.0.6", "127.0.0.7"]
+    port = free_port(hosts)
+    async with twins_on(hosts, port) as (urls, pubs), aiohttp.ClientSession() as http:
+        argv = [f"--replica={u}" for u in urls]
+        cfg = parse([*argv, f"--kv-events-port={port}", "--admin-key=adm",
+                     f"--decision-log={tmp_path / 'd.jsonl'}"])  # fmt: skip
+        kv = kv_layer(cfg)
+        app = build_app(cfg, kv=kv)
+        runner, url = await start_site(app)
+        try:
+            await wait_subscribed(pubs)
+            ready, mode = await layer(http, url)
+            assert mode == "approximate" and "/tokenize" in " ".join(ready["reasons"]), ready
+            assert kv.tokens is None and ready["tokenizer"].startswith("a replica's /tokenize")
+            system = words(600, 4)
+            first = chat([{"role": "system", "content": system}, {"role": "user", "content": "a"}])
+            hdr = {"x-claude-code-session-id": "one"}
+            async with http.post(url + "/v1/chat/completions", json=first, headers=hdr) as r:
+                assert r.status == 200, await r.text()
+                used = (await r.json())["usage"]["prompt_tokens"]
+            row = json.loads((tmp_path / "d.jsonl").read_text().splitlines()[0])
+            assert row["analysed"] and row["prompt_tokens"] == used, row
+            await asyncio.sleep(0.3)  # its KV events arrive
+            probe = chat([{"role": "system", "content": system}, {"role": "user", "content": "b"}])
+            hdr = {"x-claude-code-session-id": "two", **ADM}
+            async with http.post(url + "/admin/route?explain=1", json=probe, headers=hdr) as r:
+                ex = await r.json()
+            assert ex["winner"] == row["winner"], ex
+            won = next(c for c in ex["explain"]["candidates"] if c["replica"] == ex["winner"])
+            terms = won["terms"]["kv_cost"]
+            assert terms["source"] == "events" and terms["match_blocks"] >= 15, terms
+            assert kv.remote_stats["tokenized"] == 2, kv.remote_stats
+        finally:
+            await runner.cleanup()
