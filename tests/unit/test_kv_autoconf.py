@@ -230,3 +230,21 @@ def test_tuning_settings_keep_zero_config_wiring_settings_end_it():
                            env={"KVROUTE_KV_TIME_SCALE": "20"})  # fmt: skip
     kv = kv_layer(cfg)
     assert kv.cfg.discover and kv.cfg.time_scale == 20.0
+
+
+async def test_subscriber_connects_without_an_entry_and_disconnects():
+    from router.kv.events import KVEventSubscriber
+    from router.kv.index import BlockIndex
+
+    ix = BlockIndex()
+    sub = KVEventSubscriber(ix)
+    try:
+        sub.connect("tcp://127.0.0.1:9", "http://127.0.0.1:8000", fresh=False)
+        sub.connect("tcp://[::1]:9", "http://[::1]:8000", fresh=False)
+        assert ix.state("http://127.0.0.1:8000") is None  # approximate until a first batch
+        assert len(sub._socks) == 2
+        sub.disconnect("http://127.0.0.1:8000")
+        sub.disconnect("http://nobody:1")  # nothing connected: nothing to do
+        assert len(sub._socks) == 1 and len(sub._tasks) == 1
+    finally:
+        await sub.close()
