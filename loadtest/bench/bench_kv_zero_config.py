@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"command": " ".join(sys.argv), "config": vars(args)}
-    for pair in args.pairs.split(","):
-        name = {"zero": "zero-vs-full", "full": "full-vs-full"}[pair]
+    for i, pair in enumerate(args.pairs.split(",")):
+        name = {"zero": "zero-vs-full", "full": "full-vs-full"}[pair] + f"-{i}"
         results[name] = asyncio.run(run_pair(name, pair == "zero", args, out))
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         r = results[name]
