@@ -16,7 +16,7 @@ from typing import Any
 
 _SKIP = {"scheduling", "api_keys", "kv"}  # YAML/env only (structured), see docs/router.md
 
-# the help text of every flag made from a RouterConfig field (tests/unit/test_router_parts.py
+# the help text of every flag made from a RouterConfig field (tests/unit/test_kv_autoconf.py
 # checks that every flag has one); docs/router.md has the long form
 HELP = {
     "host": "listen address (default 127.0.0.1)",
@@ -84,7 +84,8 @@ def kv_layer(cfg: Any) -> Any:
     """The KV layer (:class:`router.kv.state.KVState`): from ``cfg.kv`` when it is set (a
     ``kv:`` YAML mapping or ``KVROUTE_KV_*`` env vars); zero-config (``discover``: tokenizer,
     block size and hash algorithm from the replicas, the generic profile calibrated online)
-    when it is not, or says no more than ``events_port``, and the policy reads the layer
+    when it is not, or leaves the wiring unsaid (:meth:`router.kv.config.KVConfig.is_bare`:
+    only ``events_port`` and tuning), and the policy reads the layer
     (``kv_cost``, the default); else ``None``. Imported only then, so a plain router never
     loads the tokenizer stack."""
     kv = cfg.kv
@@ -145,6 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         else:
             typ: Any = int if t.startswith("int") else float if t.startswith("float") else str
             choices = _policies() if f.name == "policy" else CHOICES.get(f.name)
+            if f.name in CHOICES:
+                typ = str.lower  # --log-level WARNING as well as warning
             metavar = None if choices else f.name.upper()
             p.add_argument(flag, dest=f.name, type=typ, default=None, metavar=metavar,
                            choices=choices, help=text)  # fmt: skip

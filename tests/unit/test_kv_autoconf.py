@@ -184,6 +184,7 @@ def test_every_serve_flag_has_a_help_text_and_choices_are_listed():
     assert "debug" in by_dest["log_level"].choices
     with pytest.raises(SystemExit):
         p.parse_args(["--policy", "nope"])
+    assert p.parse_args(["--log-level", "WARNING"]).log_level == "warning"  # kvroute bench
 
 
 def test_kv_events_port_flag_and_the_layer_it_builds():
