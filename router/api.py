@@ -36,6 +36,7 @@ from router.keys import (
     CALLS,
     CONFIG,
     KV,
+    KV_STATUS,
     METRICS,
     PIPELINE,
     REPLICAS,
@@ -269,6 +270,8 @@ async def handle_ready(request: web.Request) -> web.Response:
         "draining": app[RUNTIME].draining,
         "state_backend": app[STORE].backend,
         "state_backend_up": app[STORE].up,
+        # how fully the KV layer runs (full / approximate / affinity / off) and why not fully
+        "kv_layer": app[KV_STATUS]().as_dict(),
     }
     return web.json_response(body, status=200 if ok else 503)
 
@@ -332,6 +335,7 @@ async def admin_config(request: web.Request) -> web.Response:
         "policy": app[PIPELINE].name,
         "worker": app[RUNTIME].worker,
         "kv_layer": app[KV] is not None,
+        "kv_status": app[KV_STATUS]().as_dict(),  # full / approximate / affinity / off, why
         "kv_pool": None
         if app[KV] is None
         else {"blocks": app[KV].index.pool_blocks(), "members": app[KV].index.pool_members()},

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from router.keys import (
     CLIENT,
     CONFIG,
     KV,
+    KV_STATUS,
     METRICS,
     MONITOR,
     PIPELINE,
@@ -40,6 +42,7 @@ from router.keys import (
     UPSTREAM,
     Runtime,
 )
+from router.kv.autoconf import LayerStatus, no_layer_status, replica_facts, tokenize_request
 from router.metrics import RouterMetrics
 from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
 from router.responses import ResponseOwners
@@ -139,6 +142,71 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     await store.close()
 
 
+def reads_kv(pipeline: Any) -> bool:
+    """Whether a pipeline has a scorer that reads the KV layer (``kv_cost``, ``kv_prefix``,
+    ``kv_queue``, ``kv_util``, ``kv_sglang_tree``: the ``kv_`` scorers)."""
+    return any(str(getattr(s, "name", "")).startswith("kv_") for s, _w in pipeline.scorers)
+
+
+async def discover_kv(app: web.Application, kv: KVState) -> bool:
+    """Complete a zero-config KV layer from the replicas (``kv.cfg.discover``): a scrape of
+    each healthy replica's ``/metrics`` (vLLM's ``vllm:cache_config_info``), then
+    :meth:`router.kv.state.KVState.autoconfigure` with what ``/v1/models`` and it reported
+    (the tokenizer is looked up and loaded off the event loop). False while no replica has
+    answered."""
+    await app[MONITOR].scrape_all()
+    facts = [
+        replica_facts(r.name, r.model_cards, r.cache_config)
+        for r in app[REPLICAS]
+        if r.healthy and r.model_cards
+    ]
+    if not facts:
+        return False
+    done = await asyncio.to_thread(kv.autoconfigure, facts)
+    if done and kv.tokens is None and kv.remote_tokens is None:
+        kv.remote_tokens = functools.partial(replica_tokens, app)
+        kv.tokenizer_source = "a replica's /tokenize (a session's first call)"
+    return done
+
+
+async def replica_tokens(app: web.Application, route: str, body: Any) -> list[int] | None:
+    """The token ids of a call's prompt from a healthy replica's ``POST /tokenize`` (the one
+    with the fewest calls in flight from this router), for a zero-config KV layer with no
+    tokenizer on this machine; None when there is no prompt or no usable answer."""
+    payload = tokenize_request(route, body) if isinstance(body, dict) else None
+    ready = [r for r in app[REPLICAS] if r.healthy]
+    if payload is None or not ready:
+        return None
+    r = min(ready, key=lambda x: x.inflight)
+    timeout = aiohttp.ClientTimeout(total=max(app[CONFIG].health_timeout_s, 1.0))
+    async with app[CLIENT].post(
+        r.url + "/tokenize", json=payload, headers=app[MONITOR].headers_for(r), timeout=timeout
+    ) as resp:
+        if resp.status != 200:
+            return None
+        doc = await resp.json(content_type=None)
+    toks = doc.get("tokens") if isinstance(doc, dict) else None
+    if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+        return None
+    return toks
+
+
+async def _discover_later(app: web.Application, kv: KVState) -> None:
+    """Retry :func:`discover_kv` every ``health_interval_s`` until a replica answers."""
+    while True:
+        await asyncio.sleep(max(app[CONFIG].health_interval_s, 0.1))
+        try:
+            if await discover_kv(app, kv):
+                _log_status(app[KV_STATUS]())
+                return
+        except Exception:  # a replica's odd answer must not end the retries
+            log.exception("KV layer discovery failed; retrying")
+
+
+def _log_status(st: LayerStatus) -> None:
+    (log.info if st.mode in ("full", "off") else log.warning)("%s", st.line())
+
+
 def build_app(
     cfg: RouterConfig,
     *,
@@ -187,14 +255,32 @@ def build_app(
                               observers=obs, decision_hooks=hooks,
                               first_byte_hooks=first)  # fmt: skip
     app[KV] = kv
+    uses_kv = reads_kv(pipeline)
+
+    def status() -> LayerStatus:
+        if kv is None:
+            return no_layer_status(uses_kv)
+        return kv.status([r.name for r in app[REPLICAS]])
+
+    app[KV_STATUS] = status
+    metrics.watch_kv_mode(status)
+    if kv is None and uses_kv:
+        _log_status(status())
     app[RESPONSES] = ResponseOwners()
     app[RUNTIME] = Runtime()
     app[RUNTIME].idle.set()
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, _store_ctx])
     if kv is not None:  # ZMQ subscribers; follows the replica set the contexts above filled
 
-        def _kv_ctx(app: web.Application) -> AsyncIterator[None]:
-            return kv.lifespan(app[REPLICAS])
+        async def _kv_ctx(app: web.Application) -> AsyncIterator[None]:
+            later = None
+            if kv.cfg.discover and not await discover_kv(app, kv):
+                later = asyncio.create_task(_discover_later(app, kv), name="kvroute-kv-discover")
+            async for _ in kv.lifespan(app[REPLICAS]):
+                _log_status(status())  # after the subscribers started: events are known
+                yield
+            if later is not None:
+                await cancel_all([later])
 
         app.cleanup_ctx.append(_kv_ctx)
     api.add_routes(app)

@@ -269,6 +269,11 @@ def _coerce(name: str, value: Any) -> Any:
             return int(value)
         if t.startswith("float"):
             return float(value)
+        if t.startswith("bool"):  # "false" from a flag or env var is False, not a truthy str
+            flag = str(value).strip().lower()
+            if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError("expected true or false")
+            return flag in ("1", "true", "yes", "on")
         return str(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {name}: cannot use {value!r}: {e}") from None

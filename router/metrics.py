@@ -361,6 +361,11 @@ class RouterMetrics:
         :class:`router.kv.state.KVState`)."""
         self.registry.register(_KVAnalysisCollector(kv))
 
+    def watch_kv_mode(self, status: Callable[[], Any]) -> None:
+        """``kvroute_kv_layer_mode{mode}``: 1 for how fully the KV layer runs now
+        (``status()`` is a :class:`router.kv.autoconf.LayerStatus`), 0 for the other modes."""
+        self.registry.register(_KVModeCollector(status))
+
     def watch_kv_pool(self, kv: Any) -> None:
         """The cluster pool as the index sees it (``kv.index``, a
         :class:`router.kv.index.BlockIndex`)."""
@@ -552,6 +557,27 @@ class _KVAnalysisCollector:
         for outcome, n in sorted(self.kv.analysis_stats().items()):
             c.add_metric([outcome], float(n))
         yield c
+
+
+class _KVModeCollector:
+    """``kvroute_kv_layer_mode{mode}``: ``full`` (tokens, block keys and KV events),
+    ``approximate`` (kv_cost runs on part of what it needs: /ready says which), ``affinity``
+    (no KV layer: kv_cost routes as session affinity), ``off`` (the policy reads no KV
+    state). Exactly one is 1."""
+
+    def __init__(self, status: Callable[[], Any]):
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        from router.kv.autoconf import MODES
+
+        g = GaugeMetricFamily(
+            "kvroute_kv_layer_mode", "How fully the KV layer runs (1: this mode)", labels=["mode"]
+        )
+        mode = self.status().mode
+        for m in MODES:
+            g.add_metric([m], 1.0 if m == mode else 0.0)
+        yield g
 
 
 class _KVPoolCollector:

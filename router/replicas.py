@@ -35,6 +35,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import strip_url_credentials
+from router.kv.autoconf import CACHE_INFO, cache_config_labels
 
 log = logging.getLogger("kvroute.replicas")
 
@@ -152,6 +153,9 @@ class Replica:
     pending_prefill: float | None = None  # the plugin's / twin's pending prefill tokens
     scraped_at: float | None = None  # time.monotonic() when the last good scrape was sent
     cached_by_source: dict[str, float] = field(default_factory=dict)  # engine counters by tier
+    # the labels of vLLM's vllm:cache_config_info (block size, hash algorithm, KV capacity):
+    # read from the first scrape that has them (None: none yet), for the zero-config KV layer
+    cache_config: dict[str, str] | None = None
     last_error: str | None = None
     # Calls this router finished on the replica (monotonic), and the value when the last
     # /metrics scrape was sent: the scraped engine count still includes those calls.
@@ -475,6 +479,8 @@ class ReplicaMonitor:
         r.pending_prefill = m.get("pending_prefill")
         r.cached_by_source = _by_source(m)
         r.finished_at_scrape, r.scraped_at = mark, sent
+        if r.cache_config is None and CACHE_INFO in text:
+            r.cache_config = cache_config_labels(text)
 
     async def health_loop(self) -> None:
         while True:

@@ -16,22 +16,97 @@ from typing import Any
 
 _SKIP = {"scheduling", "api_keys", "kv"}  # YAML/env only (structured), see docs/router.md
 
+# the help text of every flag made from a RouterConfig field (tests/unit/test_kv_autoconf.py
+# checks that every flag has one); docs/router.md has the long form
+HELP = {
+    "host": "listen address (default 127.0.0.1)",
+    "port": "listen port (default 8000; 0: any free port, the chosen URL is printed)",
+    "replica_dns": "http://NAME:PORT re-resolved every --dns-interval-s, one replica per "
+    "address (a Kubernetes headless service; repeat)",
+    "dns_interval_s": "seconds between DNS re-resolutions of --replica-dns (default 10)",
+    "k8s_service": "discover replicas from this Service's EndpointSlices (in-cluster)",
+    "k8s_namespace": "namespace of --k8s-service (default: default)",
+    "k8s_port_name": "the EndpointSlice port to use (default: the first)",
+    "k8s_interval_s": "longest back-off between failed EndpointSlice list/watch tries (5)",
+    "k8s_watch_timeout_s": "server-side timeout of one EndpointSlice watch request (300)",
+    "k8s_dns_suffix": "e.g. svc.cluster.local: name StatefulSet pods by hostname, not IP",
+    "k8s_api_url": "Kubernetes API server (default: the in-cluster service)",
+    "k8s_sa_dir": "service-account directory holding token and ca.crt",
+    "policy": "scheduling policy (default kv_cost; ignored when a scheduling: pipeline is "
+    "given in --config)",
+    "redis_url": "redis://HOST:PORT/DB: a session table shared by several routers",
+    "session_ttl_s": "idle seconds after which a session is forgotten (3600)",
+    "redis_timeout_s": "seconds per Redis operation before serving from the local view (0.25)",
+    "redis_reconcile_interval_s": "seconds between probes of a Redis that went away (1)",
+    "health_interval_s": "seconds between health checks (GET /health, /v1/models) (2)",
+    "metrics_interval_s": "seconds between scrapes of each replica's /metrics (1)",
+    "health_timeout_s": "timeout of one health check or scrape, seconds (2)",
+    "health_failures": "consecutive timed-out health checks before a replica is unhealthy (3)",
+    "connect_timeout_s": "upstream TCP connect timeout, seconds (5)",
+    "read_timeout_s": "longest upstream silence, first byte included, seconds (600)",
+    "first_byte_timeout_s": "a call with no response head by then moves to another replica "
+    "(30; 0: off)",
+    "unstreamed_first_byte_timeout_s": "the same for non-streamed calls (0: off, the default)",
+    "stream_idle_timeout_s": "a stream silent this long after its first chunk is ended (60; "
+    "0: off)",
+    "header_timeout_s": "seconds a client has to send a complete request head (10)",
+    "idle_timeout_s": "seconds an idle client connection is kept (75)",
+    "client_body_timeout_s": "seconds a client has to send its body, else 408 (30)",
+    "max_body_bytes": "largest request body, decoded (32 MiB), else 413",
+    "max_header_bytes": "longest request line or header field (8190)",
+    "max_connections": "upstream connection pool size (1024)",
+    "max_connections_per_replica": "upstream connections per replica (256)",
+    "retries": "other replicas tried before the first response byte (2)",
+    "breaker_failures": "consecutive failures that open a replica's circuit breaker (3)",
+    "breaker_cooldown_s": "seconds an open breaker waits before its half-open probe (5)",
+    "drain_timeout_s": "on SIGTERM, seconds in-flight streams may finish (30)",
+    "workers": "router processes on the one port (SO_REUSEPORT; default 1)",
+    "upstream_api_key": "bearer key sent to replicas (prefer KVROUTE_UPSTREAM_API_KEY)",
+    "admin_key": "enables /admin/* with this key (prefer KVROUTE_ADMIN_KEY)",
+    "prefix_chars": "leading prompt characters keyed on for a body without turns (4096)",
+    "engine_hints": "true/false: send retention hints to the engine plugin (default false)",
+    "log_level": "log level (default info)",
+    "decision_log": "append one JSON line per placement to this file",
+    "loop_stall_log_ms": "log what filled an event-loop stall longer than this (0: off)",
+}
+CHOICES = {"log_level": ["debug", "info", "warning", "error", "critical"],
+           "engine_hints": ["true", "false"]}  # fmt: skip
+
+
+def _policies() -> list[str]:
+    from router.scheduling.registry import discover, names
+
+    discover()
+    return names("policy")
+
 
 def kv_layer(cfg: Any) -> Any:
-    """The KV layer (:class:`router.kv.state.KVState`) when ``cfg.kv`` is set (a ``kv:`` YAML
-    mapping or ``KVROUTE_KV_*`` env vars), else ``None``. Imported only when configured, so a
-    plain router never loads the tokenizer stack."""
-    if cfg.kv is None:
-        return None
+    """The KV layer (:class:`router.kv.state.KVState`): from ``cfg.kv`` when it is set (a
+    ``kv:`` YAML mapping or ``KVROUTE_KV_*`` env vars); zero-config (``discover``: tokenizer,
+    block size and hash algorithm from the replicas, the generic profile calibrated online)
+    when it is not, or leaves the wiring unsaid (:meth:`router.kv.config.KVConfig.is_bare`:
+    only ``events_port`` and tuning), and the policy reads the layer
+    (``kv_cost``, the default); else ``None``. Imported only then, so a plain router never
+    loads the tokenizer stack."""
+    kv = cfg.kv
+    if kv is None or kv.is_bare():
+        from router.app import reads_kv
+        from router.scheduling.registry import build_pipeline
+
+        if not reads_kv(build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)):
+            return None
+        from router.kv.config import KVConfig
+
+        kv = dataclasses.replace(kv or KVConfig(), discover=True, profile="none")
     from router.kv.state import KVState
 
-    return KVState(cfg.kv)
+    return KVState(kv)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from router.config import RouterConfig
 
-    p.add_argument("--config", help="YAML file with any of the settings below")
+    p.add_argument("--config", metavar="FILE", help="YAML file with any of the settings below")
     p.add_argument(
         "--replica",
         dest="replicas",
@@ -48,27 +123,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY[:TENANT]",
         help="accept this client key (enables auth; repeat)",
     )
+    p.add_argument(
+        "--kv-events-port",
+        dest="kv_events_port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="subscribe to each replica's KV events at tcp://<replica host>:PORT (vLLM "
+        "--kv-events-config with endpoint tcp://*:PORT), for static, DNS and Kubernetes "
+        "replicas; with no kv: settings the rest of the KV layer comes from the replicas "
+        "(KVROUTE_KV_EVENTS_PORT)",
+    )
     for f in dataclasses.fields(RouterConfig):
         if f.name in _SKIP or f.name == "replicas":
             continue
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
+        text = HELP.get(f.name)
         if t.startswith("list"):
-            p.add_argument(flag, dest=f.name, action="append", default=None, metavar="VALUE")
+            p.add_argument(flag, dest=f.name, action="append", default=None, metavar="VALUE",
+                           help=text)  # fmt: skip
         else:
             typ: Any = int if t.startswith("int") else float if t.startswith("float") else str
-            p.add_argument(flag, dest=f.name, type=typ, default=None, metavar=f.name.upper())
+            choices = _policies() if f.name == "policy" else CHOICES.get(f.name)
+            if f.name in CHOICES:
+                typ = str.lower  # --log-level WARNING as well as warning
+            metavar = None if choices else f.name.upper()
+            p.add_argument(flag, dest=f.name, type=typ, default=None, metavar=metavar,
+                           choices=choices, help=text)  # fmt: skip
+
+
+def _config_error(msg: str) -> Exception:
+    from router.config import ConfigError
+
+    return ConfigError(msg)
+
+
+def config_from_args(args: argparse.Namespace, env: Any = None) -> Any:
+    """The :class:`router.config.RouterConfig` the parsed flags, ``env`` (default: the
+    process's) and ``--config`` make; ``--kv-events-port`` wins over ``kv.events_port``."""
+    from router.config import RouterConfig, load_config
+
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(RouterConfig)}
+    cfg = load_config(args.config, env=env, overrides=overrides)
+    port = getattr(args, "kv_events_port", None)
+    if port is not None:
+        from router.kv.config import KVConfig
+
+        try:
+            cfg.kv = dataclasses.replace(cfg.kv or KVConfig(), events_port=port)
+        except ValueError as e:
+            raise _config_error(f"--kv-events-port: {e}") from None
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
     import logging
     import sys
 
-    from router.config import ConfigError, RouterConfig, load_config
+    from router.config import ConfigError
 
-    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(RouterConfig)}
     try:
-        cfg = load_config(args.config, overrides=overrides)
+        cfg = config_from_args(args)
         from router.scheduling.registry import build_pipeline
 
         build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)  # fail before binding

@@ -81,6 +81,7 @@ async def start_cluster(
     max_model_len: int | None = None,
     int_hashes: bool = True,
     kv_events_replay: bool = False,
+    kv_events_bind: bool | None = None,
     subscribe_wait_s: float = 1.0,
     enable_auto_tool_choice: bool = True,
     zmq_ctx: Any = None,
@@ -98,7 +99,9 @@ async def start_cluster(
     that connect to one publisher per worker. ``int_hashes=False`` publishes 32-byte
     digests, as vLLM does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``.
     ``kv_events_replay=True`` gives every replica vLLM's replay service on its own loopback
-    port (see :attr:`Cluster.replay_endpoints`). Connecting publishers wait up to
+    port (see :attr:`Cluster.replay_endpoints`). ``kv_events_bind=True`` binds ``kv_events``
+    even with a named host (``tcp://127.0.0.2:P``, one replica: a vLLM on its own host binding
+    ``tcp://*:P``). Connecting publishers wait up to
     ``subscribe_wait_s`` (in all) for their subscriber's subscription before the cluster is
     handed out, so a subscriber bound beforehand sees every batch from ``seq`` 0.
     ``truth``: the engines' timing (:mod:`loadtest.twin.truth`, e.g. ``"nominal"``); None
@@ -109,7 +112,8 @@ async def start_cluster(
     """
     if n < 1:
         raise ValueError("a cluster needs at least one replica")
-    if kv_events and n > 1 and publisher_binds(kv_events) and not kv_events.endswith(":*"):
+    binds = publisher_binds(kv_events or "") if kv_events_bind is None else kv_events_bind
+    if kv_events and n > 1 and binds and not kv_events.endswith(":*"):
         raise ValueError(
             "n replicas cannot all bind one endpoint: let a subscriber bind and give its "
             "address (the replicas connect), or bind each replica to its own port with "
@@ -144,6 +148,7 @@ async def start_cluster(
                 max_model_len=max_model_len,
                 int_hashes=int_hashes,
                 kv_events_replay=f"tcp://{host}:*" if kv_events_replay else None,
+                kv_events_bind=kv_events_bind,
                 enable_auto_tool_choice=enable_auto_tool_choice,
                 plugin=plugin or EnginePlugin(),
                 truth=truth,
@@ -163,7 +168,7 @@ async def start_cluster(
         deadline = time.monotonic() + subscribe_wait_s
         for twin in cluster.replicas:
             pub = twin.publisher
-            if pub is not None and not publisher_binds(pub.endpoint):
+            if pub is not None and not kv_events_bind and not publisher_binds(pub.endpoint):
                 pub.wait_subscribed(max(0.0, deadline - time.monotonic()))
         yield cluster
     finally:

@@ -139,12 +139,21 @@ class TwinMetrics:
             if retained is not None:
                 gauge(HOST_RETAINED, "Share of host-tier KV chunks held for paused sessions.",
                       retained)  # fmt: skip
+        # vLLM 0.32 labels this gauge with every CacheConfig attribute (str() of each) and
+        # `engine`, no model_name (vllm/v1/metrics/loggers.py log_metrics_info); the zero-config
+        # KV layer reads block_size, prefix_caching_hash_algo, num_gpu_blocks and
+        # kv_cache_size_tokens from it. A subset of vLLM's labels, with its spelling.
         info = (
-            f',block_size="{p.block_size}",num_gpu_blocks="{p.gpu_kv_blocks}",'
-            f'num_cpu_blocks="{p.cpu_kv_blocks}",enable_prefix_caching="True",'
+            f'block_size="{p.block_size}",cache_dtype="auto",enable_prefix_caching="True",'
+            f'engine="0",hash_block_size="{p.block_size}",'
+            f'kv_cache_size_tokens="{p.gpu_kv_blocks * p.block_size}",'
+            f'num_cpu_blocks="{p.cpu_kv_blocks}",num_gpu_blocks="{p.gpu_kv_blocks}",'
             f'prefix_caching_hash_algo="{twin.cfg.hash_algo}"'
         )
-        gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1, info)
+        lines.append(
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            f"# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{info}}} 1.0"
+        )
         gauge("kvroute:twin_speedup", "Model seconds per wall second of this twin.", twin.speedup)
         gauge(
             "kvroute:twin_lag_seconds",

@@ -40,6 +40,7 @@ class KVEventPublisher:
         as_int: bool = True,
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
+        bind: bool | None = None,
     ):
         import zmq
 
@@ -50,7 +51,10 @@ class KVEventPublisher:
         self.sock = self.ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        if publisher_binds(endpoint):
+        # ``bind`` True binds even a named host (tcp://127.0.0.2:P): one twin per loopback
+        # address stands in for one vLLM per host binding tcp://*:P (tests of kvroute serve
+        # --kv-events-port); None: vLLM's rule
+        if publisher_binds(endpoint) if bind is None else bind:
             self.sock.bind(endpoint)
             self.endpoint = str(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
         else:

@@ -59,6 +59,9 @@ class TwinConfig:
     kv_events_endpoint: str | None = None  # vLLM semantics: bind if "*"/"::"/ipc/inproc
     kv_events_topic: str | None = None  # None: "kv@<name>"; "" is vLLM's default
     kv_events_replay: str | None = None  # ROUTER endpoint for replays (binds; "...:*" ok)
+    # bind kv_events_endpoint even with a named host (one twin per loopback address standing
+    # in for one vLLM per host binding tcp://*:PORT); None: vLLM's rule (publisher_binds)
+    kv_events_bind: bool | None = None
     hash_algo: str = "sha256_cbor"
     hash_seed: str | None = None  # the engine's PYTHONHASHSEED
     int_hashes: bool = True  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
@@ -139,6 +142,7 @@ class TwinReplica:
                 zmq_ctx,
                 cfg.int_hashes,
                 replay_endpoint=cfg.kv_events_replay,
+                bind=cfg.kv_events_bind,
             )
             if cfg.kv_events_endpoint
             else None

@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# the settings zero-config discovery fills in from the replicas (see KVConfig.is_bare)
+WIRING = ("tokenizer", "block_size", "hash_algo", "profile", "profiles", "events_bind",
+          "events_connect", "topics")  # fmt: skip
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 
@@ -26,6 +29,9 @@ class KVConfig:
     profile: str = "h200-70b-fp8"  # costmodel profile of every replica ...
     profiles: dict[str, str] = field(default_factory=dict)  # ... unless named here (url->name)
     events_bind: str | None = None  # SUB binds here; replicas connect (topic -> replica)
+    # every replica's publisher binds tcp://*:PORT: subscribe to tcp://<replica host>:PORT for
+    # each replica in the set (static, DNS or Kubernetes), unless events_connect names it
+    events_port: int | None = None
     events_connect: dict[str, str] = field(default_factory=dict)  # replica url -> PUB endpoint
     replay: dict[str, str] = field(default_factory=dict)  # replica url -> replay endpoint
     topics: dict[str, str] = field(default_factory=dict)  # topic -> replica url (bind mode)
@@ -52,6 +58,11 @@ class KVConfig:
     # single router's simulations and cost throughput with a host tier (docs/kv-routing.md);
     # for several routers in front of the same replicas, whose calls no one router sees
     pending_prefill_gauge: bool = False
+    # zero-config (router/kv/autoconf.py): take the tokenizer (when unset), block size and hash
+    # algorithm from the replicas (/v1/models, vLLM's vllm:cache_config_info) at start-up, and
+    # with profile "none" the generic stand-in sized to the replicas' reported KV capacity.
+    # `kvroute serve` turns it on when no kv: settings are given and the policy reads the layer
+    discover: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -62,6 +73,17 @@ class KVConfig:
             raise ValueError("retention_ttl_s and retention_return_slack must be >= 0")
         if not 0.0 <= self.retention_share <= 1.0:
             raise ValueError("retention_share must be within [0, 1]")
+        if self.events_port is not None and not 0 < self.events_port < 65536:
+            raise ValueError(f"events_port must be a TCP port (1-65535), got {self.events_port}")
+
+    def is_bare(self) -> bool:
+        """Whether these settings leave the KV layer's wiring unsaid — tokenizer, block size,
+        hash algorithm, profiles and event endpoints (``WIRING``) all at their defaults; tuning
+        (``time_scale``, ``analysis_wait_s``, …), ``events_port``, ``hash_seed`` and
+        ``replay`` may be set: what ``kvroute serve`` completes from the replicas
+        (zero-config)."""
+        base = KVConfig()
+        return all(getattr(self, name) == getattr(base, name) for name in WIRING)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> KVConfig:

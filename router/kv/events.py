@@ -112,6 +112,8 @@ class KVEventSubscriber:
         self.ctx = ctx or zmq.asyncio.Context()
         self._tasks: list[asyncio.Task[None]] = []
         self._socks: list[zmq.asyncio.Socket] = []
+        # replica -> the (socket, reader task) pairs connect() opened for it
+        self._conns: dict[str, list[tuple[zmq.asyncio.Socket, asyncio.Task[None]]]] = {}
         self._replay: dict[str, str] = {}  # replica -> replay endpoint
         self._removed: dict[str, None] = {}  # removed and not back (insertion order, capped)
         self._resync: dict[StreamKey, _Resync] = {}  # streams whose replay is in flight
@@ -141,12 +143,40 @@ class KVEventSubscriber:
         self._tasks.append(asyncio.get_running_loop().create_task(self._read(s, None)))
         return endpoint
 
-    def connect(self, endpoint: str, replica: str, replay_endpoint: str | None = None) -> None:
-        """Subscribe to one replica whose publisher binds ``endpoint``."""
+    def connect(
+        self,
+        endpoint: str,
+        replica: str,
+        replay_endpoint: str | None = None,
+        *,
+        fresh: bool = True,
+    ) -> None:
+        """Subscribe to one replica whose publisher binds ``endpoint``. ``fresh`` gives it an
+        empty index entry at once (:meth:`add_replica`); else it is only expected
+        (:meth:`expect_replica`: approximate mode until its first batch, so a replica whose
+        publisher never answers does not look empty). :meth:`disconnect` undoes it."""
         s = self._sub()
+        if ":[" in endpoint or endpoint.count(":") > 2:  # an IPv6 address
+            s.setsockopt(zmq.IPV6, 1)
         s.connect(endpoint)
-        self.add_replica(replica, replay_endpoint)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._read(s, replica)))
+        if fresh:
+            self.add_replica(replica, replay_endpoint)
+        else:
+            self.expect_replica(replica, replay_endpoint)
+        task = asyncio.get_running_loop().create_task(self._read(s, replica))
+        self._tasks.append(task)
+        self._conns.setdefault(replica, []).append((s, task))
+
+    def disconnect(self, replica: str) -> None:
+        """Close the sockets :meth:`connect` opened for ``replica`` (a replica discovery
+        dropped: its address may be another pod's tomorrow)."""
+        for s, task in self._conns.pop(replica, []):
+            task.cancel()
+            with contextlib.suppress(ValueError):
+                self._tasks.remove(task)
+            with contextlib.suppress(ValueError):
+                self._socks.remove(s)
+            s.close(0)
 
     def add_replica(self, replica: str, replay_endpoint: str | None = None) -> None:
         """:meth:`expect_replica`, and give ``replica`` a (fresh, empty) index entry now,
@@ -197,6 +227,7 @@ class KVEventSubscriber:
             s.close(0)
         self._tasks.clear()
         self._socks.clear()
+        self._conns.clear()
         if self._own_ctx:
             self.ctx.term()
 

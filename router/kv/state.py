@@ -49,6 +49,13 @@ from typing import Any
 from costmodel.calibration import Calibration, Calibrator
 from costmodel.profiles import ReplicaProfile, router_profile
 from router.kv.approx import TEXT_CHUNK, TEXT_LIMIT, ApproxCache, text_keys
+from router.kv.autoconf import (
+    SEEDED_ALGOS,
+    LayerStatus,
+    ReplicaFacts,
+    events_endpoint,
+    find_tokenizer,
+)
 from router.kv.config import KVConfig
 from router.kv.index import BlockIndex
 from router.kv.sessions import ReplicaStat, SessionFootprint
@@ -174,6 +181,18 @@ class KVState:
             if tokenizer is not None
             else None
         )
+        # zero-config (cfg.discover): what the replicas reported, and what came of it
+        self.facts: list[ReplicaFacts] = []
+        self.discovered = False  # autoconfigure() has applied a replica's facts
+        self.discovery_notes: list[str] = []  # why something could not be discovered
+        self.tokenizer_source: str | None = "configured" if tokenizer is not None else None
+        self.tokenizer_note: str | None = None  # why discovery found no tokenizer
+        self._auto_profile: ReplicaProfile | None = None  # generic, sized to the replicas
+        self._auto_events: set[str] = set()  # replicas subscribed at tcp://host:events_port
+        # zero-config without a tokenizer on this machine: (route, body) -> a replica's token
+        # ids for the prompt (its /tokenize), asked for a session's first call (router.app)
+        self.remote_tokens: Callable[[str, Any], Awaitable[list[int] | None]] | None = None
+        self.remote_stats = {"asked": 0, "tokenized": 0, "failed": 0}
         self.sessions: dict[str, SessionFootprint] = {}
         self.stats: dict[str, ReplicaStat] = {}
         self.calibrators: dict[str, Calibrator] = {}
@@ -209,7 +228,10 @@ class KVState:
 
     async def start(self) -> None:
         """Start the event subscribers (once: a second call does nothing)."""
-        if self.subscriber is not None or not (self.cfg.events_bind or self.cfg.events_connect):
+        cfg = self.cfg
+        if self.subscriber is not None or not (
+            cfg.events_bind or cfg.events_connect or cfg.events_port
+        ):
             return
         from router.kv.events import KVEventSubscriber, topic_to_replica
 
@@ -275,6 +297,24 @@ class KVState:
             self._gone.pop(name, None)
             if self.subscriber is not None:  # no index entry: that waits for its events
                 self.subscriber.expect_replica(name, self.cfg.replay.get(name))
+                self._connect_events(name)
+
+    def _connect_events(self, name: str) -> None:
+        """With ``events_port``: subscribe to ``tcp://<name's host>:<events_port>`` (vLLM's
+        publisher binds ``tcp://*:PORT``) unless ``events_connect`` names the replica. No
+        index entry is made: a replica whose publisher never answers (events not enabled
+        there) stays in approximate mode rather than looking empty."""
+        port = self.cfg.events_port
+        if port is None or name in self.cfg.events_connect or name in self._auto_events:
+            return
+        ep = events_endpoint(name, port)
+        try:
+            self.subscriber.connect(ep, name, self.cfg.replay.get(name), fresh=False)
+        except Exception as e:  # a malformed address must not break discovery
+            log.warning("kv events: cannot subscribe to %s for %s: %s", ep, name, e)
+            return
+        self._auto_events.add(name)
+        log.info("kv events: subscribed to %s for %s", ep, name)
 
     def expire_removed(self, now: float | None = None) -> None:
         """Forget the replicas discovery removed at least ``forget_after_s`` ago."""
@@ -292,6 +332,9 @@ class KVState:
         the home of every session that lived there."""
         if self.subscriber is not None:
             self.subscriber.remove_replica(name)
+            if name in self._auto_events:
+                self._auto_events.discard(name)
+                self.subscriber.disconnect(name)
         self.index.remove_replica(name)
         self.approx.remove_replica(name)
         self.text_approx.remove_replica(name)
@@ -316,8 +359,11 @@ class KVState:
         """The cost-model profile of ``replica`` (configured by URL, else the default)."""
         p = self._profiles.get(replica)
         if p is None:
-            p = self._profile_override or router_profile(
-                self.cfg.profiles.get(replica, self.cfg.profile)
+            named = self.cfg.profiles.get(replica)
+            p = self._profile_override or (
+                self._auto_profile
+                if named is None and self._auto_profile is not None
+                else router_profile(named or self.cfg.profile)
             )
             self._profiles[replica] = p
         return p
@@ -331,6 +377,146 @@ class KVState:
             tokens = p.gpu_kv_blocks * p.block_size  # ~4 characters a token
             self.text_approx.set_capacity(replica, max(tokens * 4 // TEXT_CHUNK, 1))
         return p
+
+    # ---- zero-config: what the replicas report -------------------------------------------------
+
+    def autoconfigure(self, facts: list[ReplicaFacts]) -> bool:
+        """Complete a ``discover`` layer from what the replicas reported (``facts``: one per
+        replica that answered ``/v1/models``): the tokenizer (unless configured) found from the
+        served model (:func:`router.kv.autoconf.find_tokenizer`), the block size and hash
+        algorithm from vLLM's ``vllm:cache_config_info``, and — with profile ``none`` — the
+        generic stand-in sized to the replica's reported KV capacity. Applied once, from the
+        first replica that reported a model (replicas that disagree are noted in
+        :meth:`status`); returns whether it has been applied. Call before the first analysis
+        (``build_app``'s KV context does, before traffic)."""
+        if not self.cfg.discover or self.discovered:
+            return self.discovered
+        cards = [f for f in facts if f.model is not None]
+        if not cards:
+            return False
+        self.facts = list(facts)
+        ref = next((f for f in cards if f.block_size is not None), cards[0])
+        notes: list[str] = []
+        cfg = self.cfg
+        changes: dict[str, Any] = {}
+        if ref.block_size is not None:
+            changes["block_size"] = ref.block_size
+        else:
+            notes.append(
+                f"{ref.replica} reports no vllm:cache_config_info block_size on /metrics: "
+                f"block keys use {cfg.block_size} tokens and may not match its KV events"
+            )
+        if ref.hash_algo is not None:
+            changes["hash_algo"] = ref.hash_algo
+        else:
+            notes.append(
+                f"{ref.replica} reports no prefix_caching_hash_algo: assuming {cfg.hash_algo}"
+            )
+        for f in cards:
+            if f is ref:
+                continue
+            for attr in ("model", "block_size", "hash_algo"):
+                mine, theirs = getattr(ref, attr), getattr(f, attr)
+                if theirs is not None and mine is not None and theirs != mine:
+                    notes.append(
+                        f"replicas disagree on {attr}: {ref.replica} {mine}, {f.replica} {theirs}"
+                        f" (using {mine})"
+                    )
+        if ref.prefix_caching is False:
+            notes.append(f"{ref.replica} runs with prefix caching off: nothing is reused there")
+        if changes:
+            cfg = self.cfg = replace(cfg, **changes)
+            try:
+                self.hasher = BlockHasher(cfg.block_size, cfg.hash_algo, cfg.hash_seed)
+            except ValueError as e:  # xxhash without the engines' seed, or no xxhash package
+                notes.append(f"block keys cannot match the replicas' events: {e}")
+                self.hasher = BlockHasher(cfg.block_size, "sha256_cbor", cfg.hash_seed)
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            path, how = find_tokenizer([ref.root, ref.model])
+            if path is not None:
+                try:
+                    tokenizer = ModelTokenizer.from_dir(path)
+                except Exception as e:  # a broken model dir: degrade, never crash
+                    self.tokenizer_note = f"{path} failed to load: {e}"
+                else:
+                    self.cfg = replace(self.cfg, tokenizer=path)
+                    self.tokenizer_source = how
+            else:
+                self.tokenizer_note = how
+        self.tokenizer = tokenizer
+        self.tokens = (
+            SessionTokenizer(tokenizer, self.hasher, max_tokens=self.cfg.max_cached_tokens)
+            if tokenizer is not None
+            else None
+        )
+        cap = ref.kv_capacity_tokens
+        if self.cfg.profile == "none" and cap:
+            base = router_profile("none")
+            bs = self.cfg.block_size
+            self._auto_profile = base.replace(block_size=bs, gpu_kv_blocks=max(cap // bs, 1))
+            self._profiles.clear()
+        self.discovery_notes = notes
+        self.discovered = True
+        return True
+
+    def status(self, replicas: list[str] | None = None) -> LayerStatus:
+        """How fully the layer runs: ``full`` (tokens and block keys matching the replicas'
+        KV events), else ``approximate`` with the reasons (no tokenizer: placed on prompt
+        text and session context; no events: the index is this router's routing history;
+        block size or hash unknown: keys may not match the events). ``replicas`` (names)
+        adds each one's event stream state: ``fresh``, ``stale`` or ``waiting`` (no batch
+        yet: approximate mode for that replica)."""
+        cfg = self.cfg
+        reasons: list[str] = []
+        if cfg.discover and not self.discovered:
+            reasons.append("no replica has reported its model (/v1/models) yet")
+        if self.tokens is None:
+            if not (cfg.discover and not self.discovered):
+                why = f" ({self.tokenizer_note})" if self.tokenizer_note else ""
+                first = (
+                    "a session's first call is tokenized by a replica's /tokenize, later "
+                    if self.remote_tokens is not None
+                    else ""
+                )
+                reasons.append(
+                    f"no tokenizer{why}: {first}calls are placed on their prompt text and "
+                    "session context (give kv.tokenizer, or the model directory on this machine)"
+                )
+        has_events = bool(cfg.events_bind or cfg.events_connect or cfg.events_port)
+        if not has_events:
+            reasons.append(
+                "no KV events (--kv-events-port): the index is this router's routing history"
+            )
+        if cfg.hash_algo in SEEDED_ALGOS and cfg.hash_seed is None:
+            reasons.append(
+                f"hash algorithm {cfg.hash_algo} without hash_seed: block keys cannot match "
+                "the replicas' events"
+            )
+        reasons.extend(self.discovery_notes)
+        facts: dict[str, Any] = {
+            "block_size": cfg.block_size,
+            "hash_algo": cfg.hash_algo,
+            "tokenizer": self.tokenizer_source,
+            "profile": self._auto_profile.name + " (sized from the replicas)"
+            if self._auto_profile is not None
+            else cfg.profile,
+            "events": f"tcp://<replica host>:{cfg.events_port}"
+            if cfg.events_port
+            else cfg.events_bind or ("connect" if cfg.events_connect else None),
+        }
+        if self.facts:
+            ref = next((f for f in self.facts if f.model), None)
+            if ref is not None:
+                facts["model"] = ref.model
+                facts["max_model_len"] = ref.max_model_len
+        if replicas is not None and has_events:
+            streams = {}
+            for r in replicas:
+                st = self.index.state(r)
+                streams[r] = "waiting" if st is None else "stale" if st.stale else "fresh"
+            facts["event_streams"] = streams
+        return LayerStatus("full" if not reasons else "approximate", reasons, facts)
 
     @property
     def chars_per_token(self) -> float:
@@ -418,6 +604,37 @@ class KVState:
             waits.append(own)
         await asyncio.gather(*waits, return_exceptions=True)
 
+    async def _remote_analysis(
+        self, ctx: Any, remote: Callable[[str, Any], Awaitable[list[int] | None]]
+    ) -> None:
+        """A session's first call without a local tokenizer: its token ids from a replica's
+        ``/tokenize`` (within ``analysis_wait_s``), hashed here into its block keys, so it is
+        matched against the KV events as with a tokenizer. Later calls of the session are
+        placed on their text and the session's context (a round trip per call would load the
+        replicas' API servers with every prompt twice)."""
+        st = self.remote_stats
+        st["asked"] += 1
+        try:
+            ids = await asyncio.wait_for(remote(ctx.route, ctx.body), self.cfg.analysis_wait_s)
+        except Exception as e:  # a slow or failing replica: placed on what is known
+            st["failed"] += 1
+            log.debug("kv: /tokenize for %s failed: %r", ctx.request_id, e)
+            return
+        if not ids:
+            st["failed"] += 1
+            return
+        if ctx.observed:  # the call ended (was placed and answered) meanwhile
+            return
+        salt = ctx.body.get("cache_salt") if isinstance(ctx.body, Mapping) else None
+        keys = await asyncio.to_thread(
+            self.hasher.hash_keys, ids, cache_salt=salt if isinstance(salt, str) else None
+        )
+        if ctx.observed:
+            return
+        ctx.block_keys = keys
+        ctx.prompt_tokens = len(ids)
+        st["tokenized"] += 1
+
     def analysis_stats(self) -> dict[str, int]:
         """Calls by how their analysis went (see ``kvroute_kv_analyses_total``)."""
         base = dict.fromkeys(("waited", "not_waited", "late", "dropped"), 0)
@@ -499,6 +716,16 @@ class KVState:
             if ctx.block_keys:  # keys given by the caller (the simulator): count it in flight
                 n = ctx.prompt_tokens or len(ctx.block_keys) * self.cfg.block_size
                 self._count(ctx, fp, call, int(n))
+            elif ctx.body and self.cfg.discover:
+                # zero-config without a tokenizer (approximate mode): the call is placed on
+                # its text — the leading prompt text routed to each replica, the session's
+                # context on its replica, its size from its characters
+                call.text_keys = text_keys(prompt_prefix_text(ctx.body, TEXT_LIMIT))
+                call.est_tokens = max(int(_text_chars(ctx.body) / self.chars_per_token), fp.tokens)
+                self._count(ctx, fp, call, call.est_tokens)
+                remote = self.remote_tokens
+                if remote is not None and fp.last_end is None and fp.inflight == 1:
+                    return self._remote_analysis(ctx, remote)  # the session's first call
             return None
         if ctx.body:
             call.text_keys = text_keys(prompt_prefix_text(ctx.body, TEXT_LIMIT))

@@ -56,9 +56,11 @@ by the client's ``max_tokens`` / ``max_completion_tokens`` when that is smaller.
 ``horizon_calls`` (0: off; the calls after this one the next-calls term counts — measured
 on the squeezed host tier, it helps at 48 lanes and costs at 32, see docs/benchmarks-log.md),
 ``expected_output_tokens`` (None: the session's mean, else the KV layer's default).
-Without the KV layer (no ``kv:`` settings: no tokenizer, no events) the scorer is the
-``session_affinity`` scorer (bounded-load consistent hashing, c = 1.25), so ``kv_cost`` — the
-default policy — never routes worse than plain affinity when it is not wired.
+Without the KV layer (an app built with none: ``kvroute serve`` always builds one, completed
+from the replicas when there are no ``kv:`` settings, docs/kv-routing.md "Zero-config") the
+scorer is the ``session_affinity`` scorer (bounded-load consistent hashing, c = 1.25), so
+``kv_cost`` — the default policy — never routes worse than plain affinity when it is not
+wired; the router says so (``kvroute_kv_layer_mode{mode="affinity"}``, ``/ready``).
 
 .. code-block:: yaml
 

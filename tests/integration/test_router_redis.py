@@ -293,7 +293,7 @@ async def test_a_hung_redis_costs_one_timeout_then_calls_skip_it(fakes, http, re
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--replica", "http://127.0.0.1:9", "--policy", "nope"], "unknown policy 'nope'"),
+    (["--replica", "http://127.0.0.1:9", "--policy", "nope"], "invalid choice: 'nope'"),
     (["--port", "80"], "no replicas"),
     (["--replica", "ftp://x"], "must start with http"),
 ])  # fmt: skip
@@ -303,14 +303,16 @@ def test_serve_rejects_bad_config_before_binding(args, message):
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
 
 
-def test_kv_layer_is_built_from_yaml_and_env_only_when_configured(tmp_path):
+def test_kv_layer_is_built_from_yaml_and_env_or_discovered(tmp_path):
     from router.app import build_app
     from router.config import ConfigError, load_config
     from router.keys import KV
     from router.serve import kv_layer
 
     flags = {"replicas": ["http://a:1"]}
-    assert kv_layer(load_config(env={}, overrides=flags)) is None
+    # no kv: settings: the zero-config layer (completed from the replicas at start-up)
+    assert kv_layer(load_config(env={}, overrides=flags)).cfg.discover
+    assert kv_layer(load_config(env={}, overrides={**flags, "policy": "round_robin"})) is None
     f = tmp_path / "kv.yaml"
     f.write_text("kv: {block_size: 32, profile: x}\n")
     cfg = load_config(f, env={"KVROUTE_KV_BLOCK_SIZE": "64"}, overrides=flags)
