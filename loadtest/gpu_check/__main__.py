@@ -17,6 +17,7 @@ under ``DIR`` (default ``$OUT``, else ``out/gpu-check``): ``model/raw.json``,
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -37,8 +38,9 @@ def _run(cmd: list[str], log: Path, timeout: float) -> int:
         f.write("$ " + shlex.join(cmd) + "\n")
         f.flush()
         try:
-            return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=max(timeout, 1.0)).returncode  # fmt: skip
+            return subprocess.run(
+                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout, 1.0)
+            ).returncode
         except subprocess.TimeoutExpired:
             f.write(f"\n[gpu_check] stopped after {timeout:.0f} s\n")
             return 124
@@ -55,8 +57,17 @@ def _kernels(out: Path, dry: bool, seconds: float, peak_gbps: float) -> dict[str
             continue
         d = out / "kernels" / sec
         d.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "loadtest.kernel_tools.bench_all", "--out", str(d),
-               "--only", sec, "--peak-gbps", f"{peak_gbps:g}"] + (["--smoke"] if dry else [])  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "loadtest.kernel_tools.bench_all",
+            "--out",
+            str(d),
+            "--only",
+            sec,
+            "--peak-gbps",
+            f"{peak_gbps:g}",
+        ] + (["--smoke"] if dry else [])
         rc = _run(cmd, d / "bench.txt", left)
         f = d / "kernels_bench.json"
         res[sec] = {"rc": rc, "json": str(f) if f.exists() else None}
@@ -78,8 +89,12 @@ def _peak_gbps(device: str) -> float:
 
 def _gpu_name() -> str:
     try:
-        p = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=20)  # fmt: skip
+        p = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else ""
     except (OSError, subprocess.TimeoutExpired):
         return ""
@@ -94,11 +109,18 @@ def fit_and_write(raw_path: Path, out: Path, args: argparse.Namespace, kernels: 
         if not (args.peak_tflops and args.peak_hbm_gbps and args.name):
             print("gpu_check: --peak-tflops, --peak-hbm-gbps and --name go together")
             return 2
-        figs = {"flops": args.peak_tflops * 1e12, "hbm_bw": args.peak_hbm_gbps * 1e9,
-                "hbm_bytes": 80e9}  # fmt: skip
-    truth = fit_truth(raw, name=args.name, figs=figs, engine_overhead_s=args.engine_overhead_ms
-                      / 1e3, command=shlex.join(["python", "-m", "loadtest.gpu_check",
-                                                 *sys.argv[1:]]))  # fmt: skip
+        figs = {
+            "flops": args.peak_tflops * 1e12,
+            "hbm_bw": args.peak_hbm_gbps * 1e9,
+            "hbm_bytes": 80e9,
+        }
+    truth = fit_truth(
+        raw,
+        name=args.name,
+        figs=figs,
+        engine_overhead_s=args.engine_overhead_ms / 1e3,
+        command=shlex.join(["python", "-m", "loadtest.gpu_check", *sys.argv[1:]]),
+    )
     out.mkdir(parents=True, exist_ok=True)
     name = truth["name"]
     (out / f"{name}.json").write_text(json.dumps(truth, indent=1) + "\n")
@@ -129,36 +151,48 @@ def summary(raw: dict[str, Any], truth: dict[str, Any], kernels: Any, out: Path)
         f"{f['per_seq_s'] * 1e6:.1f} us",
     ]
     if "host_link_bw" in f:
-        lines.append(f"host link: {f['host_link_bw'] / 1e9:.1f} GB/s, latency "
-                     f"{f['host_latency_s'] * 1e6:.0f} us, DMA half-point "
-                     f"{f['dma_half_bytes'] / 1e3:.1f} kB")  # fmt: skip
-    kinds = " ".join(f"{k} {v['rms']:.1%} (max {v['max']:.1%}, n={v['n']})"
-                     for k, v in fit["by_kind"].items())  # fmt: skip
-    lines.append(f"fit ({fit['solver']}): rms {fit['rms_rel_err']:.1%} max "
-                 f"{fit['max_rel_err']:.1%} | {kinds}")  # fmt: skip
+        lines.append(
+            f"host link: {f['host_link_bw'] / 1e9:.1f} GB/s, latency "
+            f"{f['host_latency_s'] * 1e6:.0f} us, DMA half-point "
+            f"{f['dma_half_bytes'] / 1e3:.1f} kB"
+        )
+    kinds = " ".join(
+        f"{k} {v['rms']:.1%} (max {v['max']:.1%}, n={v['n']})" for k, v in fit["by_kind"].items()
+    )
+    lines.append(
+        f"fit ({fit['solver']}): rms {fit['rms_rel_err']:.1%} max "
+        f"{fit['max_rel_err']:.1%} | {kinds}"
+    )
     t = truth["truth"]
-    lines.append("truth " + truth["name"] + ": " + ", ".join(
-        f"{k} {v:.4g}" for k, v in t.items()))  # fmt: skip
+    lines.append("truth " + truth["name"] + ": " + ", ".join(f"{k} {v:.4g}" for k, v in t.items()))
     if fit["compare"]:
         lines.append(
             f"{'step (reference profile)':28s} {'forward':>9s} {'truth':>9s} {'nominal':>9s}"
         )
         for c in fit["compare"]:
-            lines.append(f"{c['shape']:28s} {c['fitted_forward_s'] * 1e3:8.1f}m "
-                         f"{c['measured_truth_s'] * 1e3:8.1f}m {c['nominal_s'] * 1e3:8.1f}m")  # fmt: skip
+            lines.append(
+                f"{c['shape']:28s} {c['fitted_forward_s'] * 1e3:8.1f}m "
+                f"{c['measured_truth_s'] * 1e3:8.1f}m {c['nominal_s'] * 1e3:8.1f}m"
+            )
     if kernels:
         ks = []
         for sec, r in kernels.items():
             ks.append(f"{sec} rc={r.get('rc')} rows={r.get('rows', 0)}")
         lines.append("kernels: " + "; ".join(ks))
-        goals = {k: v for r in kernels.values() for k, v in (r.get("goals") or {}).items()
-                 if k.endswith("_met") and v is not None}  # fmt: skip
+        goals = {
+            k: v
+            for r in kernels.values()
+            for k, v in (r.get("goals") or {}).items()
+            if k.endswith("_met") and v is not None
+        }
         if goals:
             lines.append("kernel goals: " + json.dumps(goals))
     for w in truth["warnings"]:
         lines.append(f"WARNING: {w}")
-    lines.append(f"wrote {out}/{truth['name']}.json (+ .raw.json, summary.txt); to commit it: "
-                 f"python -m loadtest.gpu_check install {out}")  # fmt: skip
+    lines.append(
+        f"wrote {out}/{truth['name']}.json (+ .raw.json, summary.txt); to commit it: "
+        f"python -m loadtest.gpu_check install {out}"
+    )
     return "\n".join(lines)
 
 
@@ -183,15 +217,21 @@ def install(src: Path, dest: Path) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     for p in (files[0], raw):
         shutil.copyfile(p, dest / p.name)
-    print(f"gpu_check install: {files[0].name} and {raw.name} -> {dest}; commit them with "
-          f"git add {dest}")  # fmt: skip
+    print(
+        f"gpu_check install: {files[0].name} and {raw.name} -> {dest}; commit them with "
+        f"git add {dest}"
+    )
     return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine-overhead-ms", type=float, default=1.5,
-                   help="the engine's per-step cost outside the forward pass, not measured "
-                   "here (scheduler, sampling, process hops; default 1.5)")  # fmt: skip
+    p.add_argument(
+        "--engine-overhead-ms",
+        type=float,
+        default=1.5,
+        help="the engine's per-step cost outside the forward pass, not measured "
+        "here (scheduler, sampling, process hops; default 1.5)",
+    )
     p.add_argument("--name", default=None, help="the truth's name (default: by device)")
     p.add_argument(
         "--peak-tflops",
@@ -236,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if importlib.util.find_spec("torch") is None:
+        print(f"gpu_check: torch does not import with {sys.executable} (set GPU_PY=...)")
+        return 2
     device = "cpu (dry run)" if a.dry_run else _gpu_name()
     if not a.dry_run and not device:
         print("gpu_check: no GPU (nvidia-smi found none); run with --dry-run to check the script")
@@ -243,8 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     model_budget = min(a.model_budget_s, a.budget_s - 60)
     if a.dry_run:
         model_budget = min(model_budget, 60.0)
-    cmd = [sys.executable, "-m", "loadtest.gpu_check.model", "--out", str(out / "model"),
-           "--budget-s", f"{model_budget:g}"] + (["--dry-run"] if a.dry_run else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest.gpu_check.model",
+        "--out",
+        str(out / "model"),
+        "--budget-s",
+        f"{model_budget:g}",
+    ] + (["--dry-run"] if a.dry_run else [])
     (out / "model").mkdir(exist_ok=True)
     rc = _run(cmd, out / "model" / "model.txt", model_budget + 90)
     print(f"gpu_check: model steps rc={rc} ({time.monotonic() - t0:.0f} s)", flush=True)

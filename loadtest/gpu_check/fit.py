@@ -97,8 +97,9 @@ def reference_profile(raw: Mapping[str, Any], figs: Mapping[str, float]) -> Repl
         hbm_bw=float(figs["hbm_bw"]),
         hbm_bytes=float(figs["hbm_bytes"]),
     )
-    return base.replace(name=f"reference:{model.name}", hardware=hw, model=model,
-                        tensor_parallel_size=1, source={})  # fmt: skip
+    return base.replace(
+        name=f"reference:{model.name}", hardware=hw, model=model, tensor_parallel_size=1, source={}
+    )
 
 
 # ---- the step fit ------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def _unpack(theta: np.ndarray, fixed: Mapping[str, float]) -> dict[str, float]:
         if name in fixed:
             vals[name] = fixed[name]
             continue
-        x = math.exp(min(float(next(it)), 50.0))
+        x = math.exp(min(max(float(next(it)), -40.0), 40.0))
         vals[name] = 1.0 + x if name == "sharpness" else x
     return vals
 
@@ -179,7 +180,7 @@ def _lm(fun: Callable[[np.ndarray], np.ndarray], x0: np.ndarray, iters: int = 20
             xj[j] += h
             jac[:, j] = (fun(xj) - r) / h
         jtj, g = jac.T @ jac, jac.T @ r
-        improved = False
+        improved = done = False
         while lam < 1e10:
             step = np.linalg.solve(jtj + lam * np.diag(np.diag(jtj) + 1e-12), -g)
             r_new = fun(x + step)
@@ -233,8 +234,15 @@ def fit_steps(
     best: tuple[float, np.ndarray] | None = None
     fastest = min(p["s"] for p in pts)
     for p0 in (1.5, 4.0, 12.0):
-        start = {"gemm": 1.1, "attn": 0.85, "hbm": 1.0, "sharpness": p0, "interference": 0.3,
-                 "forward_fixed_s": 0.2 * fastest, "per_seq_s": 10e-6} | fixed  # fmt: skip
+        start = {
+            "gemm": 1.1,
+            "attn": 0.85,
+            "hbm": 1.0,
+            "sharpness": p0,
+            "interference": 0.3,
+            "forward_fixed_s": 0.2 * fastest,
+            "per_seq_s": 10e-6,
+        } | fixed
         theta = _solve(resid, _pack(start, fixed), solver)
         r = resid(theta)
         if best is None or float(r @ r) < best[0]:
@@ -272,8 +280,13 @@ def representative(k: int = 1024) -> list[tuple[str, dict[str, float]]]:
     """Step shapes the summary compares truths on."""
 
     def pf(n: int, c: int) -> dict[str, float]:
-        return {"pf_tokens": n, "pf_attended": n * (c + (n + 1) / 2), "pf_kv": c, "decodes": 0,
-                "dc_kv": 0.0}  # fmt: skip
+        return {
+            "pf_tokens": n,
+            "pf_attended": n * (c + (n + 1) / 2),
+            "pf_kv": c,
+            "decodes": 0,
+            "dc_kv": 0.0,
+        }
 
     def dc(b: int, c: int) -> dict[str, float]:
         return {"pf_tokens": 0, "pf_attended": 0.0, "pf_kv": 0.0, "decodes": b, "dc_kv": b * c}
@@ -317,16 +330,22 @@ def fit_truth(
     if lf is None:
         warnings.append("host link: no physical fit from the copies; the nominal link is kept")
     else:
-        link = {"link_bw": lf["bw"] / hw.host_load_bw, "link_latency": lf["latency_s"]
-                / hw.host_latency_s, "link_half_bytes": lf["half_bytes"]}  # fmt: skip
+        link = {
+            "link_bw": lf["bw"] / hw.host_load_bw,
+            "link_latency": lf["latency_s"] / hw.host_latency_s,
+            "link_half_bytes": lf["half_bytes"],
+        }
     pts = [p for p in raw["points"] if p.get("s", 0) > 0]
     rel = np.array(steps["rel_err"])
     by_kind = {}
     for kind in ("prefill", "decode", "mixed"):
         sel = np.array([p["kind"] == kind for p in pts])
         if sel.any():
-            by_kind[kind] = {"n": int(sel.sum()), "rms": float(np.sqrt(np.mean(rel[sel] ** 2))),
-                             "max": float(np.max(np.abs(rel[sel])))}  # fmt: skip
+            by_kind[kind] = {
+                "n": int(sel.sum()),
+                "rms": float(np.sqrt(np.mean(rel[sel] ** 2))),
+                "max": float(np.max(np.abs(rel[sel]))),
+            }
     rms = float(np.sqrt(np.mean(rel**2)))
     figures = {
         "mfu_gemm": vals["gemm"] * profile.prefill_mfu,
@@ -338,8 +357,11 @@ def fit_truth(
         "per_seq_s": vals["per_seq_s"],
     }
     if lf:
-        figures |= {"host_link_bw": lf["bw"], "host_latency_s": lf["latency_s"],
-                    "dma_half_bytes": lf["half_bytes"]}  # fmt: skip
+        figures |= {
+            "host_link_bw": lf["bw"],
+            "host_latency_s": lf["latency_s"],
+            "dma_half_bytes": lf["half_bytes"],
+        }
     errors = [p for p in raw["points"] if "error" in p]
     if errors:
         warnings.append(f"{len(errors)} step(s) failed (see raw: 'error')")
@@ -350,8 +372,11 @@ def fit_truth(
     if rms > 0.15:
         warnings.append(f"fit rms relative error {rms:.1%} > 15%: the truth's model fits poorly")
     if not dry:
-        for key, lo, hi in (("mfu_gemm", 0.1, 1.0), ("mfu_attn", 0.05, 1.0),
-                            ("hbm_efficiency", 0.3, 1.05)):  # fmt: skip
+        for key, lo, hi in (
+            ("mfu_gemm", 0.1, 1.0),
+            ("mfu_attn", 0.05, 1.0),
+            ("hbm_efficiency", 0.3, 1.05),
+        ):
             if not lo <= figures[key] <= hi:
                 warnings.append(f"{key} {figures[key]:.3f} outside [{lo}, {hi}]: check the run")
         short = [p for p in pts if p["s"] < 0.05 and not p.get("graph")]
@@ -367,12 +392,19 @@ def fit_truth(
     truth = _truth(profile, vals, engine_overhead_s, link, name, summary)
     ref_nominal = TruthTiming(profile, TRUTHS[NOMINAL])
     fitted = TruthTiming(profile, _truth(profile, vals, 0.0, link))
-    compare = [
-        {"shape": label, "fitted_forward_s": fitted.step(**inp),
-         "measured_truth_s": TruthTiming(profile, truth).step(**inp),
-         "nominal_s": ref_nominal.step(**inp)}  # fmt: skip
-        for label, inp in representative()
-    ] if not dry else []  # fmt: skip
+    compare = (
+        [
+            {
+                "shape": label,
+                "fitted_forward_s": fitted.step(**inp),
+                "measured_truth_s": TruthTiming(profile, truth).step(**inp),
+                "nominal_s": ref_nominal.step(**inp),
+            }
+            for label, inp in representative()
+        ]
+        if not dry
+        else []
+    )
     return {
         "format": MEASURED_FORMAT,
         "name": name,
@@ -421,7 +453,7 @@ def fit_truth(
                     "context": p["context"],
                     "measured_s": p["s"],
                     "fitted_s": p["s"] * (1.0 + e),
-                }  # fmt: skip
+                }
                 for p, e in zip(pts, rel, strict=True)
             ],
             "compare": compare,
