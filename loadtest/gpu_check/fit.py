@@ -276,10 +276,10 @@ def fit_link(rows: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
 # ---- the file ----------------------------------------------------------------------------------
 
 
-def representative(k: int = 1024) -> list[tuple[str, dict[str, float]]]:
+def representative(k: int = 1024) -> list[tuple[str, dict[str, Any]]]:
     """Step shapes the summary compares truths on."""
 
-    def pf(n: int, c: int) -> dict[str, float]:
+    def pf(n: int, c: int) -> dict[str, Any]:
         return {
             "pf_tokens": n,
             "pf_attended": n * (c + (n + 1) / 2),
@@ -288,7 +288,7 @@ def representative(k: int = 1024) -> list[tuple[str, dict[str, float]]]:
             "dc_kv": 0.0,
         }
 
-    def dc(b: int, c: int) -> dict[str, float]:
+    def dc(b: int, c: int) -> dict[str, Any]:
         return {"pf_tokens": 0, "pf_attended": 0.0, "pf_kv": 0.0, "decodes": b, "dc_kv": b * c}
 
     return [

@@ -30,8 +30,9 @@ CPU with ``time.perf_counter``, the fastest of 3–5 runs (a shared CPU's spikes
 the plumbing and the attention paths, its times mean nothing.
 
 **Attention paths** are checked against a plain fp32 reference on small shapes before any
-timing: prefill uses ``causal_lower_right`` with ``enable_gqa`` (FlashAttention's own
-bottom-right causal), falling back to K/V expanded to every query head; decode views the
+timing, with SDPA limited to its fused kernels on CUDA (no silent math backend): prefill
+uses ``causal_lower_right`` with ``enable_gqa`` (FlashAttention's own bottom-right causal),
+falling back to K/V expanded to every query head; decode views the
 query heads of one KV head as a short query sequence (``[B, Hk, H/Hk, D]``), which every
 SDPA backend runs with no mask.
 """
@@ -39,6 +40,8 @@ SDPA backend runs with no mask.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import platform
@@ -454,6 +457,7 @@ def ceilings(device: str, dtype: torch.dtype, timer: Timer, dry: bool) -> dict[s
 def host_link(device: str, dry: bool) -> list[dict[str, Any]]:
     """Pinned host -> device copies: ``k`` separate copies of ``s`` bytes each (one per
     KV block and layer, as a tier load issues them), timed with one sync at the end."""
+    sizes: tuple[int, ...]
     if not device.startswith("cuda"):
         sizes, counts = (4096, 65536), (4, 16)
         pin = False
@@ -505,6 +509,22 @@ def run(out: Path, dry: bool, budget_s: float, shape: Shape | None = None) -> di
         raw["seconds"] = round(time.time() - t_start, 1)
         path.write_text(json.dumps(raw, indent=1))
 
+    with _fused_attention_only(device):  # a step never silently falls to the math backend
+        _measure(raw, device, dtype, shape, dry, budget_s, t_start, save)
+    save()
+    return raw
+
+
+def _measure(
+    raw: dict[str, Any],
+    device: str,
+    dtype: torch.dtype,
+    shape: Shape,
+    dry: bool,
+    budget_s: float,
+    t_start: float,
+    save: Callable[[], None],
+) -> None:
     raw["attention_check"] = check_attention(device, dtype)
     attn = PREFILL_PATHS[raw["attention_check"]["prefill_path"]]
     timer = Timer(device, target_s=0.005, max_reps=5) if dry else Timer(device)
@@ -520,18 +540,25 @@ def run(out: Path, dry: bool, budget_s: float, shape: Shape | None = None) -> di
                 continue
             rec: dict[str, Any] = asdict(p) | {"inputs": p.truth_inputs()}
             try:
-                step = StepInputs(model, p, attn)
-                rec.update(timer.measure(lambda step=step: model(step)))
-            except torch.cuda.OutOfMemoryError as exc:  # say so, keep going
-                rec["error"] = f"OutOfMemoryError: {exc}"[:300]
-            finally:
-                step = None
-                if device.startswith("cuda"):
-                    torch.cuda.empty_cache()
+                rec.update(timer.measure(functools.partial(model, StepInputs(model, p, attn))))
+            except Exception as exc:  # out of memory, an unsupported shape: said, and on
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
             raw["points"].append(rec)
             save()
-    save()
-    return raw
+
+
+def _fused_attention_only(device: str) -> contextlib.AbstractContextManager[Any]:
+    """On CUDA, SDPA limited to its fused kernels (FlashAttention, memory-efficient, cuDNN):
+    a path that would need the math backend (a materialised mask, ~100 GB at 8k x 128k)
+    fails the attention check instead and the next path is taken."""
+    if not device.startswith("cuda"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+    return sdpa_kernel([getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)])
 
 
 def _iter_lines(raw: dict[str, Any]) -> Iterator[str]:
