@@ -88,16 +88,20 @@ def _peak_gbps(device: str) -> float:
 
 
 def _gpu_name() -> str:
-    try:
-        p = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        return p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else ""
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
+    """The GPU's name (nvidia-smi, else torch in a subprocess: this process holds no CUDA
+    context while the steps run); "" when there is none."""
+    probes = (
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+        [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+    )
+    for cmd in probes:
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if p.returncode == 0 and p.stdout.strip():
+            return p.stdout.strip().splitlines()[0]
+    return ""
 
 
 def fit_and_write(raw_path: Path, out: Path, args: argparse.Namespace, kernels: Any) -> int:
