@@ -124,16 +124,17 @@ class Llama:
         self.device, self.dtype = device, dtype
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D/2] (fp32) for these positions."""
+        """cos, sin [T, 1, D] in the model's dtype for these positions (as transformers'
+        Llama computes them: both halves share a frequency)."""
         f = torch.outer(positions.float(), self.inv_freq)
-        return f.cos(), f.sin()
+        f = torch.cat([f, f], dim=-1).unsqueeze(1)
+        return f.cos().to(self.dtype), f.sin().to(self.dtype)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [T, heads, D] (NeoX halves), cos/sin [T, D/2]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        c, sn = cos.unsqueeze(1), sin.unsqueeze(1)
-        return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn], dim=-1).to(x.dtype)
+        # x [T, heads, D] (NeoX halves), cos/sin [T, 1, D]: x·cos + rotate_half(x)·sin
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
     def __call__(self, step: StepInputs) -> torch.Tensor:
         s = self.shape
