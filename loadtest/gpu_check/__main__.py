@@ -141,7 +141,7 @@ def summary(raw: dict[str, Any], truth: dict[str, Any], kernels: Any, out: Path)
     pts = raw["points"]
     lines = [
         f"== gpu-check: {host.get('device')} | torch {host.get('torch')} | "
-        f"{raw['shape']['name']} ({raw['shape']['params'] / 1e9:.2f}B, bf16) "
+        f"{raw['shape']['name']} ({raw['shape']['params'] / 1e9:.2f}B, {raw.get('dtype')}) "
         f"{'| DRY RUN: times mean nothing' if raw.get('dry_run') else ''}",
         f"steps: {sum('s' in p for p in pts)} measured, {sum('error' in p for p in pts)} failed, "
         f"{len(raw.get('skipped', []))} skipped, {raw.get('seconds')} s; attention "

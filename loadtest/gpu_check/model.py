@@ -489,7 +489,8 @@ def run(out: Path, dry: bool, budget_s: float, shape: Shape | None = None) -> di
     device = "cpu" if dry else "cuda"
     if not dry and not torch.cuda.is_available():
         raise SystemExit("gpu_check.model: no CUDA device (use --dry-run on a CPU)")
-    dtype = torch.bfloat16
+    # bf16 on the GPU; the dry run's CPU runs fp32 (oneDNN builds a bf16 kernel per new shape)
+    dtype = torch.float32 if dry else torch.bfloat16
     shape = shape or (TINY if dry else LLAMA_8B)
     torch.manual_seed(0)
     raw: dict[str, Any] = {
@@ -498,7 +499,7 @@ def run(out: Path, dry: bool, budget_s: float, shape: Shape | None = None) -> di
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": _device_info(device),
         "shape": asdict(shape) | {"params": shape.params},
-        "dtype": "bf16",
+        "dtype": str(dtype).removeprefix("torch."),
         "kv_cache": "contiguous [batch, kv_heads, context, head_dim] per layer, bf16",
         "points": [],
         "skipped": [],

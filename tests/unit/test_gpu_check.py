@@ -189,7 +189,13 @@ def test_the_dry_run_measures_fits_and_writes_everything(tmp_path: Path) -> None
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    log = out / "model" / "model.txt"
+    said = (
+        proc.stdout[-2000:]
+        + proc.stderr[-2000:]
+        + (log.read_text()[-3000:] if log.exists() else "")
+    )
+    assert proc.returncode == 0, said
     raw = json.loads((out / "model" / "raw.json").read_text())
     assert raw["dry_run"] and len(raw["points"]) == len(grid(True)) and not raw["skipped"]
     assert all(p["s"] > 0 and p["reps"] >= 3 for p in raw["points"])
