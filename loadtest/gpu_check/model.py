@@ -26,8 +26,8 @@ other, as vLLM's chunked prefill does). The record carries the truth's step inpu
 captured in a CUDA graph and replayed (launch gaps would otherwise dominate it; vLLM replays
 graphs for decode and small batches), longer ones run eagerly. Each point takes the median of
 3–20 runs (about 0.3 s of GPU time per point). The dry run (``--dry-run``): tiny shapes on the
-CPU with ``time.perf_counter``, the fastest of 3–5 runs (a shared CPU's spikes) — it checks
-the plumbing and the attention paths, its times mean nothing.
+CPU in fp32 on one thread with ``time.perf_counter``, the fastest of 3–5 runs (a shared CPU's
+spikes) — it checks the plumbing, the attention paths and the fit; its times mean nothing.
 
 **Attention paths** are checked against a plain fp32 reference on small shapes before any
 timing, with SDPA limited to its fused kernels on CUDA (no silent math backend): prefill
@@ -490,7 +490,10 @@ def run(out: Path, dry: bool, budget_s: float, shape: Shape | None = None) -> di
     if not dry and not torch.cuda.is_available():
         raise SystemExit("gpu_check.model: no CUDA device (use --dry-run on a CPU)")
     # bf16 on the GPU; the dry run's CPU runs fp32 (oneDNN builds a bf16 kernel per new shape)
+    # on one thread (a shared CPU's spinning OpenMP barriers made tiny steps 1000x slower)
     dtype = torch.float32 if dry else torch.bfloat16
+    if dry:
+        torch.set_num_threads(1)
     shape = shape or (TINY if dry else LLAMA_8B)
     torch.manual_seed(0)
     raw: dict[str, Any] = {

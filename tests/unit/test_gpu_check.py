@@ -204,7 +204,8 @@ def test_the_dry_run_measures_fits_and_writes_everything(tmp_path: Path) -> None
     assert len(raw["host_link"]) == 4 and raw["ceilings"]["gemm_tflops"] > 0
     data = json.loads((out / "measured-dry.json").read_text())
     assert json.loads((out / "measured-dry.raw.json").read_text()) == raw
-    assert data["measured"]["dry_run"] and np.isfinite(data["fit"]["rms_rel_err"])
+    # a CPU's tiny steps follow the truth's model too, if loosely (1000x outliers did not)
+    assert data["measured"]["dry_run"] and data["fit"]["rms_rel_err"] < 0.5
     assert len(data["fit"]["points"]) == len(raw["points"])
     truth = load_measured(out / "measured-dry.json")
     t = timing(load_profile("h200-8b"), truth)
