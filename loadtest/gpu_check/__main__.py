@@ -193,10 +193,12 @@ def summary(raw: dict[str, Any], truth: dict[str, Any], kernels: Any, out: Path)
             lines.append("kernel goals: " + json.dumps(goals))
     for w in truth["warnings"]:
         lines.append(f"WARNING: {w}")
-    lines.append(
-        f"wrote {out}/{truth['name']}.json (+ .raw.json, summary.txt); to commit it: "
-        f"python -m loadtest.gpu_check install {out}"
+    how = (
+        "a dry run: nothing to commit"
+        if raw.get("dry_run")
+        else f"to commit it: python -m loadtest.gpu_check install {out}"
     )
+    lines.append(f"wrote {out}/{truth['name']}.json (+ .raw.json, summary.txt); {how}")
     return "\n".join(lines)
 
 
@@ -255,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", default=default_out)
         _common(p)
         a = p.parse_args(argv[1:])
-        return fit_and_write(Path(a.raw), Path(a.out), a, None)
+        try:
+            return fit_and_write(Path(a.raw), Path(a.out), a, None)
+        except ValueError as exc:
+            print(f"gpu_check fit: {exc}")
+            return 2
     if argv[:1] == ["install"]:
         from loadtest.twin.truth import TRUTHS_DIR
 

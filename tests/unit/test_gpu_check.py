@@ -338,3 +338,32 @@ def test_the_clis_refuse_an_unmeasured_truth_with_the_reason() -> None:
         assert proc.returncode == 2, proc.stderr[-1000:]
         assert "'measured-nowhere' has not been measured yet" in proc.stderr
         assert "docs/gpu-check.md" in proc.stderr
+
+
+def test_saved_timings_refit_without_a_gpu(tmp_path: Path, capsys) -> None:
+    """``python -m loadtest.gpu_check fit RAW --out DIR``: the same truth, another assumed
+    engine overhead moving only ``overhead``; an unknown device needs its figures."""
+    from loadtest.gpu_check.__main__ import main
+
+    raw = _synthetic_raw(noise=0.01)
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(raw))
+    files = {}
+    for ms in ("1.5", "3.5"):
+        out = tmp_path / ms
+        assert main(["fit", str(path), "--out", str(out), "--engine-overhead-ms", ms]) == 0
+        files[ms] = json.loads((out / "measured-h100.json").read_text())
+        assert (out / "measured-h100.raw.json").exists() and (out / "summary.txt").exists()
+    a, b = files["1.5"]["truth"], files["3.5"]["truth"]
+    assert b["overhead"] - a["overhead"] == pytest.approx(2e-3 / 4e-3)
+    assert {k: v for k, v in a.items() if k != "overhead"} == {
+        k: v for k, v in b.items() if k != "overhead"
+    }
+    assert "to commit it: python -m loadtest.gpu_check install" in capsys.readouterr().out
+    raw["host"]["device"] = "Some Other GPU"
+    path.write_text(json.dumps(raw))
+    assert main(["fit", str(path), "--out", str(tmp_path / "x")]) == 2
+    assert "no data-sheet figures for 'Some Other GPU'" in capsys.readouterr().out
+    args = ["--name", "measured-other", "--peak-tflops", "500", "--peak-hbm-gbps", "2000"]
+    assert main(["fit", str(path), "--out", str(tmp_path / "o"), *args]) == 0
+    assert load_measured(tmp_path / "o" / "measured-other.json").name == "measured-other"
