@@ -214,8 +214,10 @@ def load_measured(name: str | Path) -> Truth:
         raise ValueError(f"measured truth {path}: 'truth' must give exactly {sorted(numeric)}")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in figures.values()):
         raise ValueError(f"measured truth {path}: every figure must be a number")
+    if data.get("name") != path.name.removesuffix(".json"):
+        raise ValueError(f"measured truth {path}: its 'name' must be its file's name")
     return Truth(
-        name=str(data.get("name", path.name.removesuffix(".json"))),
+        name=str(data["name"]),
         summary=str(data.get("summary", "")),
         **{k: float(v) for k, v in figures.items()},
     )

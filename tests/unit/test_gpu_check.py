@@ -310,6 +310,9 @@ def test_a_committed_measured_truth_runs_and_a_malformed_one_is_refused(
     (tmp_path / "measured-h100.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="must give exactly"):
         timing(load_profile("h200-8b"), MEASURED)
+    (tmp_path / "measured-h100.json").write_text(json.dumps(dict(data, name="measured-h200")))
+    with pytest.raises(ValueError, match="its 'name' must be its file's name"):
+        check(MEASURED)
     (tmp_path / "measured-h100.json").write_text(json.dumps(dict(data, format=99)))
     with pytest.raises(ValueError, match="not a format-1"):
         check(MEASURED)
