@@ -13,7 +13,7 @@ export KVROUTE_VLLM_PYTHON := $(VLLM_ENV)/bin/python
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: setup venv redis vllm-env engine-plugin model peers test test-fast test-vllm test-kernels demo bench bench-peers bench-kernels lint clean
+.PHONY: setup venv redis vllm-env engine-plugin model peers test test-fast test-vllm test-kernels demo bench bench-peers bench-kernels gpu-check lint clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml loadtest/pyproject.toml kernels/constraints.txt
@@ -75,6 +75,15 @@ bench: setup
 # GPU hosts only (CUDA + Triton): every kernel benchmark in one run, JSON under out/kernels-bench.
 bench-kernels: venv
 	$(BIN)/python -m loadtest.kernel_tools.bench_all --out out/kernels-bench
+
+# A measured GPU truth for the twins (docs/gpu-check.md): kernel benchmarks, a Llama-8B-shaped
+# model's step times, the fit, under OUT_DIR (default $OUT, else out/gpu-check), < 9 min on one
+# H100. Runs from the clone with the host's python (torch, triton; no vLLM, no index, no venv
+# needed). DRY=1: tiny shapes on the CPU (seconds; the unit tier runs it too).
+GPU_PY  ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo $(PY))
+OUT_DIR ?= $(if $(OUT),$(OUT),out/gpu-check$(if $(DRY),-dry))
+gpu-check:
+	$(GPU_PY) -m loadtest.gpu_check --out $(OUT_DIR) $(if $(DRY),--dry-run)
 
 # Peer routers (sglang-router, vllm-router from PyPI) in their own venvs under $(KVROUTE_CACHE),
 # for `kvroute bench --targets sglang:cache_aware,...` and the demo.

@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--truth",
         default="nominal",
         help="the twins' engine timing, which no router is told: nominal (default), "
-        "prefill-slow, decode-fast-slow-link, or costmodel (the router's own formula); "
+        "prefill-slow, decode-fast-slow-link, measured-h100 (once `make gpu-check` has "
+        "measured it: docs/gpu-check.md), or costmodel (the router's own formula); "
         "a comma-separated list runs the whole sweep under each, into OUT/<truth>/",
     )
     p.add_argument(
@@ -91,14 +92,18 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from loadtest.twin.truth import TRUTH_NAMES
+    from loadtest.twin.truth import TRUTH_NAMES, check
 
     truths = [t for t in args.truth.split(",") if t]
-    bad = [t for t in truths if t not in TRUTH_NAMES]
-    if bad or not truths:
-        print(f"kvroute bench: unknown truth {bad}; known: {', '.join(TRUTH_NAMES)}",
-              file=sys.stderr)  # fmt: skip
+    if not truths:
+        print(f"kvroute bench: no truth; known: {', '.join(TRUTH_NAMES)}", file=sys.stderr)
         return 2
+    for t in truths:  # unknown, or measured but not yet (docs/gpu-check.md)
+        try:
+            check(t)
+        except ValueError as exc:
+            print(f"kvroute bench: {exc}", file=sys.stderr)
+            return 2
 
     seeds: list[int | None] = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [None]
     stagger = args.stagger if args.stagger is not None else (60.0 if args.seeds else 0.0)

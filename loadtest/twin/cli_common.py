@@ -15,7 +15,7 @@ from typing import Any
 
 from costmodel.profiles import ReplicaProfile, load_profile, parse_overrides, with_overrides
 from loadtest.twin.engine import EnginePlugin
-from loadtest.twin.truth import NOMINAL, TRUTH_NAMES
+from loadtest.twin.truth import NOMINAL, TRUTH_NAMES, check
 
 
 def add_overrides_arg(p: argparse.ArgumentParser) -> None:
@@ -74,14 +74,25 @@ def plugin_from_args(args: argparse.Namespace) -> EnginePlugin:
     return EnginePlugin.from_settings(retention, cadence)
 
 
+def _truth_name(name: str) -> str:
+    """A runnable truth's name (a measured one only once its file exists)."""
+    try:
+        check(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
 def add_truth_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--truth",
         default=NOMINAL,
-        choices=TRUTH_NAMES,
+        type=_truth_name,
+        metavar="{" + ",".join(TRUTH_NAMES) + "}",
         help="the engine's timing, which no router is told (docs/twin.md#truths): nominal "
-        "(default), prefill-slow, decode-fast-slow-link, or costmodel (the router's own "
-        "formula: the twin's timing before issue 42)",
+        "(default), prefill-slow, decode-fast-slow-link, measured-h100 (fitted to a GPU's "
+        "step times by `make gpu-check`, once committed: docs/gpu-check.md), or costmodel "
+        "(the router's own formula: the twin's timing before issue 42)",
     )
 
 

@@ -4,8 +4,11 @@ router's model.
 Owns: :class:`Truth` (a named set of physical figures), :data:`TRUTHS` (``nominal`` and the
 perturbed truths), :class:`TruthTiming` (the step-time model a twin runs under a truth) and
 :class:`CostmodelTiming` (``costmodel.steptime``'s formula, the one kv_cost prices with; what
-the twin ran before issue 42, kept only to reproduce earlier figures). Pure arithmetic on the
-profile's hardware and model figures; must not import the router, sockets or HTTP.
+the twin ran before issue 42, kept only to reproduce earlier figures), and
+:func:`load_measured`: a truth fitted to a GPU's measured step times (``measured-h100``,
+``TRUTHS_DIR/<name>.json``, written by ``make gpu-check``). Pure arithmetic on the profile's
+hardware and model figures (reading a measured truth's file is its only I/O); must not
+import the router, sockets or HTTP.
 
 Why a separate model. kv_cost prices placements with :mod:`costmodel.steptime`; a twin timed
 by the same formula, with the router told the same profile, behaves exactly as the router
@@ -62,8 +65,10 @@ TP4), which is the error a router told the nominal profile faces even when its p
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from costmodel.profiles import TIERS, ProfileError, ReplicaProfile
 
@@ -160,7 +165,71 @@ TRUTHS: dict[str, Truth] = {
 POOL = "pool"  # the cluster KV pool's tier name in load() (not a costmodel tier)
 NOMINAL = "nominal"
 COSTMODEL = "costmodel"  # costmodel.steptime's formula: the router's own model (not a truth)
-TRUTH_NAMES = (*TRUTHS, COSTMODEL)
+
+# Measured truths: fitted to a real transformer's step times on a GPU by `make gpu-check`
+# (loadtest/gpu_check, docs/gpu-check.md) and committed as TRUTHS_DIR/<name>.json (beside
+# <name>.raw.json, the timings it was fitted to). Any name "measured-*" is looked up there;
+# MEASURED is always offered, and says it has not been measured until its file exists.
+TRUTHS_DIR = Path(__file__).with_name("truths")
+MEASURED = "measured-h100"
+MEASURED_PREFIX = "measured-"
+MEASURED_FORMAT = 1
+
+
+def _measured_on_disk() -> list[str]:
+    return sorted(
+        p.name.removesuffix(".json")
+        for p in TRUTHS_DIR.glob(f"{MEASURED_PREFIX}*.json")
+        if not p.name.endswith(".raw.json")
+    )
+
+
+TRUTH_NAMES = (*TRUTHS, *dict.fromkeys([MEASURED, *_measured_on_disk()]), COSTMODEL)
+
+
+class NotMeasuredError(ValueError):
+    """A measured truth whose file does not exist (yet)."""
+
+
+def load_measured(name: str | Path) -> Truth:
+    """The measured truth ``name`` (``TRUTHS_DIR/<name>.json``) or the file at a path ending
+    in ``.json``. Raises :class:`NotMeasuredError` when the file is missing, ValueError when
+    it is malformed."""
+    path = Path(name) if str(name).endswith(".json") else TRUTHS_DIR / f"{name}.json"
+    if not path.is_file():
+        raise NotMeasuredError(
+            f"truth {str(name)!r} has not been measured yet: {path} does not exist. Run "
+            "`make gpu-check` on a GPU host, then `python -m loadtest.gpu_check install OUT_DIR` "
+            "and commit the fitted truth with its raw timings (docs/gpu-check.md)"
+        )
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"measured truth {path}: unreadable ({exc})") from exc
+    if not isinstance(data, dict) or data.get("format") != MEASURED_FORMAT:
+        raise ValueError(f"measured truth {path}: not a format-{MEASURED_FORMAT} truth file")
+    figures = data.get("truth")
+    numeric = {f.name for f in fields(Truth)} - {"name", "summary"}
+    if not isinstance(figures, dict) or set(figures) != numeric:
+        raise ValueError(f"measured truth {path}: 'truth' must give exactly {sorted(numeric)}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in figures.values()):
+        raise ValueError(f"measured truth {path}: every figure must be a number")
+    if data.get("name") != path.name.removesuffix(".json"):
+        raise ValueError(f"measured truth {path}: its 'name' must be its file's name")
+    return Truth(
+        name=str(data["name"]),
+        summary=str(data.get("summary", "")),
+        **{k: float(v) for k, v in figures.items()},
+    )
+
+
+def check(name: str) -> None:
+    """Raises ValueError (:class:`NotMeasuredError` for a measured truth with no file yet)
+    unless ``name`` can be run."""
+    if name.startswith(MEASURED_PREFIX):
+        load_measured(name)
+    elif name not in TRUTH_NAMES:
+        raise ValueError(f"unknown truth {name!r}; known: {', '.join(TRUTH_NAMES)}")
 
 
 class TruthTiming:
@@ -273,11 +342,14 @@ class CostmodelTiming:
 
 
 def timing(profile: ReplicaProfile, truth: str | Truth | None) -> StepTiming:
-    """The timing model for ``truth`` (a name of :data:`TRUTH_NAMES` or a :class:`Truth`);
+    """The timing model for ``truth`` (a name of :data:`TRUTH_NAMES`, a measured truth's name
+    — see :func:`load_measured` — or a :class:`Truth`);
     None is :data:`COSTMODEL` (the engine's default in Python: its tests pin step times to
     ``costmodel.steptime``; the CLIs and the bench default to ``nominal``)."""
     if truth is None or truth == COSTMODEL:
         return CostmodelTiming(profile)
+    if isinstance(truth, str) and truth.startswith(MEASURED_PREFIX):
+        truth = load_measured(truth)
     if isinstance(truth, str):
         if truth not in TRUTHS:
             raise ValueError(f"unknown truth {truth!r}; known: {', '.join(TRUTH_NAMES)}")
@@ -289,4 +361,6 @@ def describe(truth: str) -> dict[str, float | str]:
     """What a run records about its truth: its name and figures."""
     if truth == COSTMODEL:
         return {"name": COSTMODEL, "summary": "costmodel.steptime's formula (the router's model)"}
+    if truth.startswith(MEASURED_PREFIX):
+        return load_measured(truth).as_dict()
     return TRUTHS[truth].as_dict()
