@@ -50,6 +50,10 @@ HELP = {
     "stream_idle_timeout_s": "a stream silent this long after its first chunk is ended (60; "
     "0: off)",
     "header_timeout_s": "seconds a client has to send a complete request head (10)",
+    "send_timeout_s": "a client that reads nothing of a streamed answer this long is cut and the "
+    "upstream call closed (30; 0: off)",
+    "pool_timeout_s": "longest wait for an upstream connection at the connection limits, then a "
+    "503 naming the limit; the replica is not blamed (60; 0: no bound)",
     "idle_timeout_s": "seconds an idle client connection is kept (75)",
     "client_body_timeout_s": "seconds a client has to send its body, else 408 (30)",
     "max_body_bytes": "largest request body, decoded (32 MiB), else 413",

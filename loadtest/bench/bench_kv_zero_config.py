@@ -36,6 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+STANDALONE = (
+    "two twin clusters and two routers for minutes: "
+    "python -m loadtest.bench.bench_kv_zero_config --out DIR"
+)
+
 DATA = Path(__file__).resolve().parents[1] / "data" / "weka-dev-slice.tar.gz"
 PROFILE = "h200-70b-fp8"
 

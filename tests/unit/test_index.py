@@ -133,20 +133,20 @@ def test_pool_blocks_reach_every_member_and_one_removal_takes_them_from_all():
     ix.apply("a", [BlockStored([1, 2, 3], None, [], 32)])
     ix.apply("a", [BlockStored([1, 2, 3, 4], None, [], 0, medium="STORAGE", locality="REMOTE")])
     # a wrote them (GPU for 1-3, the pool for 4); b has not joined the pool: nothing for b
-    assert ix.match([1, 2, 3, 4]) == {"a": TierDepth(4, gpu=3, storage=1)}
+    assert ix.match([1, 2, 3, 4]) == {"a": TierDepth(4, gpu=3, pool=1)}
     assert ix.pool_members() == ["a"] and ix.pool_blocks() == 4
     ix.add_pool_member("b")
-    assert ix.match([1, 2, 3, 4])["b"] == TierDepth(4, storage=4)
-    assert ix.holds("b", 4) == ("STORAGE",) and ix.holds("b", 9) == ("GPU",)
+    assert ix.match([1, 2, 3, 4])["b"] == TierDepth(4, pool=4)
+    assert ix.holds("b", 4) == ("POOL",) and ix.holds("b", 9) == ("GPU",)
     # a local disk tier (no locality) stays the writer's own
     ix.apply("a", [BlockStored([7], None, [], 0, medium="STORAGE")])
     assert "b" not in ix.match([7]) and ix.match([7])["a"] == TierDepth(1, storage=1)
     # an eviction seen from b's stream removes the block for a too; a's GPU copy stays
     ix.apply("b", [BlockRemoved([3, 4], medium="STORAGE", locality="REMOTE")])
-    assert ix.match([1, 2, 3, 4]) == {"a": TierDepth(3, gpu=3), "b": TierDepth(2, storage=2)}
+    assert ix.match([1, 2, 3, 4]) == {"a": TierDepth(3, gpu=3), "b": TierDepth(2, pool=2)}
     assert ix.pool_removed == 2
     # an engine's cache reset leaves the pool; dropping a replica ends its membership
     ix.apply("a", [AllBlocksCleared()])
-    assert ix.match([1, 2]) == {"a": TierDepth(2, storage=2), "b": TierDepth(2, storage=2)}
+    assert ix.match([1, 2]) == {"a": TierDepth(2, pool=2), "b": TierDepth(2, pool=2)}
     ix.remove_replica("b")
     assert ix.pool_members() == ["a"] and len(ix) == 2  # the pool's 1 and 2; b's 9 went with b

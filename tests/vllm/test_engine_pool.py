@@ -132,7 +132,7 @@ def test_a_prefix_computed_on_one_replica_is_served_to_the_other_from_the_pool(p
     ix = _index(events, (p1, p2))
     assert sorted(ix.pool_members()) == ["p1", "p2"]
     on_p2 = ix.match(keys_a)["p2"]
-    assert on_p2.storage >= len(keys_a) - 1 and on_p2.gpu == 0, on_p2
+    assert on_p2.pool >= len(keys_a) - 1 and on_p2.gpu == 0, on_p2
 
     before = cached_by_source(http.get(p2.url + "/metrics").text)
     warm = _ask(http, p2.url, a)
