@@ -35,6 +35,7 @@ from router.keys import (
     METRICS,
     MONITOR,
     PIPELINE,
+    PRIORITY,
     REPLICAS,
     RESPONSES,
     RUNTIME,
@@ -44,6 +45,8 @@ from router.keys import (
 )
 from router.kv.autoconf import LayerStatus, no_layer_status, replica_facts, tokenize_request
 from router.metrics import RouterMetrics
+from router.outcome import CallOutcome
+from router.priority import served_tokens
 from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
 from router.responses import ResponseOwners
 from router.scheduling.registry import build_pipeline
@@ -206,6 +209,15 @@ async def _discover_later(app: web.Application, kv: KVState) -> None:
 def _log_status(st: LayerStatus) -> None:
     (log.info if st.mode in ("full", "off") else log.warning)("%s", st.line())
 
+def _count_service(app: web.Application, ctx: Any, outcome: CallOutcome) -> None:
+    """Add an answered call's service (router.priority.served_tokens) to its session."""
+    u = outcome.usage
+    if outcome.replica is None or u is None or not ctx.session_call or STORE not in app:
+        return
+    app[STORE].add_service(
+        ctx.identity.key, served_tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+    )
+
 
 def build_app(
     cfg: RouterConfig,
@@ -220,6 +232,7 @@ def build_app(
     ``state_providers`` and ``observers`` are the bare seams (tests, out-of-tree layers)."""
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[json_errors])
     app[CONFIG] = cfg
+    app[PRIORITY] = cfg.priority_config()
     metrics = app[METRICS] = RouterMetrics()
     app[REPLICAS] = ReplicaSet(cfg.breaker_failures, cfg.breaker_cooldown_s)
     pipeline = build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)
@@ -240,6 +253,7 @@ def build_app(
         metrics.watch_calibration(kv)
         metrics.watch_kv_analysis(kv)
         metrics.watch_kv_pool(kv)
+    obs.append(lambda ctx, outcome: _count_service(app, ctx, outcome))
     obs.extend(observers or [])
     if cfg.decision_log:
         from router.decisionlog import DecisionLog

@@ -27,8 +27,15 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.errors import error_response, replica_error_body, sse_error_event
 from router.frontdoor import SendWatch, stream_to
 from router.hints import call_hint, hinted_body
-from router.keys import CALLS, CONFIG, METRICS, REPLICAS, RESPONSES, STORE, UPSTREAM
+from router.keys import CALLS, CONFIG, METRICS, PRIORITY, REPLICAS, RESPONSES, STORE, UPSTREAM
 from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_body, usage_from_stream
+from router.priority import (
+    PRIORITY_HEADER,
+    ROLE_PLAIN,
+    call_level,
+    call_priority,
+    client_hint,
+)
 from router.responses import RESPONSES_ROUTE
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
@@ -131,6 +138,28 @@ async def place_session(
     return chosen
 
 
+def set_priority(
+    app: web.Application,
+    ctx: RequestContext,
+    client_headers: Mapping[str, str],
+    headers: CIMultiDict[str],
+    record: SessionRecord | None,
+) -> None:
+    """Put the call's session-level priority (:func:`router.priority.call_priority`) in
+    ``X-Vllm-Priority``, which vLLM reads before the body's ``priority`` field (and on every
+    route it serves: its Anthropic route has no ``priority`` field), replacing any the client
+    sent. A call outside the session table (``count_tokens``) gets the level of a new one."""
+    pcfg = app[PRIORITY]
+    service, role = (0, ROLE_PLAIN)
+    if record is not None and ctx.session_call:
+        service, role = app[STORE].priority_inputs(ctx.identity.key)
+    hint = client_hint(client_headers, ctx.body)
+    ctx.priority_level = call_level(service, role, hint, pcfg)
+    ctx.priority = call_priority(service, role, hint, time.time(), pcfg)
+    headers.popall(PRIORITY_HEADER, None)
+    headers[PRIORITY_HEADER] = str(ctx.priority)
+
+
 async def forward(
     request: web.Request,
     ctx: RequestContext,
@@ -153,6 +182,8 @@ async def forward(
     query = request.rel_url.raw_query_string
     path = route + ("?" + query if query else "")
     ctx.hint = call_hint(route, ctx.identity, record, cfg.engine_hints)
+    if cfg.priority == "session":
+        set_priority(app, ctx, request.headers, headers, record)
     hinted = hinted_body(route, ctx.body, ctx.hint)
     if hinted is not None:
         raw = hinted  # retention hint set, or a client-set kvroute hint stripped

@@ -1,0 +1,44 @@
+"""The router sends its session-level priority upstream (``priority: session``) in
+``X-Vllm-Priority``, replacing the client's; off by default, it leaves the request alone."""
+
+from __future__ import annotations
+
+from tests.integration.test_router_proxy import fakes, http, router  # noqa: F401
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def _sent(f) -> int:
+    return int({k.lower(): v for k, v in f.seen[-1].headers.items()}["x-vllm-priority"])
+
+
+async def test_priority_follows_attained_service(fakes, router, http):  # noqa: F811
+    (f,) = await fakes(1)
+    f.usage = {"prompt_tokens": 200_000, "completion_tokens": 1000}
+    url, _ = await router([f.url], priority="session")
+    long_s = {"Content-Type": "application/json", "x-session-id": "long"}
+    async with http.post(url + "/v1/chat/completions", json=BODY, headers=long_s) as r:
+        assert r.status == 200
+    first = _sent(f)
+    # the session has had ~200k tokens of service: its next call ranks behind a new one's,
+    # even though the new one arrives later; a client's own vLLM priority is replaced
+    async with http.post(url + "/v1/chat/completions", json=BODY,
+                         headers={**long_s, "X-Vllm-Priority": "-1000000"}) as r:  # fmt: skip
+        assert r.status == 200
+    second = _sent(f)
+    new_s = {"Content-Type": "application/json", "x-session-id": "new"}
+    async with http.post(url + "/v1/chat/completions", json=BODY, headers=new_s) as r:
+        assert r.status == 200
+    fresh = _sent(f)
+    assert second > fresh > -1000000
+    assert second - first >= 10  # several levels (of level_s / tick_s = 20 ticks each) later
+
+
+async def test_priority_off_by_default_leaves_headers_alone(fakes, router, http):  # noqa: F811
+    (f,) = await fakes(1)
+    url, _ = await router([f.url])
+    async with http.post(url + "/v1/chat/completions", json=BODY,
+                         headers={"Content-Type": "application/json", "x-session-id": "s",
+                                  "X-Vllm-Priority": "3"}) as r:  # fmt: skip
+        assert r.status == 200
+    assert _sent(f) == 3
