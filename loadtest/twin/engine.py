@@ -79,6 +79,7 @@ import hashlib
 import heapq
 import itertools
 import zlib
+from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -129,10 +130,12 @@ class Request:
         "num_output",
         "num_preemptions",
         "output_ids",
+        "priority",
         "promoted",
         "prompt_len",
         "queued_time",
         "ready_at",
+        "seq",
         "session_id",
         "status",
         "tag",
@@ -151,6 +154,7 @@ class Request:
         session_id: str | None = None,
         tag: Any = None,
         hint: Hint | None = None,
+        priority: int = 0,
     ):
         if prompt_len <= 0:
             raise ValueError("a request needs at least one prompt token")
@@ -166,6 +170,8 @@ class Request:
         self.session_id = session_id
         self.tag = tag
         self.hint = hint  # the request's kvroute retention hint (engine plugin), if any
+        self.priority = priority  # vLLM's request priority (lower first; priority policy)
+        self.seq = 0  # the engine's arrival count (arrival-time ties, as vLLM's clock breaks)
         self.blocks: list[int] = []
         self.n_cached = 0  # leading blocks already through caching
         self.num_computed = 0
@@ -712,6 +718,10 @@ class Engine:
         )
         self.now = 0.0  # the time of the last schedule() / complete()
         self.waiting: deque[Request] = deque()
+        # vLLM's --scheduling-policy priority: the waiting queue by (priority, arrival), and
+        # the running request with the largest (priority, arrival) preempted (else FCFS)
+        self.by_priority = bool(profile.priority_scheduling)
+        self._seq = 0
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.output_token = output_token or _default_output_token
@@ -825,7 +835,12 @@ class Engine:
                 f"max_model_len {self.profile.max_model_len}"
             )
         self.requests[req.id] = req
-        self.waiting.append(req)
+        self._seq += 1
+        req.seq = self._seq
+        if self.by_priority:
+            self._insert_waiting(req)
+        else:
+            self.waiting.append(req)
 
     def abort(self, req_id: str) -> bool:
         req = self.requests.pop(req_id, None)
@@ -1164,6 +1179,26 @@ class Engine:
             return False
         return any(r.blocks for r in self.waiting if r is not head)
 
+    # ---- priority policy (vLLM's RequestQueue for SchedulingPolicy.PRIORITY) -------------
+
+    @staticmethod
+    def _priority_key(r: Request) -> tuple[int, float, int]:
+        """vLLM's ``Request.__lt__``: priority, then arrival time (then, here, arrival order)."""
+        return (r.priority, r.arrival, r.seq)
+
+    def _insert_waiting(self, req: Request) -> None:
+        """Put ``req`` in the waiting queue at its (priority, arrival) place (vLLM's heap add,
+        also for a preempted request: a priority queue has no front to prepend to)."""
+        self.waiting.insert(bisect_right(self.waiting, self._priority_key(req),
+                                         key=self._priority_key), req)  # fmt: skip
+
+    def _victim(self, running: list[Request]) -> int:
+        """Index of the running request to preempt: the last one (FCFS), or the one with the
+        largest (priority, arrival) under the priority policy."""
+        if not self.by_priority:
+            return len(running) - 1
+        return max(range(len(running)), key=lambda j: self._priority_key(running[j]))
+
     def _preempt(self, req: Request) -> None:
         self.pool.release(req.blocks)
         req.blocks = []
@@ -1172,7 +1207,10 @@ class Engine:
         req.status = WAITING
         req.num_preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._insert_waiting(req)
+        else:
+            self.waiting.appendleft(req)
 
     def schedule(self, now: float) -> Step | None:
         """Plan one step at time ``now``; None when nothing can run now."""
@@ -1218,7 +1256,12 @@ class Engine:
                 i += 1
                 continue
             while not self._allocate(req, n):
-                victim = running.pop()
+                vi = self._victim(running)
+                victim = running.pop(vi)
+                if vi < i:  # priority policy: a request already scheduled this step
+                    i -= 1
+                    k = next(k for k, (r, _) in enumerate(scheduled) if r is victim)
+                    budget += scheduled.pop(k)[1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
