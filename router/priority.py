@@ -102,9 +102,8 @@ def served_tokens(prompt: int | None, cached: int | None, completion: int | None
     return max(0, p - max(0, min(p, cached or 0))) + max(0, completion or 0)
 
 
-def class_of(level: int, cfg: PriorityConfig) -> str:
+def class_of(level: int) -> str:
     """A coarse label for metrics: ``high`` (level 0-1), ``mid`` (2-4), ``low`` (5+)."""
-    del cfg
     return "high" if level <= 1 else "mid" if level <= 4 else "low"
 
 

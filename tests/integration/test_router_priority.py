@@ -42,3 +42,25 @@ async def test_priority_off_by_default_leaves_headers_alone(fakes, router, http)
                                   "X-Vllm-Priority": "3"}) as r:  # fmt: skip
         assert r.status == 200
     assert _sent(f) == 3
+
+
+async def test_metrics_show_service_and_wait_by_priority_class(fakes, router, http):  # noqa: F811
+    (f,) = await fakes(1)
+    f.usage = {"prompt_tokens": 300_000, "completion_tokens": 100,
+               "prompt_tokens_details": {"cached_tokens": 100_000}}  # fmt: skip
+    url, _ = await router([f.url], priority="session")
+    hdr = {"Content-Type": "application/json", "X-Dynamo-Session-ID": "d1"}
+    async with http.post(url + "/v1/chat/completions", json=BODY, headers=hdr) as r:
+        assert r.status == 200
+    async with http.post(url + "/v1/chat/completions", json=BODY,
+                         headers={**hdr, "X-Dynamo-Session-Final": "true"}) as r:  # fmt: skip
+        assert r.status == 200
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    lines = dict(ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")
+    # first call: a new session (high); second: ~200k tokens of service (low)
+    assert float(lines['kvroute_priority_ttft_seconds_count{priority_class="high"}']) == 1
+    assert float(lines['kvroute_priority_ttft_seconds_count{priority_class="low"}']) == 1
+    # the session ended (final): its attained service is 2 x (300k - 100k cached + 100)
+    assert float(lines["kvroute_session_service_tokens_sum"]) == 2 * 200_100
+    assert float(lines["kvroute_session_service_tokens_count"]) == 1
