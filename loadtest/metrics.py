@@ -57,8 +57,11 @@ SUMMARY_REQUIRED = (
     "requests_failed",
 )
 CANCELLED = "cancelled"  # CallRecord.error prefix for calls cut off by the run bound
-SHORT_MAX_CALLS = 5  # a completed play of at most this many calls is a short session
-LONG_MIN_CALLS = 20  # ... of at least this many, a long one; medium between
+# a completed play of at most this many calls is a short session, of at least LONG_MIN_CALLS
+# a long one, medium between (weka-dev's Claude Code sessions: 10th percentile 26 calls,
+# median 68, 75th 99)
+SHORT_MAX_CALLS = 30
+LONG_MIN_CALLS = 100
 SIZE_CLASSES = ("short", "medium", "long")
 
 

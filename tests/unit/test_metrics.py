@@ -202,8 +202,8 @@ def test_session_completion_by_size_classes_and_short_session_ttft():
     sessions = [
         SessionRecord("a", 0, 0, 0.0, 10.0, 2, True),  # short, 10 s
         SessionRecord("b", 0, 1, 0.0, 30.0, 3, True),  # short, 30 s
-        SessionRecord("c", 0, 2, 0.0, 50.0, 10, True),  # medium
-        SessionRecord("d", 0, 3, 0.0, 90.0, 40, True),  # long
+        SessionRecord("c", 0, 2, 0.0, 50.0, SHORT_MAX_CALLS + 1, True),  # medium
+        SessionRecord("d", 0, 3, 0.0, 90.0, LONG_MIN_CALLS, True),  # long
         SessionRecord("e", 0, 0, 0.0, 5.0, 1, False, cut=True),  # not completed: no class
     ]
     calls = [
