@@ -1,8 +1,8 @@
 """The twin's engine model: vLLM v1 scheduling and KV block management, without a model.
 
-Owns: the state machine one replica runs — requests, the FCFS waiting queue, the running
-batch, the GPU block pool with prefix caching, the optional host-DRAM and storage tiers, KV
-event generation — and the duration of each step (from a timing model,
+Owns: the state machine one replica runs — requests, the waiting queue (FCFS, or by
+priority), the running batch, the GPU block pool with prefix caching, the optional host-DRAM
+and storage tiers, KV event generation — and the duration of each step (from a timing model,
 :mod:`loadtest.twin.truth`: a truth the router is not told, or ``costmodel.steptime``'s
 formula by default in Python). It does
 not own time: a driver (the HTTP replica's asyncio loop, or the discrete-event simulator)
@@ -26,6 +26,10 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
   reallocated from the head (LRU eviction, one ``BlockRemoved`` per evicted block); a freed
   block without a hash goes to the front (reused first). A block recomputed while its hash
   is cached elsewhere becomes a second cached copy (stored and removed on its own).
+* Priority policy (profile ``priority_scheduling``, vLLM's ``--scheduling-policy priority``):
+  the waiting queue is ordered by (priority, arrival) instead, a preempted request goes back
+  at its place in that order, and the running request preempted is the one with the largest
+  (priority, arrival), dropped from the step if already scheduled in it.
 * No room for a running request: preempt the last running request (recompute: free its
   blocks, back to the front of the waiting queue). A waiting request is admitted only if
   its whole sequence so far fits in the free blocks (``scheduler_reserve_full_isl``, on by
