@@ -64,3 +64,20 @@ async def test_metrics_show_service_and_wait_by_priority_class(fakes, router, ht
     # the session ended (final): its attained service is 2 x (300k - 100k cached + 100)
     assert float(lines["kvroute_session_service_tokens_sum"]) == 2 * 200_100
     assert float(lines["kvroute_session_service_tokens_count"]) == 1
+
+
+async def test_admin_route_explains_the_priority(fakes, router, http):  # noqa: F811
+    (f,) = await fakes(1)
+    f.usage = {"prompt_tokens": 50_000, "completion_tokens": 0}
+    url, _ = await router([f.url], priority="session", admin_key="adm")
+    hdr = {"Content-Type": "application/json", "x-session-id": "e"}
+    async with http.post(url + "/v1/chat/completions", json=BODY, headers=hdr) as r:
+        assert r.status == 200
+    body = {**BODY, "nvext": {"agent_hints": {"priority": 1}}}
+    async with http.post(url + "/admin/route?explain=1", json=body,
+                         headers={**hdr, "X-Admin-Key": "adm"}) as r:  # fmt: skip
+        out = await r.json()
+    p = out["priority"]
+    assert p["service_tokens"] == 50_000 and p["role"] == "plain" and p["client_hint"] == 1
+    assert p["level"] == 3 - 1  # floor(log2(1 + 50000/4096)) = 3, less the hint's level
+    assert p["bound_s"] == 18.0
