@@ -23,10 +23,12 @@ import aiohttp
 from aiohttp import web
 
 from router import api
+from router.admission import AdmissionGate
 from router.call import CallSequence, DecisionHook, FirstByteHook, Observer, PromptAnalyzer
 from router.config import RouterConfig
 from router.frontdoor import FrontDoorRunner, json_errors
 from router.keys import (
+    ADMISSION,
     CALLS,
     CLIENT,
     CONFIG,
@@ -138,8 +140,13 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 
         stalls = StallWatch(cfg.loop_stall_log_ms / 1000.0).start()
     lag = asyncio.create_task(metrics.watch_loop(stalls=stalls), name="kvroute-loop-lag")
+    tasks = [task, lag]
+    gate = app[ADMISSION]
+    if isinstance(gate, AdmissionGate):  # scrapes show room: release waiters
+        tasks.append(asyncio.create_task(gate.run(cfg.metrics_interval_s), name="kvroute-gate"))
+        metrics.watch_admission(gate)
     yield
-    await cancel_all([task, lag])
+    await cancel_all(tasks)
     if stalls is not None:
         stalls.stop()
     await store.close()
@@ -209,6 +216,7 @@ async def _discover_later(app: web.Application, kv: KVState) -> None:
 def _log_status(st: LayerStatus) -> None:
     (log.info if st.mode in ("full", "off") else log.warning)("%s", st.line())
 
+
 def _count_service(app: web.Application, ctx: Any, outcome: CallOutcome) -> None:
     """Add an answered call's service (router.priority.served_tokens) to its session."""
     u = outcome.usage
@@ -235,6 +243,11 @@ def build_app(
     app[PRIORITY] = cfg.priority_config()
     metrics = app[METRICS] = RouterMetrics()
     app[REPLICAS] = ReplicaSet(cfg.breaker_failures, cfg.breaker_cooldown_s)
+    gate = app[ADMISSION] = (
+        AdmissionGate(cfg.admission_limits(), app[REPLICAS].views)
+        if cfg.admission == "on"
+        else None
+    )
     pipeline = build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)
     app[PIPELINE] = pipeline
     providers = dict(state_providers or {})
@@ -254,6 +267,8 @@ def build_app(
         metrics.watch_kv_analysis(kv)
         metrics.watch_kv_pool(kv)
     obs.append(lambda ctx, outcome: _count_service(app, ctx, outcome))
+    if gate is not None:
+        obs.append(lambda ctx, outcome: gate.pump())  # a call ended: room, maybe
     obs.extend(observers or [])
     if cfg.decision_log:
         from router.decisionlog import DecisionLog

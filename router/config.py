@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 
+from router.admission import AdmissionLimits
 from router.kv.config import KVConfig
 from router.priority import PRIORITY_MODES, PriorityConfig
 
@@ -187,6 +188,13 @@ class RouterConfig:
     priority_unit_tokens: float = 4096.0  # attained service of one level doubling
     priority_max_level: int = 8
     priority_level_s: float = 2.0  # aging: seconds per level (bound: levels x this)
+    # admission at the router (router.admission): while every replica is full, calls wait
+    # in the router in priority order (bounded), then 503/429 with Retry-After. off | on
+    admission: str = "off"
+    admission_max_waiting: float = 8.0  # vLLM waiting requests that make a replica full
+    admission_max_kv_usage: float = 0.98  # ... or this KV cache usage
+    admission_timeout_s: float = 30.0  # longest wait in the router
+    admission_max_queued: int = 1024  # waiters at most
     log_level: str = "info"
     # append one JSON line per placement here (router.decisionlog; with workers, one file each)
     decision_log: str | None = None
@@ -247,10 +255,17 @@ class RouterConfig:
         if self.priority not in PRIORITY_MODES:
             raise ConfigError(f"priority must be one of {', '.join(PRIORITY_MODES)}, "
                               f"not {self.priority!r}")  # fmt: skip
+        if self.admission not in ("off", "on"):
+            raise ConfigError(f"admission must be off or on, not {self.admission!r}")
         try:
             self.priority_config()
+            self.admission_limits()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.admission_max_waiting, self.admission_max_kv_usage,
+                               self.admission_timeout_s, self.admission_max_queued)  # fmt: skip
 
     def priority_config(self) -> PriorityConfig:
         return PriorityConfig(unit_tokens=self.priority_unit_tokens,

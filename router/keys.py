@@ -59,6 +59,7 @@ UPSTREAM = web.AppKey("upstream", Upstream)  # proxied calls
 RUNTIME = web.AppKey("runtime", Runtime)
 RESPONSES = web.AppKey("responses", ResponseOwners)  # Responses API id -> its replica
 PRIORITY = web.AppKey("priority", PriorityConfig)  # the priority rule's constants
+ADMISSION = web.AppKey("admission", object)  # AdmissionGate | None (admission: on)
 KV = web.AppKey("kv", object)  # KVState | None: the KV layer, when installed
 # () -> router.kv.autoconf.LayerStatus: how fully the KV layer runs (/ready, /metrics, logs)
 KV_STATUS = web.AppKey("kv_status", object)

@@ -17,6 +17,8 @@ histograms, no ``_created`` series). The full list with meanings is in docs/rout
   ``kvroute_session_duration_seconds`` (session completion time),
   ``kvroute_session_service_tokens`` (a completed session's attained service),
   ``kvroute_priority_ttft_seconds{priority_class}`` (queue wait + prefill by priority class),
+  ``kvroute_admission_wait_seconds{priority_class}``, ``kvroute_admission_refused_total{reason}``,
+  ``kvroute_admission_queued`` (admission at the router);
   ``kvroute_request_time_per_output_token_seconds{model}`` (P90 interactivity = 1 / its P90);
 * cache: ``kvroute_prompt_tokens_total{model}`` / ``kvroute_prompt_tokens_cached_total{model}``
   (from responses' usage), ``kvroute_replica_prompt_tokens_cached_total{replica,source}``
@@ -300,6 +302,20 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.admission_wait = LoopHistogram(
+            "kvroute_admission_wait_seconds",
+            "Time a call waited in the router's admission queue (admission: on; every replica "
+            "full) by its priority class (router.priority: high, mid, low; '-' without one)",
+            ["priority_class"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.admission_refused = LoopCounter(
+            "kvroute_admission_refused",
+            "Calls answered without a replica by admission: timeout (503) or queue_full (429)",
+            ["reason"],
+            registry=r,
+        )
         self.loop_lag = Histogram(
             "kvroute_event_loop_lag_seconds",
             "How late the event loop ran a timer due every 50 ms: time every call through this "
@@ -361,6 +377,12 @@ class RouterMetrics:
         replica set at each scrape (a removed replica's series go with it); with
         ``runtime`` (has ``inflight``) also this pod's in-flight calls."""
         self.registry.register(_ReplicaCollector(replicas, runtime))
+
+    def watch_admission(self, gate: Any) -> None:
+        """``kvroute_admission_queued``: calls waiting in the router's admission queue."""
+        queued = Gauge("kvroute_admission_queued", "Calls waiting in the router's admission "
+                       "queue", registry=self.registry)  # fmt: skip
+        self.on_scrape(lambda: queued.set(gate.waiting))
 
     def watch_store(self, store: Any) -> None:
         """Redis write-back backlog and reconciles, when ``store`` is the Redis store."""

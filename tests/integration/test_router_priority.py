@@ -81,3 +81,32 @@ async def test_admin_route_explains_the_priority(fakes, router, http):  # noqa: 
     assert p["service_tokens"] == 50_000 and p["role"] == "plain" and p["client_hint"] == 1
     assert p["level"] == 3 - 1  # floor(log2(1 + 50000/4096)) = 3, less the hint's level
     assert p["bound_s"] == 18.0
+
+
+async def test_admission_holds_calls_while_every_replica_is_full(fakes, router, http):  # noqa: F811
+    import asyncio
+
+    (f,) = await fakes(1)
+    f.waiting = 50  # vLLM's queue is long: the replica is full
+    url, _ = await router([f.url], admission="on", admission_timeout_s=1.0,
+                          metrics_interval_s=0.05, priority="session")  # fmt: skip
+    await asyncio.sleep(0.3)  # a scrape has seen it
+    hdr = {"Content-Type": "application/json", "x-session-id": "w"}
+    n = len(f.seen)
+    async with http.post(url + "/v1/chat/completions", json=BODY, headers=hdr) as r:
+        assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+        assert (await r.json())["error"]["type"] == "service_unavailable"
+    async with http.post(url + "/v1/messages", json=BODY, headers=hdr) as r:
+        assert r.status == 503  # Anthropic shape
+        assert (await r.json())["error"]["type"] == "overloaded_error"
+    assert len(f.seen) == n  # nothing was pushed onto the full replica
+    # a waiting call goes on once a scrape shows room
+    call = asyncio.create_task(http.post(url + "/v1/chat/completions", json=BODY, headers=hdr))
+    await asyncio.sleep(0.1)
+    f.waiting = 0
+    async with await call as r:
+        assert r.status == 200
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'kvroute_admission_refused_total{reason="timeout"} 2.0' in text
+    assert 'kvroute_admission_wait_seconds_count{priority_class="high"} 1.0' in text
