@@ -123,6 +123,10 @@ class AdmissionGate:
             n += 1
         return n
 
+    def observe(self, ctx: object, outcome: object) -> None:
+        """A call observer: a call ended, so a replica may have room."""
+        self.pump()
+
     async def run(self, tick_s: float) -> None:
         """Release waiters as scrapes show room (every ``tick_s``)."""
         while True:

@@ -217,14 +217,20 @@ def _log_status(st: LayerStatus) -> None:
     (log.info if st.mode in ("full", "off") else log.warning)("%s", st.line())
 
 
-def _count_service(app: web.Application, ctx: Any, outcome: CallOutcome) -> None:
-    """Add an answered call's service (router.priority.served_tokens) to its session."""
-    u = outcome.usage
-    if outcome.replica is None or u is None or not ctx.session_call or STORE not in app:
-        return
-    app[STORE].add_service(
-        ctx.identity.key, served_tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
-    )
+class SessionService:
+    """The observer that adds an answered call's service (:func:`router.priority.served_tokens`)
+    to its session in the session table (the priority rule's attained service)."""
+
+    def __init__(self, app: web.Application):
+        self.app = app
+
+    def observe(self, ctx: Any, outcome: CallOutcome) -> None:
+        u = outcome.usage
+        if outcome.replica is None or u is None or not ctx.session_call or STORE not in self.app:
+            return
+        self.app[STORE].add_service(
+            ctx.identity.key, served_tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+        )
 
 
 def build_app(
@@ -266,9 +272,9 @@ def build_app(
         metrics.watch_calibration(kv)
         metrics.watch_kv_analysis(kv)
         metrics.watch_kv_pool(kv)
-    obs.append(lambda ctx, outcome: _count_service(app, ctx, outcome))
+    obs.append(SessionService(app).observe)
     if gate is not None:
-        obs.append(lambda ctx, outcome: gate.pump())  # a call ended: room, maybe
+        obs.append(gate.observe)  # a call ended: room, maybe
     obs.extend(observers or [])
     if cfg.decision_log:
         from router.decisionlog import DecisionLog
