@@ -123,6 +123,9 @@ class ReplicaProfile:
     prefill_interval_steps: int = 0
     request_overhead_s: float = 0.0  # API server: parse, tokenize, detokenize (once per request)
     host_write_back: int = 0  # 1: the host tier takes HBM's evictions (write-back; see above)
+    # 1: vLLM's --scheduling-policy priority (the twin's waiting queue by request priority,
+    # then arrival; preemption of the largest); 0: FCFS
+    priority_scheduling: int = 0
     output_median_tokens: float = 300.0  # replies that end by themselves (twin): median ...
     output_sigma: float = 0.8  # ... and log-normal sigma of their length
     # the cluster KV pool's capacity in blocks: ONE pool shared by every replica of a cluster
@@ -213,7 +216,7 @@ _REPLICA_KEYS = {
     "hbm_efficiency", "cpu_kv_blocks", "storage_kv_blocks", "cpu_kv_bytes", "storage_kv_bytes",
     "prefill_interval_steps", "gpu_memory_utilization", "activation_reserve_bytes",
     "request_overhead_s", "tensor_parallel_size", "host_write_back", "output_median_tokens",
-    "output_sigma", "pool_kv_blocks",
+    "output_sigma", "pool_kv_blocks", "priority_scheduling",
 }  # fmt: skip
 
 
@@ -365,6 +368,7 @@ def profile_from_dict(
         prefill_interval_steps=_int(d, "prefill_interval_steps", where, 0, positive=False),
         request_overhead_s=_num(d, "request_overhead_s", where, 0.0, positive=False),
         host_write_back=_int(d, "host_write_back", where, 0, positive=False),
+        priority_scheduling=_int(d, "priority_scheduling", where, 0, positive=False),
         output_median_tokens=_num(d, "output_median_tokens", where, 300.0),
         output_sigma=_num(d, "output_sigma", where, 0.8, positive=False),
         pool_kv_blocks=_int(d, "pool_kv_blocks", where, 0, positive=False),
@@ -469,6 +473,7 @@ _OVERRIDABLE = {
     "storage_kv_blocks": int, "prefill_interval_steps": int, "request_overhead_s": float,
     "host_write_back": int, "output_median_tokens": float, "output_sigma": float,
     "pool_kv_blocks": int,
+    "priority_scheduling": int,
 }  # fmt: skip
 
 

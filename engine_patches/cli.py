@@ -80,6 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument(
         "--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold
     )
+    f.add_argument(
+        "--scheduling-policy",
+        choices=["priority", "fcfs"],
+        default=d.scheduling_policy,
+        help="vLLM's waiting-queue order (agentic preset; fcfs: the flag is not written)",
+    )
     f.add_argument("--dcp", type=int, default=d.dcp, help="decode context parallel size (GPU)")
     f.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default=None)
     f.add_argument("--json", action="store_true", help="print a JSON list")
@@ -113,6 +119,7 @@ def options_from_args(args: argparse.Namespace):  # -> EngineOptions
             backlog_scale=args.backlog_scale,
         ),
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduling_policy=args.scheduling_policy,
         dcp=args.dcp,
         dcp_comm_backend=args.dcp_comm_backend,
     )

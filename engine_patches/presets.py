@@ -58,6 +58,9 @@ class CadenceOptions:
         }
 
 
+SCHEDULING_POLICIES = ("priority", "fcfs")
+
+
 @dataclass
 class EngineOptions:
     preset: str = "agentic"
@@ -82,6 +85,11 @@ class EngineOptions:
     retention_share: float = 0.5  # held chunks never exceed this share of the host tier
     cadence: CadenceOptions | None = field(default_factory=CadenceOptions)
     long_prefill_token_threshold: int = 512
+    # vLLM's waiting-queue order: priority = by (priority, arrival), which the router's
+    # session-level priority (router.priority, `priority: session`) drives; without a
+    # priority on a request (the router's `priority: off`) every request is 0 and the order is
+    # arrival, as fcfs. fcfs = the flag not written (vLLM's default)
+    scheduling_policy: str = "priority"
     dcp: int = 1  # decode context parallel size (GPU hosts, TP >= dcp)
     dcp_comm_backend: str | None = None  # ag_rs | a2a
 
@@ -227,6 +235,11 @@ def _agentic_flags(opts: EngineOptions) -> list[str]:
         ]
     if opts.long_prefill_token_threshold > 0:
         out += ["--long-prefill-token-threshold", str(opts.long_prefill_token_threshold)]
+    if opts.scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                         f"not {opts.scheduling_policy!r}")  # fmt: skip
+    if opts.scheduling_policy == "priority":
+        out += ["--scheduling-policy", "priority"]
     ktc = kv_transfer_config(opts)
     if ktc is not None:
         out += ["--kv-transfer-config", json.dumps(ktc, separators=(",", ":"))]

@@ -20,6 +20,10 @@ Definitions (AgentX vocabulary, DESIGN.md):
   their completion time), and the P90 over completed plays' completion times and unfinished
   plays' elapsed times together — a lower bound of the P90 over every started play that did
   not fail.
+- Session completion by size (issue 47): completed plays classed by their number of calls —
+  ``short`` (at most :data:`SHORT_MAX_CALLS`), ``long`` (at least :data:`LONG_MIN_CALLS`),
+  ``medium`` between — each with its count, completion p50/p90/p99 and the TTFT p99 of its
+  calls (``session_completion_by_size``); plus the mean completion over every completed play.
 - Failures exclude calls cut off by the replay's own time bound (``requests_cancelled``).
 - Cache hit ratio = Σ cached_tokens / Σ prompt_tokens over successful calls that reported
   ``cached_tokens``; its bound is the same ratio for :class:`UnlimitedCache`.
@@ -53,6 +57,40 @@ SUMMARY_REQUIRED = (
     "requests_failed",
 )
 CANCELLED = "cancelled"  # CallRecord.error prefix for calls cut off by the run bound
+# a completed play of at most this many calls is a short session, of at least LONG_MIN_CALLS
+# a long one, medium between (weka-dev's Claude Code sessions: 10th percentile 26 calls,
+# median 68, 75th 99)
+SHORT_MAX_CALLS = 30
+LONG_MIN_CALLS = 100
+SIZE_CLASSES = ("short", "medium", "long")
+
+
+def size_class(calls: int) -> str:
+    """``short`` / ``medium`` / ``long`` for a session of ``calls`` calls."""
+    if calls <= SHORT_MAX_CALLS:
+        return "short"
+    return "long" if calls >= LONG_MIN_CALLS else "medium"
+
+
+def by_session_size(
+    done: Sequence[SessionRecord], ok: Sequence[CallRecord], speedup: float
+) -> dict[str, dict[str, Any]]:
+    """Per size class of the completed plays ``done``: count, completion p50/p90/p99 (s) and
+    the TTFT p99 (s) of their successful calls ``ok`` (times in modelled seconds)."""
+    cls = {(s.session, s.play): size_class(s.calls) for s in done}
+    out: dict[str, dict[str, Any]] = {}
+    for c in SIZE_CLASSES:
+        times = [(s.t_end - s.t_start) * speedup for s in done if cls[(s.session, s.play)] == c]
+        ttft = [x.ttft_s * speedup for x in ok
+                if x.ttft_s is not None and cls.get((x.session, x.play)) == c]  # fmt: skip
+        out[c] = {
+            "sessions": len(times),
+            "p50_s": _pct(times, 50),
+            "p90_s": _pct(times, 90),
+            "p99_s": _pct(times, 99),
+            "ttft_p99_s": _pct(ttft, 99),
+        }
+    return out
 
 
 def _pct(xs: Sequence[float], q: float) -> float | None:
@@ -236,6 +274,9 @@ def summarize(
         "ttft_p99_s": n["ttft_p99_s"],
         "session_completion_p50_s": _pct(completion, 50),
         "session_completion_p90_s": _pct(completion, 90),
+        "session_completion_p99_s": _pct(completion, 99),
+        "session_completion_mean_s": float(np.mean(completion)) if completion else None,
+        "session_completion_by_size": by_session_size(done, ok, speedup),
         "sessions_completed": len(done),
         "sessions_started": len(sessions),
         "sessions_unfinished": len(cut),

@@ -39,6 +39,7 @@ from router.keys import (
     KV_STATUS,
     METRICS,
     PIPELINE,
+    PRIORITY,
     REPLICAS,
     RESPONSES,
     RUNTIME,
@@ -46,6 +47,7 @@ from router.keys import (
 )
 from router.openapi import openapi_document
 from router.outcome import CallOutcome
+from router.priority import call_level, call_priority, client_hint
 from router.proxy import forward
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import NoCandidates
@@ -381,6 +383,16 @@ async def admin_route(request: web.Request) -> web.Response:
         out["explain"] = d.explain
         if app[CONFIG].engine_hints and route in HINTED_ROUTES:
             out["engine_hint"] = retention_hint(ident, record)
+        if app[CONFIG].priority == "session":
+            service, role = app[STORE].priority_inputs(ident.key)
+            hint = client_hint(request.headers, ctx.body)
+            pcfg = app[PRIORITY]
+            out["priority"] = {
+                "service_tokens": service, "role": role, "client_hint": hint,
+                "level": call_level(service, role, hint, pcfg),
+                "value": call_priority(service, role, hint, time.time(), pcfg),
+                "bound_s": pcfg.bound_s,
+            }  # fmt: skip
     return web.json_response(out)
 
 

@@ -23,10 +23,12 @@ import aiohttp
 from aiohttp import web
 
 from router import api
+from router.admission import AdmissionGate
 from router.call import CallSequence, DecisionHook, FirstByteHook, Observer, PromptAnalyzer
 from router.config import RouterConfig
 from router.frontdoor import FrontDoorRunner, json_errors
 from router.keys import (
+    ADMISSION,
     CALLS,
     CLIENT,
     CONFIG,
@@ -35,6 +37,7 @@ from router.keys import (
     METRICS,
     MONITOR,
     PIPELINE,
+    PRIORITY,
     REPLICAS,
     RESPONSES,
     RUNTIME,
@@ -44,6 +47,8 @@ from router.keys import (
 )
 from router.kv.autoconf import LayerStatus, no_layer_status, replica_facts, tokenize_request
 from router.metrics import RouterMetrics
+from router.outcome import CallOutcome
+from router.priority import served_tokens
 from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
 from router.responses import ResponseOwners
 from router.scheduling.registry import build_pipeline
@@ -135,8 +140,13 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 
         stalls = StallWatch(cfg.loop_stall_log_ms / 1000.0).start()
     lag = asyncio.create_task(metrics.watch_loop(stalls=stalls), name="kvroute-loop-lag")
+    tasks = [task, lag]
+    gate = app[ADMISSION]
+    if isinstance(gate, AdmissionGate):  # scrapes show room: release waiters
+        tasks.append(asyncio.create_task(gate.run(cfg.metrics_interval_s), name="kvroute-gate"))
+        metrics.watch_admission(gate)
     yield
-    await cancel_all([task, lag])
+    await cancel_all(tasks)
     if stalls is not None:
         stalls.stop()
     await store.close()
@@ -207,6 +217,22 @@ def _log_status(st: LayerStatus) -> None:
     (log.info if st.mode in ("full", "off") else log.warning)("%s", st.line())
 
 
+class SessionService:
+    """The observer that adds an answered call's service (:func:`router.priority.served_tokens`)
+    to its session in the session table (the priority rule's attained service)."""
+
+    def __init__(self, app: web.Application):
+        self.app = app
+
+    def observe(self, ctx: Any, outcome: CallOutcome) -> None:
+        u = outcome.usage
+        if outcome.replica is None or u is None or not ctx.session_call or STORE not in self.app:
+            return
+        self.app[STORE].add_service(
+            ctx.identity.key, served_tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+        )
+
+
 def build_app(
     cfg: RouterConfig,
     *,
@@ -220,8 +246,14 @@ def build_app(
     ``state_providers`` and ``observers`` are the bare seams (tests, out-of-tree layers)."""
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[json_errors])
     app[CONFIG] = cfg
+    app[PRIORITY] = cfg.priority_config()
     metrics = app[METRICS] = RouterMetrics()
     app[REPLICAS] = ReplicaSet(cfg.breaker_failures, cfg.breaker_cooldown_s)
+    gate = app[ADMISSION] = (
+        AdmissionGate(cfg.admission_limits(), app[REPLICAS].views)
+        if cfg.admission == "on"
+        else None
+    )
     pipeline = build_pipeline(cfg.scheduling if cfg.scheduling else cfg.policy)
     app[PIPELINE] = pipeline
     providers = dict(state_providers or {})
@@ -240,6 +272,9 @@ def build_app(
         metrics.watch_calibration(kv)
         metrics.watch_kv_analysis(kv)
         metrics.watch_kv_pool(kv)
+    obs.append(SessionService(app).observe)
+    if gate is not None:
+        obs.append(gate.observe)  # a call ended: room, maybe
     obs.extend(observers or [])
     if cfg.decision_log:
         from router.decisionlog import DecisionLog

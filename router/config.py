@@ -21,7 +21,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 
+from router.admission import AdmissionLimits
 from router.kv.config import KVConfig
+from router.priority import PRIORITY_MODES, PriorityConfig
 
 SECRET_FIELDS = frozenset({"upstream_api_key", "admin_key", "api_keys"})
 
@@ -178,6 +180,21 @@ class RouterConfig:
     api_keys: dict[str, str] = field(default_factory=dict)  # client key -> tenant
     prefix_chars: int = 4096  # fallback session identity: leading prompt characters
     engine_hints: bool = False  # send retention hints to replicas (router.hints, docs/engine.md)
+    # session-level call priority sent to replicas as X-Vllm-Priority (router.priority):
+    # off | session. Off by default: it only acts on engines started with
+    # --scheduling-policy priority (the kvroute engine preset), and vLLM documents a non-zero
+    # priority as an error on engines without that policy
+    priority: str = "off"
+    priority_unit_tokens: float = 4096.0  # attained service of one level doubling
+    priority_max_level: int = 8
+    priority_level_s: float = 2.0  # aging: seconds per level (bound: levels x this)
+    # admission at the router (router.admission): while every replica is full, calls wait
+    # in the router in priority order (bounded), then 503/429 with Retry-After. off | on
+    admission: str = "off"
+    admission_max_waiting: float = 8.0  # vLLM waiting requests that make a replica full
+    admission_max_kv_usage: float = 0.98  # ... or this KV cache usage
+    admission_timeout_s: float = 30.0  # longest wait in the router
+    admission_max_queued: int = 1024  # waiters at most
     log_level: str = "info"
     # append one JSON line per placement here (router.decisionlog; with workers, one file each)
     decision_log: str | None = None
@@ -235,6 +252,25 @@ class RouterConfig:
             raise ConfigError("pool_timeout_s >= 0 (0: no bound)")
         if self.loop_stall_log_ms < 0:
             raise ConfigError("loop_stall_log_ms >= 0 (0: off)")
+        if self.priority not in PRIORITY_MODES:
+            raise ConfigError(f"priority must be one of {', '.join(PRIORITY_MODES)}, "
+                              f"not {self.priority!r}")  # fmt: skip
+        if self.admission not in ("off", "on"):
+            raise ConfigError(f"admission must be off or on, not {self.admission!r}")
+        try:
+            self.priority_config()
+            self.admission_limits()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.admission_max_waiting, self.admission_max_kv_usage,
+                               self.admission_timeout_s, self.admission_max_queued)  # fmt: skip
+
+    def priority_config(self) -> PriorityConfig:
+        return PriorityConfig(unit_tokens=self.priority_unit_tokens,
+                              max_level=self.priority_max_level,
+                              level_s=self.priority_level_s)  # fmt: skip
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}

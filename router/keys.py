@@ -17,6 +17,7 @@ from aiohttp import web
 from router.call import CallSequence
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
+from router.priority import PriorityConfig
 from router.replicas import ReplicaMonitor, ReplicaSet
 from router.responses import ResponseOwners
 from router.scheduling.pipeline import Pipeline
@@ -57,6 +58,8 @@ CLIENT = web.AppKey("client", aiohttp.ClientSession)  # probes, https replicas
 UPSTREAM = web.AppKey("upstream", Upstream)  # proxied calls
 RUNTIME = web.AppKey("runtime", Runtime)
 RESPONSES = web.AppKey("responses", ResponseOwners)  # Responses API id -> its replica
+PRIORITY = web.AppKey("priority", PriorityConfig)  # the priority rule's constants
+ADMISSION = web.AppKey("admission", object)  # AdmissionGate | None (admission: on)
 KV = web.AppKey("kv", object)  # KVState | None: the KV layer, when installed
 # () -> router.kv.autoconf.LayerStatus: how fully the KV layer runs (/ready, /metrics, logs)
 KV_STATUS = web.AppKey("kv_status", object)

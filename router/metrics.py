@@ -15,6 +15,10 @@ histograms, no ``_created`` series). The full list with meanings is in docs/rout
   ``kvroute_session_moves_total{reason=retry|unavailable|cost|score|other}``,
   ``kvroute_active_sessions``,
   ``kvroute_session_duration_seconds`` (session completion time),
+  ``kvroute_session_service_tokens`` (a completed session's attained service),
+  ``kvroute_priority_ttft_seconds{priority_class}`` (queue wait + prefill by priority class),
+  ``kvroute_admission_wait_seconds{priority_class}``, ``kvroute_admission_refused_total{reason}``,
+  ``kvroute_admission_queued`` (admission at the router);
   ``kvroute_request_time_per_output_token_seconds{model}`` (P90 interactivity = 1 / its P90);
 * cache: ``kvroute_prompt_tokens_total{model}`` / ``kvroute_prompt_tokens_cached_total{model}``
   (from responses' usage), ``kvroute_replica_prompt_tokens_cached_total{replica,source}``
@@ -64,11 +68,13 @@ from prometheus_client.metrics_core import (
 from prometheus_client.utils import floatToGoString
 
 from router.outcome import CallOutcome
+from router.priority import class_of, served_tokens
 
 LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
 # agent sessions: tens of calls with tool pauses, minutes to hours
+SERVICE_BUCKETS = tuple(float(4096 * 2**k) for k in range(12))  # router.priority's levels
 SESSION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
 # the event-loop lag probe: a timer every 50 ms (20 wake-ups a second, ~1 ms of CPU); lateness
 # buckets from 1 ms (scheduling noise) to 5 s (a cold tokenization on the loop would be ~0.3 s)
@@ -281,6 +287,35 @@ class RouterMetrics:
             buckets=SESSION_BUCKETS,
             registry=r,
         )
+        self.session_service = Histogram(
+            "kvroute_session_service_tokens",
+            "Attained service of a completed session (prompt tokens computed + tokens decoded, "
+            "its own calls through this router)",
+            buckets=SERVICE_BUCKETS,
+            registry=r,
+        )
+        self.priority_ttft = LoopHistogram(
+            "kvroute_priority_ttft_seconds",
+            "Time to the first upstream byte (queue wait + prefill) by the call's priority "
+            "class (router.priority: high = level 0-1, mid = 2-4, low = 5+; priority: session)",
+            ["priority_class"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.admission_wait = LoopHistogram(
+            "kvroute_admission_wait_seconds",
+            "Time a call waited in the router's admission queue (admission: on; every replica "
+            "full) by its priority class (router.priority: high, mid, low; '-' without one)",
+            ["priority_class"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.admission_refused = LoopCounter(
+            "kvroute_admission_refused",
+            "Calls answered without a replica by admission: timeout (503) or queue_full (429)",
+            ["reason"],
+            registry=r,
+        )
         self.loop_lag = Histogram(
             "kvroute_event_loop_lag_seconds",
             "How late the event loop ran a timer due every 50 ms: time every call through this "
@@ -303,7 +338,8 @@ class RouterMetrics:
         self.cached_tokens_by = self.cached_tokens.labels
         self.request_tpot_by = self.request_tpot.labels
         self.session_idle_s = session_idle_s
-        self._sessions: OrderedDict[str, list[float]] = OrderedDict()  # key -> [start, end]
+        # key -> [start, end, attained service]
+        self._sessions: OrderedDict[str, list[float]] = OrderedDict()
         self._refreshers: list[Callable[[], None]] = []
         self.on_scrape(self.expire_sessions)
 
@@ -341,6 +377,12 @@ class RouterMetrics:
         replica set at each scrape (a removed replica's series go with it); with
         ``runtime`` (has ``inflight``) also this pod's in-flight calls."""
         self.registry.register(_ReplicaCollector(replicas, runtime))
+
+    def watch_admission(self, gate: Any) -> None:
+        """``kvroute_admission_queued``: calls waiting in the router's admission queue."""
+        queued = Gauge("kvroute_admission_queued", "Calls waiting in the router's admission "
+                       "queue", registry=self.registry)  # fmt: skip
+        self.on_scrape(lambda: queued.set(gate.waiting))
 
     def watch_store(self, store: Any) -> None:
         """Redis write-back backlog and reconciles, when ``store`` is the Redis store."""
@@ -396,17 +438,24 @@ class RouterMetrics:
         duration = outcome.duration_s
         span = self._sessions.get(ident.key)
         start = now - duration if duration is not None else now
+        usage = outcome.usage
+        served = 0
+        if outcome.replica is not None and usage is not None:
+            served = served_tokens(usage.prompt_tokens, usage.cached_tokens,
+                                   usage.completion_tokens)  # fmt: skip
         if span is None:
-            self._sessions[ident.key] = [start, now]
+            self._sessions[ident.key] = [start, now, served]
             while len(self._sessions) > MAX_TRACKED_SESSIONS:
                 self._sessions.popitem(last=False)
         else:
             span[1] = now
+            span[2] += served
             self._sessions.move_to_end(ident.key)
         if ident.final:
-            s, e = self._sessions.pop(ident.key)
-            self.session_duration.observe(max(0.0, e - s))
-        usage = outcome.usage
+            self._session_done(*self._sessions.pop(ident.key))
+        level = getattr(ctx, "priority_level", None)
+        if level is not None and outcome.ttft_s is not None:
+            self.priority_ttft.labels(class_of(level)).observe(outcome.ttft_s)
         if outcome.replica is None or usage is None:
             return
         model = ctx.model or "-"
@@ -423,11 +472,15 @@ class RouterMetrics:
         """Sessions silent for ``session_idle_s`` are complete: observe their span."""
         now = time.monotonic() if now is None else now
         while self._sessions:
-            key, (s, e) = next(iter(self._sessions.items()))
+            key, (s, e, served) = next(iter(self._sessions.items()))
             if now - e < self.session_idle_s:
                 break
             del self._sessions[key]
-            self.session_duration.observe(max(0.0, e - s))
+            self._session_done(s, e, served)
+
+    def _session_done(self, start: float, end: float, served: float) -> None:
+        self.session_duration.observe(max(0.0, end - start))
+        self.session_service.observe(served)
 
 
 class _WithoutCreated:

@@ -24,11 +24,30 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from router.admission import AdmissionRefused, retry_after
 from router.errors import error_response, replica_error_body, sse_error_event
 from router.frontdoor import SendWatch, stream_to
 from router.hints import call_hint, hinted_body
-from router.keys import CALLS, CONFIG, METRICS, REPLICAS, RESPONSES, STORE, UPSTREAM
+from router.keys import (
+    ADMISSION,
+    CALLS,
+    CONFIG,
+    METRICS,
+    PRIORITY,
+    REPLICAS,
+    RESPONSES,
+    STORE,
+    UPSTREAM,
+)
 from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_body, usage_from_stream
+from router.priority import (
+    PRIORITY_HEADER,
+    ROLE_PLAIN,
+    call_level,
+    call_priority,
+    class_of,
+    client_hint,
+)
 from router.responses import RESPONSES_ROUTE
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
@@ -131,6 +150,28 @@ async def place_session(
     return chosen
 
 
+def set_priority(
+    app: web.Application,
+    ctx: RequestContext,
+    client_headers: Mapping[str, str],
+    headers: CIMultiDict[str],
+    record: SessionRecord | None,
+) -> None:
+    """Put the call's session-level priority (:func:`router.priority.call_priority`) in
+    ``X-Vllm-Priority``, which vLLM reads before the body's ``priority`` field (and on every
+    route it serves: its Anthropic route has no ``priority`` field), replacing any the client
+    sent. A call outside the session table (``count_tokens``) gets the level of a new one."""
+    pcfg = app[PRIORITY]
+    service, role = (0, ROLE_PLAIN)
+    if record is not None and ctx.session_call:
+        service, role = app[STORE].priority_inputs(ctx.identity.key)
+    hint = client_hint(client_headers, ctx.body)
+    ctx.priority_level = call_level(service, role, hint, pcfg)
+    ctx.priority = call_priority(service, role, hint, time.time(), pcfg)
+    headers.popall(PRIORITY_HEADER, None)
+    headers[PRIORITY_HEADER] = str(ctx.priority)
+
+
 async def forward(
     request: web.Request,
     ctx: RequestContext,
@@ -153,9 +194,16 @@ async def forward(
     query = request.rel_url.raw_query_string
     path = route + ("?" + query if query else "")
     ctx.hint = call_hint(route, ctx.identity, record, cfg.engine_hints)
+    if cfg.priority == "session":
+        set_priority(app, ctx, request.headers, headers, record)
     hinted = hinted_body(route, ctx.body, ctx.hint)
     if hinted is not None:
         raw = hinted  # retention hint set, or a client-set kvroute hint stripped
+    gate = app[ADMISSION]
+    if gate is not None and ctx.session_call:
+        refused = await _admit(app, ctx, gate, route_label)
+        if refused is not None:
+            return refused
     tried: set[str] = set()
     last_problem = "no healthy replica"
     silent = 0  # replicas that sent nothing within first_byte_timeout_s
@@ -225,6 +273,31 @@ def _pool_full(
         "service_unavailable",
         headers={"Retry-After": str(max(1, int(retry_s))), "X-Request-Id": ctx.request_id},
     )  # fmt: skip
+
+
+async def _admit(
+    app: web.Application, ctx: RequestContext, gate: Any, route_label: str
+) -> web.Response | None:
+    """Wait in the admission queue (router.admission) while every replica is full: in the
+    order of the call's priority (its arrival without one). None: go on; else the answer."""
+    metrics = app[METRICS]
+    key = ctx.priority
+    if key is None:  # priority off: arrival order
+        key = call_priority(0, ROLE_PLAIN, None, time.time(), app[PRIORITY])
+    try:
+        waited = await gate.admit(key)
+    except AdmissionRefused as e:
+        reason = "queue_full" if e.status == 429 else "timeout"
+        metrics.admission_refused.labels(reason).inc()
+        metrics.requests_by(route_label, "-", str(e.status)).inc()
+        kind = "rate_limit_exceeded" if e.status == 429 else "service_unavailable"
+        return error_response(ctx.route, e.status, e.message, kind,
+                              headers={"Retry-After": retry_after(e.retry_after_s),
+                                       "X-Request-Id": ctx.request_id})  # fmt: skip
+    if waited > 0:
+        level = ctx.priority_level
+        metrics.admission_wait.labels("-" if level is None else class_of(level)).observe(waited)
+    return None
 
 
 def rendezvous(key: str, names: list[str]) -> str | None:

@@ -43,11 +43,13 @@ from typing import Any, Protocol, cast
 import orjson
 from redis.exceptions import RedisError
 
+from router.priority import ROLE_BURST, ROLE_JOIN, ROLE_PLAIN
 from router.sessions import SessionIdentity
 
 log = logging.getLogger("kvroute.state")
 MAX_GAPS = 32
 RECONCILE_BATCH = 256  # sessions written back per round trip when Redis returns
+MAX_DEPTH = 16  # subagent nesting followed to find a session's root
 
 
 @dataclass
@@ -65,6 +67,9 @@ class SessionRecord:
     inflight: int = 0  # this router's calls in flight for the session
     final: bool = False
     children: set[str] = field(default_factory=set)
+    # tokens served to this session and its subagents (prompt tokens computed + tokens
+    # decoded; router.priority's attained service), this router's share
+    service: int = 0
 
     def copy(self) -> SessionRecord:
         # field by field: dataclasses.replace re-runs __init__ through its generic path
@@ -72,7 +77,7 @@ class SessionRecord:
         return SessionRecord(
             self.key, self.tenant, self.parent, self.agent, self.replica, self.created,
             self.last_seen, self.last_call_end, list(self.gaps), self.calls, self.inflight,
-            self.final, set(self.children),
+            self.final, set(self.children), self.service,
         )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
@@ -89,6 +94,8 @@ class SessionStore(Protocol):
     async def assign(self, key: str, replica: str) -> None: ...
     async def end_call(self, key: str, now: float) -> None: ...
     async def get(self, key: str) -> SessionRecord | None: ...
+    def add_service(self, key: str, tokens: int) -> None: ...
+    def priority_inputs(self, key: str) -> tuple[int, str]: ...
     def active_count(self) -> int: ...
     def list(self, limit: int = 100) -> list[SessionRecord]: ...
     @property
@@ -176,6 +183,52 @@ class MemoryStore:
     async def get(self, key: str) -> SessionRecord | None:
         rec = self._live(key)
         return None if rec is None else rec.copy()
+
+    def _ancestors(self, rec: SessionRecord) -> list[SessionRecord]:
+        """``rec``'s parent, grandparent, ... up to its root (cycle-safe, bounded)."""
+        out: list[SessionRecord] = []
+        seen = {rec.key}
+        while rec.parent and rec.parent not in seen and len(out) < MAX_DEPTH:
+            parent = self._d.get(rec.parent)
+            if parent is None:
+                break
+            seen.add(parent.key)
+            out.append(parent)
+            rec = parent
+        return out
+
+    def add_service(self, key: str, tokens: int) -> None:
+        """Count ``tokens`` served to session ``key``, on it and on each of its ancestors
+        (a root's ``service`` is its whole tree's)."""
+        rec = self._d.get(key)
+        if rec is None or tokens <= 0:
+            return
+        for r in (rec, *self._ancestors(rec)):
+            r.service += tokens
+
+    def priority_inputs(self, key: str) -> tuple[int, str]:
+        """``(attained service of the session's root, role)`` of a call of ``key`` that has
+        begun (:func:`router.priority.call_priority`'s inputs). Roles: ``join`` — the session
+        has subagents, none in flight, and one ended after the session's own last call (the
+        parent resumes); ``burst`` — a subagent while >= 2 of its parent's subagents are in
+        flight (itself included); else ``plain``."""
+        rec = self._d.get(key)
+        if rec is None:
+            return 0, ROLE_PLAIN
+        chain = self._ancestors(rec)
+        service = (chain[-1] if chain else rec).service
+        role = ROLE_PLAIN
+        if rec.children:
+            kids = [k for c in rec.children if (k := self._d.get(c)) is not None]
+            if kids and not any(k.inflight for k in kids):
+                ended = max((k.last_call_end or 0.0) for k in kids)
+                if ended > (rec.last_call_end if rec.last_call_end is not None else rec.created):
+                    role = ROLE_JOIN
+        if role == ROLE_PLAIN and chain:
+            siblings = (self._d.get(c) for c in chain[0].children)
+            if sum(1 for k in siblings if k is not None and k.inflight) >= 2:
+                role = ROLE_BURST
+        return service, role
 
     def sweep(self, now: float | None = None) -> int:
         now = time.time() if now is None else now
@@ -449,6 +502,12 @@ class RedisStore:
 
     async def get(self, key: str) -> SessionRecord | None:
         return await self.local.get(key)
+
+    def add_service(self, key: str, tokens: int) -> None:
+        self.local.add_service(key, tokens)  # this router's share (not shared in Redis)
+
+    def priority_inputs(self, key: str) -> tuple[int, str]:
+        return self.local.priority_inputs(key)
 
     def active_count(self) -> int:
         return self.local.active_count()

@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="router:<policy> sends retention hints (the router's engine_hints)",
     )
     p.add_argument(
+        "--priority",
+        action="store_true",
+        help="engines schedule by request priority (priority_scheduling=1) and router:<policy> "
+        "sends its session-level priority (the router's priority: session)",
+    )
+    p.add_argument(
         "--router-profile",
         default=None,
         help="the profile router:<policy> prices with (default: --profile, the nominal "
@@ -66,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         prof = profile_from_args(args)
+        if args.priority:
+            prof = prof.replace(priority_scheduling=1)
         plugin = plugin_from_args(args)
         # what the router is told: the nominal profile (with the same --set), or a named one
         router_prof = prof if args.router_profile is None else router_profile(args.router_profile)
@@ -84,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             if policy.startswith("router:"):
                 route = RouterPolicy(policy.removeprefix("router:"), router_prof, seed=args.seed,
-                                     engine_hints=args.engine_hints)  # fmt: skip
+                                     engine_hints=args.engine_hints,
+                                     priority=args.priority)  # fmt: skip
             elif policy in ROUTERS:
                 route = ROUTERS[policy]()
             else:

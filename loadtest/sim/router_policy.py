@@ -59,6 +59,7 @@ from router.hints import call_hint, hinted_body
 from router.kv.config import KVConfig
 from router.kv.state import KVState
 from router.outcome import CallOutcome, Usage
+from router.priority import PriorityConfig, call_priority, served_tokens
 from router.replicas import EndpointView
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision
@@ -80,7 +81,7 @@ class RouterPolicy:
     def __init__(
         self, policy: str, profile: ReplicaProfile, *, seed: int = 0, tenant: str = "sim",
         engine_hints: bool = False, scrape_interval_s: float = 0.0,
-        kv_settings: Mapping[str, Any] | None = None,
+        kv_settings: Mapping[str, Any] | None = None, priority: bool = False,
     ):  # fmt: skip
         if scrape_interval_s < 0:
             raise ValueError("scrape_interval_s must be >= 0")
@@ -92,6 +93,9 @@ class RouterPolicy:
         self._scrape_tick = -1
         self._scraped_at = 0.0
         self._params: dict[tuple[str, int], Any] = {}
+        # the router's priority: session (router.priority), handed to the engines' requests
+        self.priority = PriorityConfig() if priority else None
+        self._priority: dict[tuple[str, int], int] = {}
         self.pipeline = build_pipeline(policy, seed=seed)
         self.profile = profile
         self.now = 0.0
@@ -172,7 +176,16 @@ class RouterPolicy:
             if body is not None:
                 params = orjson.loads(body).get("kv_transfer_params")
                 self._params[(call.session_id, call.call_index)] = params
+        if self.priority is not None:
+            service, role = self.store.priority_inputs(ident.key)
+            self._priority[(call.session_id, call.call_index)] = call_priority(
+                service, role, None, call.now, self.priority
+            )
         return i
+
+    def request_priority(self, call: CallView) -> int:
+        """The priority the router sent with ``call`` (0: none, vLLM's default)."""
+        return self._priority.pop((call.session_id, call.call_index), 0)
 
     def _engine_load(self, replicas: Sequence[ReplicaView]) -> dict[int, tuple[Any, ...]]:
         """(running, waiting, KV usage, host tier's retained share, pending-prefill gauge) per
@@ -226,4 +239,6 @@ class RouterPolicy:
             self.names[record.replica], "200", ttft_s=record.ttft,
             duration_s=record.finish - record.arrival, usage=usage, itl_s=itl, decision=decision,
         ))  # fmt: skip
+        self.store.add_service(ctx.identity.key, served_tokens(
+            record.prompt_tokens, record.cached_tokens, record.output_tokens))  # fmt: skip
         self.store.finish(ctx.identity.key, record.finish)

@@ -41,7 +41,7 @@ import hashlib
 import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,7 +49,7 @@ import numpy as np
 
 from costmodel.profiles import ReplicaProfile
 from engine_patches.retention_rule import parse_hint
-from loadtest.metrics import CallNumbers, UnlimitedCache, agentx_numbers
+from loadtest.metrics import SIZE_CLASSES, CallNumbers, UnlimitedCache, agentx_numbers, size_class
 from loadtest.traces.synthetic import agentx_chains
 from loadtest.twin.engine import RUNNING, ClusterPool, Engine, EnginePlugin, Request, Step
 from loadtest.twin.truth import Truth
@@ -375,6 +375,8 @@ class SimResult:
     failed: int = 0  # DAG calls refused (prompt + output over max_model_len)
     cut: bool = False  # stopped by ``until`` with work left: ``sim_time_s`` is ``until``
     session_spans: list[tuple[float, float]] = field(default_factory=list)  # DAG: start, end
+    # DAG sessions completed: (session id, start, end, calls) — the size classes' input
+    session_runs: list[tuple[str, float, float, int]] = field(default_factory=list)
 
     @property
     def gpus(self) -> int:
@@ -424,11 +426,42 @@ class SimResult:
             "utilization": (sum(self.engine_busy_s) / (self.replicas * self.sim_time_s)
                             if self.sim_time_s else 0.0),
         }  # fmt: skip
+        if done:
+            out["session_p99_s"] = float(np.percentile(done, 99))
+            out["session_mean_s"] = float(np.mean(done))
+            out["session_by_size"] = self._by_size(r, warmup_s)
         # runs with DAG sessions track the unlimited-cache bound (synthetic sessions do not)
         if any(x.bound_cached_tokens is not None for x in r):
             out["hit_bound"] = _or(n["cache_hit_bound"], 0.0)
             out["requests_failed"] = self.failed
         return out
+
+    def _by_size(self, r: list[CallRecord], warmup_s: float) -> dict[str, dict[str, Any]]:
+        """Completed DAG sessions started after ``warmup_s`` by size class
+        (:func:`loadtest.metrics.size_class` of their calls): count, completion p50/p90/p99 and
+        the TTFT p99 of their calls ``r`` (a subagent's calls, ``<root>/<agent>``, count with
+        their root)."""
+        cls = {sid: size_class(n) for sid, st, _, n in self.session_runs if st >= warmup_s}
+        out: dict[str, dict[str, Any]] = {}
+        for c in SIZE_CLASSES:
+            times = [e - st for sid, st, e, _ in self.session_runs
+                     if st >= warmup_s and cls.get(sid) == c]  # fmt: skip
+            ttft = [
+                x.ttft for x in r if x.ttft is not None and cls.get(_root(x.session_id, cls)) == c
+            ]
+            out[c] = {
+                "sessions": len(times),
+                "p50_s": float(np.percentile(times, 50)) if times else None,
+                "p90_s": float(np.percentile(times, 90)) if times else None,
+                "p99_s": float(np.percentile(times, 99)) if times else None,
+                "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
+            }
+        return out
+
+
+def _root(sid: str, roots: Mapping[str, Any]) -> str:
+    """The root session of a DAG call's session id (``<root>/<agent>`` for a subagent)."""
+    return sid if sid in roots else sid.rsplit("/", 1)[0]
 
 
 def _or(x: float | None, default: float) -> float:
@@ -534,6 +567,9 @@ class Simulator:
         self._params = getattr(route, "kv_transfer_params", None)
         # one cluster KV pool shared by every engine (the profile's pool_kv_blocks; 0: none)
         self.cluster_pool = ClusterPool(profile.pool_kv_blocks) if profile.pool_kv_blocks else None
+        # optional: ``request_priority(call) -> int`` — the priority the router sent (vLLM's
+        # ``priority``; the engines order by it under the profile's priority_scheduling)
+        self._prio = getattr(route, "request_priority", None)
         self.replicas = [_Replica(Engine(profile, emit_events=events, plugin=self.plugin,
                                          truth=truth, cluster_pool=self.cluster_pool))
                          for _ in range(n_replicas)]  # fmt: skip
@@ -695,6 +731,7 @@ class Simulator:
                     self._push(nxt.start, _SESSION, (nxt, lane))  # a lane may start late
         records: list[CallRecord] = []
         spans: list[tuple[float, float]] = []  # DAG sessions completed: (start, end)
+        runs: list[tuple[str, float, float, int]] = []  # ... (id, start, end, calls)
         done_sessions = 0
         failed = 0
         # DAG sessions: request id -> (run, call, unlimited-cache hit); the bound's cache
@@ -715,6 +752,7 @@ class Simulator:
             if run.left == 0:
                 done_sessions += 1
                 spans.append((run.start, now))
+                runs.append((run.session.id, run.start, now, len(run.session.calls)))
                 if feed is not None and run.lane is not None:
                     nxt = feed.next_session(run.lane, now)
                     if nxt is not None:
@@ -767,7 +805,8 @@ class Simulator:
                 i = self.route(view, self.views)
                 req = Request(f"{s.id}/{st['k']}", ctx, call.output_tokens,
                               block_keys=keys[: ctx // bs], arrival=now, session_id=s.id,
-                              tag=i, hint=self._hint(view))  # fmt: skip
+                              tag=i, hint=self._hint(view),
+                              priority=self._prio(view) if self._prio else 0)  # fmt: skip
                 if overhead > 0:  # the API server's share of TTFT, before the engine
                     self._push(now + overhead, _ENQUEUE, (i, req))
                 else:
@@ -794,8 +833,8 @@ class Simulator:
                                 parent_session=parent)  # fmt: skip
                 i = self.route(view, self.views)
                 req = Request(f"{sid}/{idx}", n_tok, tc.output_tokens, block_keys=keys,
-                              arrival=now, session_id=sid, tag=i,
-                              hint=self._hint(view))  # fmt: skip
+                              arrival=now, session_id=sid, tag=i, hint=self._hint(view),
+                              priority=self._prio(view) if self._prio else 0)  # fmt: skip
                 dag_reqs[req.id] = (run, k, bound)
                 if overhead > 0:
                     self._push(now + overhead, _ENQUEUE, (i, req))
@@ -873,7 +912,7 @@ class Simulator:
             sessions_done=done_sessions, sessions=n_sessions,
             engine_busy_s=[r.engine.busy_time for r in self.replicas],
             tier_hit_blocks=tier_hits, gpus_per_replica=self.profile.gpus, failed=failed,
-            cut=cut, session_spans=spans,
+            cut=cut, session_spans=spans, session_runs=runs,
         )  # fmt: skip
 
 

@@ -72,6 +72,10 @@ class SweepConfig:
     scale_out: int = 0  # scale-out: replicas added (0: half of ``replicas``, at least 1)
     # the cluster KV pool every twin shares, in blocks (0: none; needs a host tier)
     pool_blocks: int = 0
+    # session-level priority (issue 47): the twins schedule by request priority (vLLM's
+    # --scheduling-policy priority, as the kvroute engine preset) and kvroute targets send it
+    # (the router's priority: session); off: FCFS twins, no priority sent
+    priority: bool = False
 
     @property
     def router_profile_name(self) -> str:
@@ -135,6 +139,8 @@ def run_point(
     events = "tcp://127.0.0.1:*" if needs_events(target) else None
     extra_replicas = scale_out_of(cfg)
     overrides = [f"pool_kv_blocks={cfg.pool_blocks}"] if cfg.pool_blocks else []
+    if cfg.priority:
+        overrides.append("priority_scheduling=1")
     cluster = TwinCluster(cfg.replicas + extra_replicas, cfg.profile, cfg.speedup,
                           kv_events=events, truth=cfg.truth, overrides=overrides)  # fmt: skip
     disruptor: Disruptor | None = None
@@ -154,6 +160,9 @@ def run_point(
             profile=cfg.router_profile_name,
             speedup=cfg.speedup,
             extra_env=extra,
+            extra_args=["--priority", "session"]
+            if cfg.priority and target.startswith("kvroute:")
+            else [],
         )
         with router:
             if cfg.disrupt:

@@ -85,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a cluster KV pool every twin shares, in blocks (needs a profile with a host "
         "tier; 0: none)",
     )  # fmt: skip
+    p.add_argument(
+        "--priority",
+        action="store_true",
+        help="twins schedule by request priority (vLLM --scheduling-policy priority) and "
+        "kvroute targets send their session-level priority (router priority: session)",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -151,6 +157,7 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
         restart_downtime_s=args.restart_downtime,
         scale_out=args.scale_out,
         pool_blocks=args.pool_blocks,
+        priority=args.priority,
     )
     try:
         res = run_sweep(cfg, out, command="kvroute bench " + " ".join(sys.argv[2:]))

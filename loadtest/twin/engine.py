@@ -1,8 +1,8 @@
 """The twin's engine model: vLLM v1 scheduling and KV block management, without a model.
 
-Owns: the state machine one replica runs — requests, the FCFS waiting queue, the running
-batch, the GPU block pool with prefix caching, the optional host-DRAM and storage tiers, KV
-event generation — and the duration of each step (from a timing model,
+Owns: the state machine one replica runs — requests, the waiting queue (FCFS, or by
+priority), the running batch, the GPU block pool with prefix caching, the optional host-DRAM
+and storage tiers, KV event generation — and the duration of each step (from a timing model,
 :mod:`loadtest.twin.truth`: a truth the router is not told, or ``costmodel.steptime``'s
 formula by default in Python). It does
 not own time: a driver (the HTTP replica's asyncio loop, or the discrete-event simulator)
@@ -26,6 +26,10 @@ vLLM v1 semantics modelled (``vllm/v1/core/sched/scheduler.py``, ``block_pool.py
   reallocated from the head (LRU eviction, one ``BlockRemoved`` per evicted block); a freed
   block without a hash goes to the front (reused first). A block recomputed while its hash
   is cached elsewhere becomes a second cached copy (stored and removed on its own).
+* Priority policy (profile ``priority_scheduling``, vLLM's ``--scheduling-policy priority``):
+  the waiting queue is ordered by (priority, arrival) instead, a preempted request goes back
+  at its place in that order, and the running request preempted is the one with the largest
+  (priority, arrival), dropped from the step if already scheduled in it.
 * No room for a running request: preempt the last running request (recompute: free its
   blocks, back to the front of the waiting queue). A waiting request is admitted only if
   its whole sequence so far fits in the free blocks (``scheduler_reserve_full_isl``, on by
@@ -79,6 +83,7 @@ import hashlib
 import heapq
 import itertools
 import zlib
+from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -129,10 +134,12 @@ class Request:
         "num_output",
         "num_preemptions",
         "output_ids",
+        "priority",
         "promoted",
         "prompt_len",
         "queued_time",
         "ready_at",
+        "seq",
         "session_id",
         "status",
         "tag",
@@ -151,6 +158,7 @@ class Request:
         session_id: str | None = None,
         tag: Any = None,
         hint: Hint | None = None,
+        priority: int = 0,
     ):
         if prompt_len <= 0:
             raise ValueError("a request needs at least one prompt token")
@@ -166,6 +174,8 @@ class Request:
         self.session_id = session_id
         self.tag = tag
         self.hint = hint  # the request's kvroute retention hint (engine plugin), if any
+        self.priority = priority  # vLLM's request priority (lower first; priority policy)
+        self.seq = 0  # the engine's arrival count (arrival-time ties, as vLLM's clock breaks)
         self.blocks: list[int] = []
         self.n_cached = 0  # leading blocks already through caching
         self.num_computed = 0
@@ -712,6 +722,10 @@ class Engine:
         )
         self.now = 0.0  # the time of the last schedule() / complete()
         self.waiting: deque[Request] = deque()
+        # vLLM's --scheduling-policy priority: the waiting queue by (priority, arrival), and
+        # the running request with the largest (priority, arrival) preempted (else FCFS)
+        self.by_priority = bool(profile.priority_scheduling)
+        self._seq = 0
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.output_token = output_token or _default_output_token
@@ -825,7 +839,12 @@ class Engine:
                 f"max_model_len {self.profile.max_model_len}"
             )
         self.requests[req.id] = req
-        self.waiting.append(req)
+        self._seq += 1
+        req.seq = self._seq
+        if self.by_priority:
+            self._insert_waiting(req)
+        else:
+            self.waiting.append(req)
 
     def abort(self, req_id: str) -> bool:
         req = self.requests.pop(req_id, None)
@@ -1164,6 +1183,26 @@ class Engine:
             return False
         return any(r.blocks for r in self.waiting if r is not head)
 
+    # ---- priority policy (vLLM's RequestQueue for SchedulingPolicy.PRIORITY) -------------
+
+    @staticmethod
+    def _priority_key(r: Request) -> tuple[int, float, int]:
+        """vLLM's ``Request.__lt__``: priority, then arrival time (then, here, arrival order)."""
+        return (r.priority, r.arrival, r.seq)
+
+    def _insert_waiting(self, req: Request) -> None:
+        """Put ``req`` in the waiting queue at its (priority, arrival) place (vLLM's heap add,
+        also for a preempted request: a priority queue has no front to prepend to)."""
+        self.waiting.insert(bisect_right(self.waiting, self._priority_key(req),
+                                         key=self._priority_key), req)  # fmt: skip
+
+    def _victim(self, running: list[Request]) -> int:
+        """Index of the running request to preempt: the last one (FCFS), or the one with the
+        largest (priority, arrival) under the priority policy."""
+        if not self.by_priority:
+            return len(running) - 1
+        return max(range(len(running)), key=lambda j: self._priority_key(running[j]))
+
     def _preempt(self, req: Request) -> None:
         self.pool.release(req.blocks)
         req.blocks = []
@@ -1172,7 +1211,10 @@ class Engine:
         req.status = WAITING
         req.num_preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._insert_waiting(req)
+        else:
+            self.waiting.appendleft(req)
 
     def schedule(self, now: float) -> Step | None:
         """Plan one step at time ``now``; None when nothing can run now."""
@@ -1218,7 +1260,12 @@ class Engine:
                 i += 1
                 continue
             while not self._allocate(req, n):
-                victim = running.pop()
+                vi = self._victim(running)
+                victim = running.pop(vi)
+                if vi < i:  # priority policy: a request already scheduled this step
+                    i -= 1
+                    k = next(k for k, (r, _) in enumerate(scheduled) if r is victim)
+                    budget += scheduled.pop(k)[1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:

@@ -273,6 +273,20 @@ def _session_id(request: web.Request, body: dict[str, Any]) -> str | None:
     return str(sid) if sid is not None else None
 
 
+def _priority(request: web.Request, body: dict[str, Any]) -> int:
+    """vLLM's request priority: the ``X-Vllm-Priority`` header (an integer), else the body's
+    ``priority`` field, else 0 — as vLLM's ``_get_priority``; it orders the queue only
+    under the profile's ``priority_scheduling`` (``--scheduling-policy priority``)."""
+    raw = request.headers.get("X-Vllm-Priority")
+    if raw is not None:
+        try:
+            return int(raw)
+        except ValueError:
+            pass
+    p = body.get("priority", 0)
+    return p if type(p) is int else 0
+
+
 def _hint(twin: TwinReplica, body: dict[str, Any]) -> Hint | None:
     """The engine plugin's retention hint, read from ``kv_transfer_params.kvroute`` as vLLM
     hands that field to the plugin's policy (malformed: ignored). ``return_s`` is the client's
@@ -330,7 +344,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     include_usage = bool(so.get("include_usage")) if isinstance(so, dict) else False
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
     req = Request(rid, len(ids), turn.tokens, token_ids=ids, session_id=session,
-                  hint=_hint(twin, body))  # fmt: skip
+                  hint=_hint(twin, body), priority=_priority(request, body))  # fmt: skip
     created = int(time.time())
     twin.in_flight += 1
     try:

@@ -66,6 +66,8 @@ class RequestContext:
     # are routed like the session's calls, but neither placed, analysed nor counted in it
     session_call: bool = True
     hint: Mapping[str, Any] | None = None  # the retention hint sent upstream (router.hints)
+    priority: int | None = None  # the priority sent upstream (router.priority), if any
+    priority_level: int | None = None  # its level before aging (0 = most urgent)
     _prefix: str | None = None
 
     def prompt_prefix(self, chars: int = 2048) -> str:

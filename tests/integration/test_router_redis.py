@@ -343,4 +343,6 @@ async def test_serve_wires_the_kv_layer_when_configured(fakes, http, serve):
     async with http.get(p.url + "/admin/config", headers={"X-Admin-Key": "adm"}) as r:
         wiring = await r.json()
     assert wiring["prompt_analyzer"] and wiring["state_providers"] == ["kv"]
-    assert wiring["observers"] == ["RouterMetrics.observe_call", "KVState.observe"]
+    assert wiring["observers"] == [
+        "RouterMetrics.observe_call", "KVState.observe", "SessionService.observe",
+    ]  # fmt: skip

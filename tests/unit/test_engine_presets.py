@@ -30,6 +30,7 @@ def test_agentic_preset_has_every_documented_part():
     cad = json.loads(flag_value(words, "--additional-config"))["kvroute"]["cadence"]
     assert cad["interval"] >= 2 and cad["max_defer_steps"] > 0 and cad["max_defer_ms"] > 0
     assert flag_value(words, "--long-prefill-token-threshold") == "512"
+    assert flag_value(words, "--scheduling-policy") == "priority"  # the router's priority
     ktc = json.loads(flag_value(words, "--kv-transfer-config"))
     extra = ktc["kv_connector_extra_config"]
     assert ktc["kv_connector"] == "OffloadingConnector"
@@ -176,3 +177,13 @@ def test_pool_tier_sits_below_disk_with_remote_locality_and_recompute_on_failed_
 def test_pool_options_that_cannot_work_are_refused(opts, why):
     with pytest.raises(ValueError, match=why):
         presets.flags(presets.EngineOptions(**opts))
+
+
+def test_scheduling_policy_fcfs_writes_no_flag_and_nonsense_is_refused(capsys):
+    words = presets.flags(presets.EngineOptions(scheduling_policy="fcfs"))
+    assert "--scheduling-policy" not in words
+    assert "--scheduling-policy" not in presets.flags(presets.EngineOptions(preset="prefix"))
+    with pytest.raises(ValueError, match="scheduling policy"):
+        presets.flags(presets.EngineOptions(scheduling_policy="lifo"))
+    assert main(["engine", "flags", "--json", "--scheduling-policy", "fcfs"]) == 0
+    assert "--scheduling-policy" not in json.loads(capsys.readouterr().out)

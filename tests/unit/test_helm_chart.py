@@ -375,6 +375,7 @@ def engine_flags_argv(m: dict[str, Any]) -> list[str]:
     argv += ["--cadence-interval", num(c["interval"]), "--max-defer-steps", num(c["maxDeferSteps"])]
     argv += ["--max-defer-ms", num(c["maxDeferMs"]), "--backlog-scale", num(c["backlogScale"])]
     argv += ["--long-prefill-token-threshold", num(p["longPrefillTokenThreshold"])]
+    argv += ["--scheduling-policy", p["schedulingPolicy"]]
     if m["decodeContextParallelSize"] > 1:
         argv += ["--dcp", num(m["decodeContextParallelSize"])]
         argv += ["--dcp-comm-backend", m["dcpCommBackend"]]
@@ -421,7 +422,7 @@ ENGINE_VARIATIONS = {
         "kvEvents": {"port": 6001, "replayPort": 7002},
         "plugin": {"cadence": {"interval": 2, "maxDeferSteps": 0, "maxDeferMs": 62.5,
                                "backlogScale": 0.75},
-                   "longPrefillTokenThreshold": 0},
+                   "longPrefillTokenThreshold": 0, "schedulingPolicy": "fcfs"},
         "offload": {"hostBytes": 1000, "diskDir": "/mnt/nvme-0/kv_tier.d",
                     "retention": {"enabled": True, "ttlSeconds": 90.25, "maxShare": 0.0001}},
     }}},

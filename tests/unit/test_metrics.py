@@ -191,3 +191,32 @@ def test_sessions_cut_by_the_bound_are_reported_apart_with_their_elapsed_time():
     from loadtest.metrics import SUMMARY_REQUIRED
 
     assert "sessions_unfinished" in SUMMARY_REQUIRED and set(SUMMARY_REQUIRED) <= set(plain)
+
+
+def test_session_completion_by_size_classes_and_short_session_ttft():
+    from loadtest.metrics import LONG_MIN_CALLS, SHORT_MAX_CALLS, size_class
+
+    assert [size_class(n) for n in (1, SHORT_MAX_CALLS, SHORT_MAX_CALLS + 1,
+                                    LONG_MIN_CALLS - 1, LONG_MIN_CALLS)] == [
+        "short", "short", "medium", "medium", "long"]  # fmt: skip
+    sessions = [
+        SessionRecord("a", 0, 0, 0.0, 10.0, 2, True),  # short, 10 s
+        SessionRecord("b", 0, 1, 0.0, 30.0, 3, True),  # short, 30 s
+        SessionRecord("c", 0, 2, 0.0, 50.0, SHORT_MAX_CALLS + 1, True),  # medium
+        SessionRecord("d", 0, 3, 0.0, 90.0, LONG_MIN_CALLS, True),  # long
+        SessionRecord("e", 0, 0, 0.0, 5.0, 1, False, cut=True),  # not completed: no class
+    ]
+    calls = [
+        CallRecord("a", 0, "x", "main", 0.0, 1.0, True, ttft_s=0.5),
+        CallRecord("b", 0, "x", "main", 0.0, 1.0, True, ttft_s=1.5),
+        CallRecord("d", 0, "x", "main", 0.0, 1.0, True, ttft_s=9.0),
+        CallRecord("e", 0, "x", "main", 0.0, 1.0, True, ttft_s=99.0),
+    ]
+    s = summarize(calls, sessions, wall_s=100.0, speedup=2.0)
+    by = s["session_completion_by_size"]
+    assert by["short"]["sessions"] == 2 and by["short"]["p50_s"] == pytest.approx(40.0)
+    assert by["short"]["p99_s"] == pytest.approx(20 + 0.99 * 40)  # modelled s (x speedup)
+    assert by["short"]["ttft_p99_s"] == pytest.approx(2 * (0.5 + 0.99 * 1.0))
+    assert by["medium"]["sessions"] == 1 and by["medium"]["ttft_p99_s"] is None
+    assert by["long"]["p90_s"] == pytest.approx(180.0) and by["long"]["ttft_p99_s"] == 18.0
+    assert s["session_completion_mean_s"] == pytest.approx(2 * (10 + 30 + 50 + 90) / 4)

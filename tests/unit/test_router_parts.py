@@ -396,7 +396,7 @@ def test_session_record_copy_keeps_every_field_and_owns_its_lists():
     values = {
         "key": "t\x1fs", "tenant": "t", "parent": "p", "agent": "a", "replica": "r",
         "created": 1.0, "last_seen": 2.0, "last_call_end": 3.0, "gaps": [0.5],
-        "calls": 4, "inflight": 1, "final": True, "children": {"c"},
+        "calls": 4, "inflight": 1, "final": True, "children": {"c"}, "service": 7,
     }  # fmt: skip
     assert set(values) == {f.name for f in dataclasses.fields(SessionRecord)}  # a new field
     rec = SessionRecord(**values)  # must be added to SessionRecord.copy too

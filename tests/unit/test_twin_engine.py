@@ -493,3 +493,74 @@ def test_write_back_needs_a_host_tier():
     with pytest.raises(ProfileError, match="0 or 1"):
         with_overrides(TINY.replace(cpu_kv_blocks=8), {"host_write_back": 2})
     assert with_overrides(TINY.replace(cpu_kv_blocks=8), {"host_write_back": 1}).host_write_back
+
+
+# ---- vLLM's --scheduling-policy priority (profile priority_scheduling) -------------------
+
+
+@pytest.mark.parametrize("policy", [0, 1])
+def test_priority_policy_orders_the_waiting_queue_by_priority_then_arrival(policy):
+    prof = TINY.replace(max_num_seqs=1, priority_scheduling=policy)
+    e = Engine(prof, hasher=BlockHasher(BS))
+    rs = [req("a", toks(40, 50), priority=5, arrival=1.0),
+          req("b", toks(40, 51), priority=0, arrival=2.0),
+          req("c", toks(40, 52), priority=5, arrival=3.0),
+          req("d", toks(40, 53), priority=0, arrival=2.0)]  # fmt: skip
+    drive(e, rs)
+    order = [r.id for r in sorted(rs, key=lambda r: r.first_token_time)]
+    # priority: lower first, then arrival time, then the order they came in; FCFS ignores it
+    assert order == (["b", "d", "a", "c"] if policy else ["a", "b", "c", "d"])
+
+
+@pytest.mark.parametrize("policy", [0, 1])
+def test_priority_policy_preempts_the_largest_priority_not_the_newest(policy):
+    prof = TINY.replace(gpu_kv_blocks=5, max_num_batched_tokens=4096,  # 4 usable
+                        priority_scheduling=policy)  # fmt: skip
+    e = Engine(prof, hasher=BlockHasher(BS))
+    a = req("a", toks(BS + 30, 30), max_tokens=40, priority=3, arrival=0.0)
+    b = req("b", toks(BS + 20, 31), max_tokens=40, priority=0, arrival=0.5)
+    drive(e, [a, b])
+    assert a.finished and b.finished and e.preemptions >= 1
+    if policy:  # a (earlier but priority 3) gives way to b
+        assert a.num_preemptions >= 1 and b.num_preemptions == 0
+        assert b.finish_time < a.finish_time
+    else:  # FCFS: the newest running request goes
+        assert b.num_preemptions >= 1 and a.num_preemptions == 0
+
+
+def test_a_preempted_request_goes_back_at_its_priority_place():
+    prof = TINY.replace(priority_scheduling=1)
+    e = Engine(prof, hasher=BlockHasher(BS))
+    w = [req("x", toks(40, 60), priority=1, arrival=0.0),
+         req("y", toks(40, 61), priority=9, arrival=0.0)]  # fmt: skip
+    for r in w:
+        e.add(r)
+    v = req("v", toks(40, 62), priority=4, arrival=5.0)
+    e.add(v)
+    e.waiting.remove(v)  # as if it ran and was preempted
+    e._preempt(v)
+    assert [r.id for r in e.waiting] == ["x", "v", "y"]  # FCFS would put v at the front
+
+
+def test_priority_preemption_of_a_request_already_scheduled_this_step_returns_its_budget():
+    # b (index 1 in running) needs a block first; the victim is a (index 0), already
+    # scheduled in this step: it leaves the step, its token goes back to the budget
+    prof = TINY.replace(gpu_kv_blocks=5, max_num_batched_tokens=4096, priority_scheduling=1)
+    e = Engine(prof, hasher=BlockHasher(BS))
+    a = req("a", toks(BS + 20, 40), max_tokens=40, priority=3, arrival=0.0)
+    b = req("b", toks(2 * BS - 1, 41), max_tokens=40, priority=0, arrival=0.5)
+    e.add(a)
+    t = drive(e, [], until_idle=False)  # a runs first: running = [a, b]
+    e.add(b)
+    seen_victim_step = False
+    while e.has_work:
+        s = e.schedule(t)
+        assert s is not None
+        ids = [r.id for r, _ in s.scheduled]
+        assert len(ids) == len(set(ids))
+        if a in s.preempted:
+            seen_victim_step = True
+            assert ids == ["b"]  # a was dropped from the step it had been scheduled in
+        t += s.duration
+        e.complete(s, t)
+    assert seen_victim_step and a.finished and b.finished and b.num_preemptions == 0

@@ -112,3 +112,31 @@ def test_the_simulated_router_can_read_engine_load_through_scrapes():
     assert exact._engine_load(view(7))[0][0] == 7.0
     with pytest.raises(ValueError):
         RouterPolicy("least_load", P70, scrape_interval_s=-1)
+
+
+def test_the_simulated_router_sends_session_priority_to_the_engines():
+    """``priority=True``: each engine request carries the router's session-level priority
+    (router.priority over the simulated session table's attained service); off: none."""
+    from router.priority import ROLE_PLAIN, PriorityConfig, call_priority
+
+    prof = P70.replace(priority_scheduling=1)
+    cfg = PriorityConfig()
+    levels: dict[str, list[int]] = {}
+
+    class Spy(RouterPolicy):
+        def request_priority(self, call):
+            p = super().request_priority(call)
+            fresh = call_priority(0, ROLE_PLAIN, None, call.now, cfg)  # a new session's
+            levels.setdefault(call.session_id, []).append(round((p - fresh) * cfg.tick_s
+                                                                / cfg.level_s))  # fmt: skip
+            return p
+
+    pol = Spy("kv_cost", prof, priority=True)
+    res = Simulator(prof, 2, pol).run(SESSIONS, until=900)
+    assert res.records and sum(map(len, levels.values())) >= len(res.records)  # (+ cut ones)
+    assert all(v[0] == 0 for v in levels.values())  # a session's first call: no service yet
+    # later calls fall behind as their session's service grows (least attained service)
+    assert any(max(v) >= 2 for v in levels.values())
+    assert all(v == sorted(v) for v in levels.values())  # no subagents here: only service
+    assert sum(r.service for r in pol.store.list(1000)) > 0
+    assert RouterPolicy("kv_cost", P70).priority is None

@@ -168,6 +168,9 @@ A JSON list; use with fromJsonArray. (dict "model" $m)
 {{- if gt (int64 $p.longPrefillTokenThreshold) 0 -}}
 {{- $out = concat $out (list "--long-prefill-token-threshold" (printf "%d" (int64 $p.longPrefillTokenThreshold))) -}}
 {{- end -}}
+{{- if eq (default "priority" $p.schedulingPolicy) "priority" -}}
+{{- $out = concat $out (list "--scheduling-policy" "priority") -}}
+{{- end -}}
 {{- if and (gt (int64 $o.hostBytes) 0) (eq $o.mode "write-back") -}}
 {{- $out = concat $out (list "--kv-transfer-config" (printf `{"kv_connector":"KVRouteWriteBackConnector","kv_connector_module_path":"engine_patches.writeback","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":%d,"lazy_offload":true}}` (int64 $o.hostBytes))) -}}
 {{- else if gt (int64 $o.hostBytes) 0 -}}
