@@ -1,4 +1,4 @@
-"""Conditional P/D disaggregation (costmodel.disagg): the transfer price and the per-call verdict."""
+"""Conditional P/D disaggregation (costmodel.disagg): the transfer price, the verdict."""
 
 from __future__ import annotations
 
