@@ -118,10 +118,20 @@ def plan(
     )
 
 
+def _hint(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The router's retention hint (``kv_transfer_params.kvroute``, :mod:`router.hints`),
+    which both legs keep: the engine plugin on either replica reads it there."""
+    params = body.get("kv_transfer_params")
+    if isinstance(params, Mapping) and "kvroute" in params:
+        return {"kvroute": params["kvroute"]}
+    return {}
+
+
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The prefill leg's body (see the module doc)."""
     out = dict(body)
     out["kv_transfer_params"] = {
+        **_hint(body),
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
@@ -139,10 +149,12 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def decode_body(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> dict[str, Any]:
     """The decode leg's body: the client's, with the prefill leg's ``kv_transfer_params``
-    (none: the decode replica prefills the prompt itself — still one correct answer)."""
+    (none: the decode replica prefills the prompt itself — still one correct answer), and
+    the router's retention hint when the call carries one."""
     out = dict(body)
-    if params:
-        out["kv_transfer_params"] = dict(params)
+    merged = {**dict(params or {}), **_hint(body)}
+    if merged:
+        out["kv_transfer_params"] = merged
     else:
         out.pop("kv_transfer_params", None)
     return out

@@ -300,7 +300,10 @@ async def forward_pd(
             terms = disagg.plan(ctx, decision.endpoint, dview, kv, mode=cfg.pd_mode,
                                 min_prompt_tokens=cfg.pd_min_prompt_tokens,
                                 body_bytes=len(raw))  # fmt: skip
-            ctx.extra["pd"] = terms.as_dict() if terms is not None else {"mode": cfg.pd_mode}
+            ctx.extra["pd"] = {
+                **(terms.as_dict() if terms is not None else {"mode": cfg.pd_mode}),
+                "decode": dview.name,
+            }
             if terms is not None and not terms.disaggregate:
                 metrics.pd_calls(False, terms.reason)
                 return None

@@ -7,6 +7,8 @@ recording fakes, so what each leg received can be asserted byte for byte."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -258,10 +260,11 @@ async def test_decode_leg_failure_is_retried_on_another_decode_replica(router, l
     assert all(b["kv_transfer_params"]["remote_engine_id"] == "eng-p" for b in good.bodies)
 
 
-async def test_auto_mode_colocates_short_prompts_and_splits_long_ones(router, legs):
+async def test_auto_mode_colocates_short_prompts_and_splits_long_ones(router, legs, tmp_path):
     p, d = await legs(("p", None), ("d", None))
-    url, app = await router([p.url + "#role=prefill", d.url + "#role=decode"],
-                            pd_mode="auto", pd_min_prompt_tokens=500)  # fmt: skip
+    log = tmp_path / "decisions.jsonl"
+    url, app = await router([p.url + "#role=prefill", d.url + "#role=decode"], pd_mode="auto",
+                            pd_min_prompt_tokens=500, decision_log=str(log))  # fmt: skip
     status, _raw, _ = await _post(url, chat("short"))
     assert status == 200 and p.bodies == []  # colocated on the decode replica
     assert "kv_transfer_params" not in d.bodies[0]
@@ -269,6 +272,9 @@ async def test_auto_mode_colocates_short_prompts_and_splits_long_ones(router, le
     assert status == 200 and len(p.bodies) == 1
     assert d.bodies[1]["kv_transfer_params"]["remote_engine_id"] == "eng-p"
     assert pd_count(app, "colocated") == 1 and pd_count(app, "split") == 1
+    lines = [orjson.loads(x) for x in log.read_bytes().splitlines()]
+    split = [x for x in lines if x.get("pd", {}).get("disaggregate")]
+    assert len(split) == 1 and split[0]["winner"] == p.url and split[0]["pd"]["decode"] == d.url
 
 
 async def test_without_roles_nothing_changes(router, legs):
@@ -278,3 +284,41 @@ async def test_without_roles_nothing_changes(router, legs):
     assert status == 200
     seen = a.bodies + b.bodies
     assert len(seen) == 1 and "kv_transfer_params" not in seen[0]
+
+
+async def test_client_gone_during_the_prefill_leg_aborts_it_and_sends_no_decode_leg(router, legs):
+    p, d = await legs(("p", None), ("d", None))
+    gate = asyncio.Event()
+    orig = p._infer
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        try:
+            gate.set()
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            p.aborted = True
+            raise
+        return await orig(request)
+
+    p._infer = slow  # type: ignore[method-assign]
+    app = web.Application()
+    app.router.add_post("/v1/{tail:.+}", slow)
+    url, _ = await router([p.url + "#role=prefill", d.url + "#role=decode"], pd_mode="always")
+    # the bound method was captured at start(): restart p's app with the slow handler
+    await p.stop()
+    p._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await p._runner.setup()
+    host, port = p.url.rsplit(":", 1)[0][len("http://") :], int(p.url.rsplit(":", 1)[1])
+    await web.TCPSite(p._runner, host, port).start()
+    task = asyncio.create_task(_post(url, chat("hi")))
+    await asyncio.wait_for(gate.wait(), 10)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if getattr(p, "aborted", False):
+            break
+        await asyncio.sleep(0.05)
+    assert getattr(p, "aborted", False)  # the router closed the prefill leg's connection
+    await asyncio.sleep(0.2)
+    assert d.bodies == []
