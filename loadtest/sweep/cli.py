@@ -85,6 +85,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a cluster KV pool every twin shares, in blocks (needs a profile with a host "
         "tier; 0: none)",
     )  # fmt: skip
+    p.add_argument(
+        "--pd",
+        default=None,
+        metavar="P:D",
+        help="P/D disaggregation: P prefill twins and D decode twins (replicas = P + D); "
+        "kvroute targets only (docs/router.md, Disaggregation)",
+    )
+    p.add_argument(
+        "--pd-mode",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="with --pd: kvroute's per-call split decision (auto: priced)",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -151,6 +164,8 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
         restart_downtime_s=args.restart_downtime,
         scale_out=args.scale_out,
         pool_blocks=args.pool_blocks,
+        pd=args.pd,
+        pd_mode=args.pd_mode,
     )
     try:
         res = run_sweep(cfg, out, command="kvroute bench " + " ".join(sys.argv[2:]))
