@@ -338,10 +338,12 @@ async def forward_pd(
             replica.finished += 1
             if is_probe and replica.breaker.probe_inflight:
                 replica.breaker.on_abandon()
-    if prefilled is None or decision is None:
-        log.warning("request %s: no prefill leg succeeded; running it colocated", ctx.request_id)
-        metrics.pd_calls(False, "prefill_failed")
+    if prefilled is None:
+        why = "prefill_failed" if tried else "no_prefill_replica"
+        log.warning("request %s: %s; running it colocated", ctx.request_id, why)
+        metrics.pd_calls(False, why)
         return None
+    assert decision is not None  # set by the attempt whose prefill leg answered
     metrics.pd_calls(True, (ctx.extra.get("pd") or {}).get("reason", cfg.pd_mode))
     ctx.extra["pd_prefill"] = prefilled
     calls.first_byte(ctx)  # the prompt's prefill is over
