@@ -140,3 +140,17 @@ def test_verdict_with_kv_layer_is_the_cost_function():
     warm = FakeKV(prof, {"p": TierDepth(900, gpu=900), "d": TierDepth(990, gpu=990)},
                   {"p": load(0, 0.0), "d": load(0, 0.0)})  # fmt: skip
     assert not disagg.plan(c, p, d, warm).disaggregate
+
+
+async def test_dns_discovered_replicas_keep_their_role():
+    import aiohttp
+
+    from router.config import RouterConfig
+    from router.replicas import ReplicaMonitor
+
+    cfg = RouterConfig(replica_dns=["http://localhost:1#role=decode"], health_timeout_s=0.2)
+    rs = ReplicaSet()
+    async with aiohttp.ClientSession() as http:
+        await ReplicaMonitor(rs, http, cfg).resolve_dns()
+    views = rs.views()
+    assert views and all(v.role == "decode" and "#" not in v.name for v in views)
