@@ -38,8 +38,9 @@ KV_FULL = 0.95  # a decode replica this full is chosen only when no other has ro
 CHARS_PER_TOKEN = 4.0  # without a KV layer: the prompt's size from its body's bytes
 
 
-def pd_enabled(views: Iterable[EndpointView]) -> bool:
-    """Whether the set is disaggregated: some replica has a role other than ``both``."""
+def pd_enabled(views: Iterable[Any]) -> bool:
+    """Whether the set is disaggregated: some replica (an :class:`EndpointView` or a
+    :class:`router.replicas.Replica`) has a role other than ``both``."""
     return any(v.role != "both" for v in views)
 
 

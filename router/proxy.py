@@ -159,13 +159,14 @@ async def forward(
     if hinted is not None:
         raw = hinted  # retention hint set, or a client-set kvroute hint stripped
     exclude: frozenset[str] = frozenset()
-    if route in disagg.PD_ROUTES and ctx.session_call and cfg.pd_mode != "never":
-        views = replicas.views()
-        if disagg.pd_enabled(views):
+    if disagg.pd_enabled(replicas):  # a P/D set: split the call, or run it decode-side
+        if route in disagg.PD_ROUTES and ctx.session_call and cfg.pd_mode != "never":
             done = await forward_pd(request, ctx, raw, record, t0, route_label, headers, path)
             if done is not None:
                 return done
-            exclude = disagg.not_decode(replicas.views())  # colocated: a decode-side replica
+        # colocated (priced so, pd_mode never, another API route): never on a prefill-only
+        # replica, which serves prefill legs only
+        exclude = disagg.not_decode(replicas.views())
     tried: set[str] = set()
     last_problem = "no healthy replica"
     silent = 0  # replicas that sent nothing within first_byte_timeout_s

@@ -322,3 +322,21 @@ async def test_client_gone_during_the_prefill_leg_aborts_it_and_sends_no_decode_
     assert getattr(p, "aborted", False)  # the router closed the prefill leg's connection
     await asyncio.sleep(0.2)
     assert d.bodies == []
+
+
+async def test_other_routes_and_pd_mode_never_stay_off_prefill_only_replicas(router, legs):
+    p, d = await legs(("p", None), ("d", None))
+    urls = [p.url + "#role=prefill", d.url + "#role=decode"]
+    url, app = await router(urls, pd_mode="never")
+    for i in range(6):  # six sessions: without the rule some would hash to the prefill one
+        status, raw, _ = await _post(url, chat(words(3000, 7 + i)))
+        assert status == 200 and orjson.loads(raw)["replica"] == "d"
+    url2, _ = await router(urls, pd_mode="always")
+    async with aiohttp.ClientSession() as http:
+        for i in range(6):  # Anthropic messages: not split, run decode-side
+            turn = {"role": "user", "content": f"hi {i} " + words(50, i)}
+            msg = {"model": "tiny", "max_tokens": 5, "messages": [turn]}
+            async with http.post(url2 + "/v1/messages", json=msg) as r:
+                assert r.status == 200, await r.text()
+    assert p.bodies == [] and len(d.bodies) == 12
+    assert pd_count(app, "split") == 0
