@@ -50,6 +50,10 @@ class HardwareProfile:
     step_overhead_s: float = 4e-3  # fixed cost of one engine step
     interconnect_bw: float = 360e9  # GPU-GPU all-reduce bus bandwidth per GPU, B/s
     allreduce_latency_s: float = 8e-6  # one small all-reduce (tensor parallelism)
+    # prefill -> decode KV transfer between replicas (P/D disaggregation, NIXL over RDMA:
+    # 400 Gb/s per GPU, ~50 GB/s; costmodel.disagg): bandwidth B/s and per-transfer latency
+    kv_transfer_bw: float = 50e9
+    kv_transfer_latency_s: float = 2e-3
     description: str = ""
 
 
@@ -204,7 +208,8 @@ def _int(d: Mapping[str, Any], key: str, where: str, default: Any = ..., positiv
 _HW_KEYS = {
     "description", "hbm_bytes", "hbm_bw", "flops", "host_dram_bytes", "host_load_bw",
     "host_latency_s", "storage_bytes", "storage_bw", "storage_latency_s", "step_overhead_s",
-    "interconnect_bw", "allreduce_latency_s", "pool_bw", "pool_latency_s",
+    "interconnect_bw", "allreduce_latency_s", "pool_bw", "pool_latency_s", "kv_transfer_bw",
+    "kv_transfer_latency_s",
 }  # fmt: skip
 _MODEL_KEYS = {
     "name", "params", "layers", "hidden", "heads", "kv_heads", "head_dim", "kv_dtype_bytes",
@@ -257,6 +262,8 @@ def hardware_from_dict(name: str, d: Mapping[str, Any], compute_dtype: str) -> H
         step_overhead_s=_num(d, "step_overhead_s", where, 4e-3, positive=False),
         interconnect_bw=_num(d, "interconnect_bw", where, 360e9),
         allreduce_latency_s=_num(d, "allreduce_latency_s", where, 8e-6, positive=False),
+        kv_transfer_bw=_num(d, "kv_transfer_bw", where, 50e9),
+        kv_transfer_latency_s=_num(d, "kv_transfer_latency_s", where, 2e-3, positive=False),
         description=str(d.get("description", "")),
     )
 

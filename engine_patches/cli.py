@@ -1,7 +1,7 @@
 """``kvroute engine``: the engine plugin's command line.
 
 ``kvroute engine flags --preset agentic [--host-tier-bytes N] [--disk-tier-dir DIR]
-[--pool-dir DIR [--pool-bytes N]]
+[--pool-dir DIR [--pool-bytes N]] [--role prefill|decode|both [--pd-connector C]]
 [--kv-events ENDPOINT] ...`` prints the vLLM flags of a preset as shell words (copy them
 after ``vllm serve MODEL`` / ``python -m vllm.entrypoints.openai.api_server --model MODEL``).
 ``--json`` prints them as a JSON list instead (for scripts and tests).
@@ -16,7 +16,14 @@ import shlex
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from engine_patches.presets import HOST_TIER_MODES, PRESETS, CadenceOptions, EngineOptions
+    from engine_patches.presets import (
+        HOST_TIER_MODES,
+        PD_CONNECTORS,
+        PD_ROLES,
+        PRESETS,
+        CadenceOptions,
+        EngineOptions,
+    )
 
     d, c = EngineOptions(), CadenceOptions()
     sub = p.add_subparsers(dest="engine_action", metavar="ACTION", required=True)
@@ -88,6 +95,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     f.add_argument("--dcp", type=int, default=d.dcp, help="decode context parallel size (GPU)")
     f.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default=None)
+    f.add_argument(
+        "--role",
+        choices=list(PD_ROLES),
+        default=None,
+        help="P/D disaggregation: this replica's role behind the router (URL#role=...)",
+    )
+    f.add_argument(
+        "--pd-connector",
+        choices=list(PD_CONNECTORS),
+        default=None,
+        help="the P/D KV connector (default nixl: vLLM's NixlConnector)",
+    )
+    f.add_argument(
+        "--pd-dir",
+        metavar="DIR",
+        default=None,
+        help="shared-storage connector: the directory prefill and decode replicas mount",
+    )
     f.add_argument("--json", action="store_true", help="print a JSON list")
     sub.add_parser("versions", help="print the supported vLLM versions")  # fmt: skip
 
@@ -122,6 +147,9 @@ def options_from_args(args: argparse.Namespace):  # -> EngineOptions
         scheduling_policy=args.scheduling_policy,
         dcp=args.dcp,
         dcp_comm_backend=args.dcp_comm_backend,
+        pd_role=args.role,
+        pd_connector=args.pd_connector,
+        pd_dir=args.pd_dir,
     )
 
 

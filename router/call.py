@@ -106,13 +106,18 @@ class CallSequence:
         run unless ``dry_run``. Raises :class:`router.scheduling.pipeline.NoCandidates`."""
         d = self.pipeline.schedule(ctx, self.snapshot(endpoints, session), explain=explain)
         if not dry_run:
-            self.pipeline.record(d)
-            for fn in self.decision_hooks:
-                try:
-                    fn(ctx, d)
-                except Exception:
-                    log.exception("decision hook %r failed", fn)
+            self.commit(ctx, d)
         return d
+
+    def commit(self, ctx: RequestContext, d: Decision) -> None:
+        """Use a decision taken with ``dry_run``: record the pick and run the decision hooks
+        (a disaggregated call decides its prefill leg first, then whether to split at all)."""
+        self.pipeline.record(d)
+        for fn in self.decision_hooks:
+            try:
+                fn(ctx, d)
+            except Exception:
+                log.exception("decision hook %r failed", fn)
 
     def first_byte(self, ctx: RequestContext) -> None:
         """The answer's first byte arrived (its prefill is done); hooks must be idempotent."""

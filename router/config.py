@@ -116,11 +116,35 @@ def strip_url_credentials(url: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
+ROLES = ("prefill", "decode", "both")
+
+
+def split_role(url: str) -> tuple[str, str]:
+    """``http://h:8000#role=prefill`` -> (``http://h:8000``, ``"prefill"``): a replica's P/D
+    role rides on its configured URL as a trailing ``#role=`` fragment (never sent: a fragment
+    is not part of a request). Without one: the URL unchanged and ``"both"`` (any other
+    fragment stays, for :func:`url_problem` to refuse). Raises ValueError on an unknown role."""
+    base, sep, frag = url.rpartition("#")
+    if not sep or not frag.startswith("role="):
+        return url, "both"
+    role = frag[len("role=") :]
+    if role not in ROLES:
+        raise ValueError(f"replica role must be prefill, decode or both, not {role!r}")
+    return base, role
+
+
+def strip_role(url: str) -> str:
+    """``url`` without its ``#role=`` fragment (never raises: for names and credentials)."""
+    base, sep, frag = url.rpartition("#")
+    return base if sep and frag.startswith("role=") else url
+
+
 @dataclass
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    replicas: list[str] = field(default_factory=list)  # static URLs
+    # static URLs; ``URL#role=prefill|decode`` gives a replica a P/D role (default: both)
+    replicas: list[str] = field(default_factory=list)
     replica_dns: list[str] = field(default_factory=list)  # http://name:port, re-resolved
     dns_interval_s: float = 10.0
     k8s_service: str | None = None  # EndpointSlice discovery: service name
@@ -201,6 +225,11 @@ class RouterConfig:
     # a watchdog thread logs what the event loop ran when a tick of the loop-lag probe fires
     # more than this late (router.loopwatch; 0: off)
     loop_stall_log_ms: float = 0.0
+    # P/D disaggregation (replicas with ``#role=prefill|decode``; router.disagg): ``auto``
+    # prices each call split against colocated (costmodel.disagg), ``always`` splits every
+    # chat/completions call, ``never`` runs each on one decode-side replica
+    pd_mode: str = "auto"
+    pd_min_prompt_tokens: int = 512  # uncached prompts shorter than this run colocated
 
     def __repr__(self) -> str:
         parts = []
@@ -234,6 +263,10 @@ class RouterConfig:
             if not u.startswith(("http://", "https://")):
                 raise ConfigError("replica URL must start with http:// or https://: "
                                   f"{_redacted(u)!r}")  # fmt: skip
+            try:
+                u, _role = split_role(u)  # ``URL#role=prefill|decode|both`` (P/D)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             problem = url_problem(u)
             if problem is None and urlsplit(u).query:
                 problem = f"{mask_url_password(u)!r} has a query; a replica's base URL has none"
@@ -250,6 +283,8 @@ class RouterConfig:
             raise ConfigError("max_body_bytes > 0, retries >= 0 and breaker_failures >= 1")
         if self.pool_timeout_s < 0:
             raise ConfigError("pool_timeout_s >= 0 (0: no bound)")
+        if self.pd_mode not in ("auto", "always", "never") or self.pd_min_prompt_tokens < 0:
+            raise ConfigError("pd_mode: auto, always or never; pd_min_prompt_tokens >= 0")
         if self.loop_stall_log_ms < 0:
             raise ConfigError("loop_stall_log_ms >= 0 (0: off)")
         if self.priority not in PRIORITY_MODES:

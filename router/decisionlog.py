@@ -77,6 +77,9 @@ class DecisionLog:
             "excluded": sorted(ctx.excluded),
             "candidates": cands,
         }
+        pd = ctx.extra.get("pd") if isinstance(getattr(ctx, "extra", None), dict) else None
+        if pd is not None:  # a P/D split's verdict (router.disagg): the winner is its prefill
+            line["pd"] = pd
         try:
             self._f.write(orjson.dumps(line, default=str) + b"\n")
             self.lines += 1

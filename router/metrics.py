@@ -323,6 +323,13 @@ class RouterMetrics:
             buckets=LAG_BUCKETS,
             registry=r,
         )
+        self.pd = LoopCounter(
+            "kvroute_pd_calls",
+            "Calls on a P/D-disaggregated replica set, by mode (split: a prefill leg then a "
+            "decode leg; colocated: one decode-side replica) and the reason of the verdict",
+            ["mode", "reason"],
+            registry=r,
+        )
         for outcome in ("kept", "moved", "new"):
             self.placements.labels(outcome)
         for reason in MOVE_REASONS:
@@ -337,6 +344,9 @@ class RouterMetrics:
         self.prompt_tokens_by = self.prompt_tokens.labels
         self.cached_tokens_by = self.cached_tokens.labels
         self.request_tpot_by = self.request_tpot.labels
+        self.pd_calls = lambda split, reason: self.pd.labels(
+            "split" if split else "colocated", reason
+        ).inc()
         self.session_idle_s = session_idle_s
         # key -> [start, end, attained service]
         self._sessions: OrderedDict[str, list[float]] = OrderedDict()

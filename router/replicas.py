@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import strip_url_credentials
+from router.config import ROLES, split_role, strip_role, strip_url_credentials  # noqa: F401
 from router.kv.autoconf import CACHE_INFO, cache_config_labels
 
 log = logging.getLogger("kvroute.replicas")
@@ -126,6 +126,7 @@ class EndpointView(NamedTuple):
     host_retained: float | None = None  # share held for paused sessions (plugin's retention)
     pending_prefill: float | None = None  # prompt tokens still to prefill (plugin's cadence)
     pending_prefill_age_s: float | None = None  # seconds since the scrape that read it
+    role: str = "both"  # P/D disaggregation: "prefill", "decode" or "both" (router.disagg)
 
     @property
     def load(self) -> float:
@@ -164,6 +165,7 @@ class Replica:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     # ``Authorization`` from credentials in the configured URL (wins over the upstream key)
     auth: str | None = field(default=None, repr=False)
+    role: str = "both"  # from the URL's ``#role=`` fragment (see :func:`split_role`)
 
     @property
     def name(self) -> str:
@@ -174,7 +176,7 @@ class Replica:
             self.name, self.url, self.healthy, self.models, self.inflight,
             self.running_now(), self.waiting, self.kv_usage, self.breaker.state,
             self.breaker.allows(), self.host_occupancy, self.host_retained, self.pending_prefill,
-            None if self.scraped_at is None else time.monotonic() - self.scraped_at,
+            None if self.scraped_at is None else time.monotonic() - self.scraped_at, self.role,
         )  # fmt: skip
 
     def running_now(self) -> float | None:
@@ -192,12 +194,14 @@ class Replica:
             "waiting": self.waiting, "kv_usage": self.kv_usage, "breaker": self.breaker.state,
             "host_occupancy": self.host_occupancy, "host_retained": self.host_retained,
             "pending_prefill": self.pending_prefill, "last_error": self.last_error,
+            "role": self.role,
         }  # fmt: skip
 
 
 def normalize_url(url: str) -> str:
-    """The replica's name: the URL without a trailing ``/`` and without credentials."""
-    return strip_url_credentials(url.rstrip("/"))
+    """The replica's name: the URL without a trailing ``/``, without credentials and without
+    a ``#role=`` fragment."""
+    return strip_url_credentials(strip_role(url).rstrip("/"))
 
 
 def url_auth(url: str) -> str | None:
@@ -259,7 +263,14 @@ class ReplicaSet:
         list. Membership (and the listeners) changes only for names no other source lists."""
         urls = list(urls)
         want = {normalize_url(u) for u in urls}
-        auth = {normalize_url(u): url_auth(u) for u in urls}
+        auth = {normalize_url(u): url_auth(strip_role(u)) for u in urls}
+        roles = {}
+        for u in urls:
+            try:
+                roles[normalize_url(u)] = split_role(u)[1]
+            except ValueError as e:  # validated at start-up; discovery input may be odd
+                log.warning("%s; serving it as role both", e)
+                roles[normalize_url(u)] = "both"
         have = self._lists.get(source, set())
         added, removed = want - have, have - want
         if want:
@@ -282,6 +293,8 @@ class ReplicaSet:
             r = self._by_name.get(n)
             if r is not None and auth.get(n) is not None:
                 r.auth = auth[n]
+            if r is not None:
+                r.role = roles[n]
         if added or removed:
             self.version += 1
             log.info("replicas from %s: +%s -%s", source, sorted(added), sorted(removed))
@@ -522,7 +535,7 @@ class ReplicaMonitor:
             userinfo = u.netloc.rsplit("@", 1)[0] + "@" if "@" in u.netloc else ""
             for fam, *_rest, addr in infos:
                 host = f"[{addr[0]}]" if fam == socket.AF_INET6 else addr[0]
-                urls.add(urlunsplit((u.scheme, f"{userinfo}{host}:{port}", u.path, "", "")))
+                urls.add(urlunsplit((u.scheme, f"{userinfo}{host}:{port}", u.path, "", u.fragment)))
             added, _ = self.replicas.set_source(f"dns:{i}", urls)
             await asyncio.gather(*(self.check_one(r) for n in added if (r := self.replicas.get(n))))
 

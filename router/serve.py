@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="URL",
-        help="a replica base URL (repeat)",
+        help="a replica base URL (repeat); URL#role=prefill|decode gives it a P/D role",
     )
     p.add_argument(
         "--api-key",

@@ -76,10 +76,24 @@ class SweepConfig:
     # --scheduling-policy priority, as the kvroute engine preset) and kvroute targets send it
     # (the router's priority: session); off: FCFS twins, no priority sent
     priority: bool = False
+    # P/D disaggregation "P:D": P prefill twins then D decode twins (replicas = P + D);
+    # kvroute targets get ``--replica URL#role=...`` (router.disagg), with pd_mode below
+    pd: str | None = None
+    pd_mode: str = "auto"
 
     @property
     def router_profile_name(self) -> str:
         return self.router_profile or self.profile
+
+    def pd_roles(self) -> list[str] | None:
+        """Each twin's role for ``pd`` (None: colocated); sets ``replicas`` to P + D."""
+        if not self.pd:
+            return None
+        p, sep, d = self.pd.partition(":")
+        if not sep or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
+            raise ValueError(f"--pd takes P:D with P, D >= 1 (e.g. 2:2), not {self.pd!r}")
+        self.replicas = int(p) + int(d)
+        return ["prefill"] * int(p) + ["decode"] * int(d)
 
 
 def machine() -> str:
@@ -141,8 +155,11 @@ def run_point(
     overrides = [f"pool_kv_blocks={cfg.pool_blocks}"] if cfg.pool_blocks else []
     if cfg.priority:
         overrides.append("priority_scheduling=1")
+    roles = cfg.pd_roles()
+    point["pd"] = cfg.pd
     cluster = TwinCluster(cfg.replicas + extra_replicas, cfg.profile, cfg.speedup,
-                          kv_events=events, truth=cfg.truth, overrides=overrides)  # fmt: skip
+                          kv_events=events, truth=cfg.truth, overrides=overrides,
+                          roles=roles)  # fmt: skip
     disruptor: Disruptor | None = None
     try:
         cluster.start()
@@ -150,6 +167,8 @@ def run_point(
         if target.startswith("kvroute:"):  # why each call went where it did (diagnose reads it)
             d.mkdir(parents=True, exist_ok=True)
             extra["KVROUTE_DECISION_LOG"] = str(d / "decisions.jsonl")
+            if roles:
+                extra["KVROUTE_PD_MODE"] = cfg.pd_mode
         router = Router(
             target,
             cluster.urls,
@@ -163,6 +182,7 @@ def run_point(
             extra_args=["--priority", "session"]
             if cfg.priority and target.startswith("kvroute:")
             else [],
+            roles=dict(zip(cluster.urls, roles, strict=True)) if roles else {},
         )
         with router:
             if cfg.disrupt:
@@ -264,6 +284,7 @@ ROUTER_FAMILIES = (
     "kvroute_kv_analyses_total",
     "kvroute_event_loop_lag_seconds_bucket",
     "kvroute_event_loop_lag_seconds_count",
+    "kvroute_pd_calls_total",
 )
 
 
@@ -291,6 +312,11 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
     from loadtest.report.html import build_report
 
     out = Path(out)
+    roles = cfg.pd_roles()  # a bad --pd fails before any point runs (and sets replicas)
+    if roles and any(not t.startswith("kvroute:") for t in cfg.targets):
+        raise ValueError("--pd runs kvroute targets only (peers' P/D modes are not wired)")
+    if roles and cfg.disrupt:
+        raise ValueError("--pd with --disrupt is not wired (which role would a new replica get?)")
     out.mkdir(parents=True, exist_ok=True)
     trace = load_trace(
         cfg.trace,

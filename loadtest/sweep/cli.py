@@ -91,6 +91,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="twins schedule by request priority (vLLM --scheduling-policy priority) and "
         "kvroute targets send their session-level priority (router priority: session)",
     )
+    p.add_argument(
+        "--pd",
+        default=None,
+        metavar="P:D",
+        help="P/D disaggregation: P prefill twins and D decode twins (replicas = P + D); "
+        "kvroute targets only (docs/router.md, Disaggregation)",
+    )
+    p.add_argument(
+        "--pd-mode",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="with --pd: kvroute's per-call split decision (auto: priced)",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -158,6 +171,8 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
         scale_out=args.scale_out,
         pool_blocks=args.pool_blocks,
         priority=args.priority,
+        pd=args.pd,
+        pd_mode=args.pd_mode,
     )
     try:
         res = run_sweep(cfg, out, command="kvroute bench " + " ".join(sys.argv[2:]))

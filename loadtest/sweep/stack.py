@@ -56,6 +56,7 @@ class TwinCluster:
     truth: str | None = None  # the engines' timing (loadtest.twin.truth); None: the CLI's default
     # profile overrides (``kvroute cluster --set KEY=VALUE``), e.g. "pool_kv_blocks=N"
     overrides: list[str] = field(default_factory=list)
+    roles: list[str] | None = None  # P/D role per twin (``kvroute cluster --roles``)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvroute-sw-")))
     urls: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
@@ -85,6 +86,8 @@ class TwinCluster:
             argv += ["--truth", self.truth]
         for kv in self.overrides:
             argv += ["--set", kv]
+        if self.roles:
+            argv += ["--roles", ",".join(self.roles)]
         env = {**os.environ, BED_ENV: f"sweep-{uuid.uuid4().hex[:8]}", "PYTHONUNBUFFERED": "1"}
         log = self.workdir / f"cluster-{uuid.uuid4().hex[:6]}.log"
         self._proc = ManagedProcess(argv, env, log, Path.cwd())
@@ -201,6 +204,8 @@ class Router:
     extra_args: list[str] = field(default_factory=list)  # appended to the router's argv
     # added to the router's environment; KVROUTE_KV_* here replace what kv_env derives
     extra_env: dict[str, str] = field(default_factory=dict)
+    # P/D role per replica URL (kvroute only: ``--replica URL#role=...``)
+    roles: dict[str, str] = field(default_factory=dict)
     _proc: ManagedProcess | None = None
 
     @property
@@ -225,10 +230,13 @@ class Router:
                 "WARNING",
             ]
             for r in self.replicas:
-                argv += ["--replica", r]
+                role = self.roles.get(r)
+                argv += ["--replica", f"{r}#role={role}" if role else r]
             return argv, "/ready"
         if self.name not in PEERS:
             raise StackError(f"unknown router {self.name!r}: kvroute:<policy> or {sorted(PEERS)}")
+        if self.roles:
+            raise StackError(f"{self.name}: the bench runs P/D (--pd) with kvroute targets only")
         kind, policy, _ = PEERS[self.name]
         py = peer_python(kind)
         if py is None:

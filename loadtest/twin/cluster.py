@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,7 @@ async def start_cluster(
     tool_call_rate: float = 0.5,
     tool_call_rate_after_result: float = 0.2,
     seed: int = 0,
+    roles: Sequence[str] | None = None,
 ) -> AsyncIterator[Cluster]:
     """Start ``n`` twins (ports ``base_port + i``, or free ports when ``base_port`` is 0).
 
@@ -109,9 +110,12 @@ async def start_cluster(
     ``enable_auto_tool_choice``, ``tool_call_rate``, ``tool_call_rate_after_result`` and
     ``seed``: how replies use tools and end (:class:`loadtest.twin.replica.TwinConfig`; the
     same seed on every replica, so a request gets the same reply wherever it lands).
+    ``roles``: each replica's P/D role (``prefill`` / ``decode`` / ``both``; default both).
     """
     if n < 1:
         raise ValueError("a cluster needs at least one replica")
+    if roles is not None and len(roles) != n:
+        raise ValueError("roles: one per replica")
     binds = publisher_binds(kv_events or "") if kv_events_bind is None else kv_events_bind
     if kv_events and n > 1 and binds and not kv_events.endswith(":*"):
         raise ValueError(
@@ -155,12 +159,15 @@ async def start_cluster(
                 tool_call_rate=tool_call_rate,
                 tool_call_rate_after_result=tool_call_rate_after_result,
                 seed=seed,
+                role=roles[i] if roles is not None else "both",
+                host=host,
             )
             twin = TwinReplica(cfg, tokenizer=tok, zmq_ctx=zmq_ctx, cluster_pool=cluster.pool)
             # owned by the cluster before serve() can fail (a busy --base-port), so the
             # finally below closes its publisher and Context.term() cannot hang on it
             cluster.replicas.append(twin)
             runner = await serve(twin, host, base_port + i if base_port else 0)
+            cfg.port = runner_port(runner)
             cluster.runners.append(runner)
             cluster.urls.append(f"http://{host}:{runner_port(runner)}")
         # connecting publishers: give each subscriber's subscription a moment to arrive, so

@@ -23,6 +23,11 @@ from loadtest.twin.cli_common import (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument(
+        "--roles",
+        default=None,
+        help="comma-separated P/D role per replica (prefill, decode, both; default all both)",
+    )
+    p.add_argument(
         "--profile",
         default=AGENT_PROFILE,
         help=f"replica profile name (default {AGENT_PROFILE}; cpu-tiny: the vLLM-CPU bed's)",
@@ -79,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_replay=args.kv_events_replay,
             plugin=plugin_from_args(args),
             truth=args.truth,
+            roles=[r.strip() for r in args.roles.split(",")] if args.roles else None,
             **reply_kwargs(args),
         ) as c:
             for name, url in zip(c.names, c.urls, strict=True):

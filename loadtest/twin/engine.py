@@ -89,6 +89,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from costmodel.disagg import kv_transfer_time
 from costmodel.profiles import ReplicaProfile
 from costmodel.steptime import attended_pairs
 from engine_patches.cadence import CadenceConfig, PendingPrefill, PrefillCadence, eligible_flags
@@ -139,6 +140,7 @@ class Request:
         "prompt_len",
         "queued_time",
         "ready_at",
+        "remote_tokens",
         "seq",
         "session_id",
         "status",
@@ -190,6 +192,10 @@ class Request:
         self.finish_time: float | None = None
         self.queued_time: float | None = None  # first scheduled
         self.ready_at = 0.0
+        # P/D disaggregation, decode side: leading prompt tokens a prefill replica computed,
+        # whose KV arrives over the link instead of being computed here (vLLM's
+        # ``kv_transfer_params`` with ``do_remote_prefill``); 0 once received (or none)
+        self.remote_tokens = 0
         self.load_blocks: list[int] = []  # keys being loaded from lower tiers
         # keys it staged from storage or the pool to host, and from which ("storage", "pool")
         self.promoted: dict[int, str] | None = None
@@ -737,6 +743,7 @@ class Engine:
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens hit (any tier)
         self.tier_hit_blocks = {"gpu": 0, "cpu": 0, "storage": 0, "pool": 0}
+        self.remote_blocks = 0  # blocks received from a prefill replica (P/D decode side)
         # prompt tokens hit by tier, once per request (vllm:prompt_tokens_cached_by_source:
         # vLLM labels a pool hit "disk", the source of every STORAGE tier)
         self.cached_by_source = {"device": 0, "host": 0, "disk": 0}
@@ -855,7 +862,7 @@ class Engine:
         elif req in self.waiting:
             self.waiting.remove(req)
         if self.cpu is not None:
-            if req.status == LOADING:
+            if req.status == LOADING and not req.remote_tokens:
                 self.cpu.unpin(req.load_blocks)
             self._host_finish(req, self.now)
         self.pool.release(req.blocks)
@@ -996,6 +1003,13 @@ class Engine:
         lower: list[int] = []
         n_cpu = n_sto = n_pool = 0
         cpu, sto, cpool = self.cpu, self.storage, self.cluster_pool
+        if req.remote_tokens > 0:
+            # P/D decode side: the blocks the prefill replica holds past this replica's own
+            # hit are allocated now and filled by the transfer (a load from the link)
+            lower = keys[n_gpu : min(limit, req.remote_tokens // bs)]
+            if not lower:
+                req.remote_tokens = 0
+            cpu = sto = cpool = None  # no lower-tier lookup: the link brings the rest
         if cpu is not None or sto is not None:
             # vLLM's tiering lookup: the host tier, then each secondary tier in order (the
             # disk tier, then the pool)
@@ -1059,6 +1073,13 @@ class Engine:
         # one every prompt block is offered, so a GPU hit puts back what the host tier lost)
         lo = n_gpu if lower else 0
         req.host_lo = lo if req.host_lo < 0 else min(req.host_lo, lo)
+        if lower and req.remote_tokens:
+            req.load_blocks = lower
+            req.status = LOADING
+            req.ready_at = now + kv_transfer_time(self.profile, len(lower) * bs)
+            req.host_next = max(req.host_next, n_gpu + len(lower))
+            self.remote_blocks += len(lower)
+            return 0
         if lower:
             req.load_blocks = lower
             req.status = LOADING
@@ -1139,7 +1160,9 @@ class Engine:
 
     def _finish_load(self, req: Request) -> None:
         """Loaded blocks now hold their keys in GPU (``BlockStored`` medium GPU)."""
-        if self.cpu is not None:
+        if req.remote_tokens:
+            req.remote_tokens = 0  # received (a later preemption recomputes, as vLLM does)
+        elif self.cpu is not None:
             self.cpu.unpin(req.load_blocks)
         n_gpu = len(req.blocks) - len(req.load_blocks)
         keys = req.load_blocks

@@ -84,10 +84,20 @@ class TwinConfig:
     # the engine's timing (loadtest.twin.truth): a truth name, or None for costmodel's formula.
     # Never exposed over HTTP (no header, metric or field names it): a router cannot read it
     truth: str | None = None
+    # P/D disaggregation (vLLM's kv_role): "prefill" (kv_producer: answers a
+    # ``do_remote_decode`` call with its ``kv_transfer_params``), "decode" (kv_consumer: a
+    # call carrying a prefill's params waits for the transfer instead of prefilling) or
+    # "both" (kv_both, the default: either); see docs/twin.md
+    role: str = "both"
+    # where a decode replica would fetch this one's KV from (the params' remote_host/port)
+    host: str = "127.0.0.1"
+    port: int = 0
 
     def __post_init__(self) -> None:
         if not self.speedup > 0:
             raise ValueError(f"speedup must be > 0, got {self.speedup}")
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         self.turn_policy()  # the rates' checks
 
     def turn_policy(self) -> TurnPolicy:

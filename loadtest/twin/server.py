@@ -297,6 +297,43 @@ def _hint(twin: TwinReplica, body: dict[str, Any]) -> Hint | None:
     return hint
 
 
+def _pd_params(twin: TwinReplica, body: dict[str, Any], req: Request) -> bool:
+    """vLLM's ``kv_transfer_params`` for P/D disaggregation, as its NIXL connector reads them.
+    A decode-capable twin given a prefill's params (``do_remote_prefill`` with
+    ``remote_block_ids``) takes the prompt's KV over the link: ``req.remote_tokens`` (the
+    engine waits ``costmodel.disagg.kv_transfer_time`` and allocates the blocks then). Returns
+    whether this call asks a prefill-capable twin to produce params (``do_remote_decode``).
+    """
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        return False
+    role = twin.cfg.role
+    if params.get("do_remote_prefill") and params.get("remote_block_ids") and role != "prefill":
+        n = params.get("remote_num_tokens")
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else req.prompt_len
+        req.remote_tokens = min(n, req.prompt_len)
+    return bool(params.get("do_remote_decode")) and role != "decode"
+
+
+def _produced_params(twin: TwinReplica, req: Request) -> dict[str, Any]:
+    """What vLLM's ``NixlConnectorScheduler.request_finished`` returns on a prefill replica:
+    where the decode replica reads the prompt's blocks from: the ids of the prompt's blocks
+    still cached here (the request's own are released when it ends; the twin's prefix cache
+    keeps them, where vLLM holds them for the decode replica's read)."""
+    keys = req.block_keys
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [twin.engine.pool.match(keys, len(keys))],
+        "remote_engine_id": f"twin-{twin.cfg.name}",
+        "remote_request_id": req.id,
+        "remote_host": twin.cfg.host,
+        "remote_port": twin.cfg.port,
+        "tp_size": twin.profile.tensor_parallel_size,
+        "remote_num_tokens": req.prompt_len,
+    }
+
+
 def _usage(req: Request, block_size: int, chat: bool, stream: bool) -> dict[str, Any]:
     """vLLM 0.32's usage: ``created_cache_tokens`` (prompt tokens this request newly wrote
     into full cached blocks) is reported by the chat endpoint only; non-streaming responses
@@ -345,6 +382,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
     req = Request(rid, len(ids), turn.tokens, token_ids=ids, session_id=session,
                   hint=_hint(twin, body), priority=_priority(request, body))  # fmt: skip
+    produce = _pd_params(twin, body, req)
     created = int(time.time())
     twin.in_flight += 1
     try:
@@ -380,6 +418,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 "created": created, "model": model, "choices": [choice],
                 "system_fingerprint": "kvroute-twin",
                 "usage": _usage(req, twin.profile.block_size, chat, stream=False)}  # fmt: skip
+        if produce:  # vLLM puts the connector's answer on the response (or null)
+            resp["kv_transfer_params"] = _produced_params(twin, req)
         return web.json_response(resp, dumps=_dumps, headers=_headers(twin))
     finally:
         twin.in_flight -= 1

@@ -58,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="publish 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
     )
+    p.add_argument(
+        "--role",
+        choices=("prefill", "decode", "both"),
+        default="both",
+        help="P/D disaggregation role (vLLM's kv_role: kv_producer, kv_consumer, kv_both)",
+    )
     add_reply_args(p)
     add_plugin_args(p)
     add_truth_arg(p)
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             kv_events_replay=args.kv_events_replay,
             plugin=plugin,
             truth=args.truth,
+            role=args.role,
+            host=args.host,
             **reply_kwargs(args),
         )
     except (ProfileError, ValueError) as e:
@@ -100,8 +108,10 @@ def run(args: argparse.Namespace) -> int:
         if twin.publisher is not None and not publisher_binds(twin.publisher.endpoint):
             twin.publisher.wait_subscribed(1.0)  # so the first events are not dropped
         runner = await serve(twin, args.host, args.port)
+        cfg.port = runner_port(runner)  # where a decode replica reads this one's KV
         print(
-            f"twin {cfg.name} ({prof.name}, truth {args.truth}, speedup {cfg.speedup}) on "
+            f"twin {cfg.name} ({prof.name}, role {cfg.role}, truth {args.truth}, "
+            f"speedup {cfg.speedup}) on "
             f"http://{args.host}:{runner_port(runner)}",
             flush=True,
         )

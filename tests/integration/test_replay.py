@@ -177,3 +177,29 @@ async def test_open_loop_mooncake_starts_calls_at_their_scaled_arrival_times(sta
         want = (s.arrival_s - first) / 10.0
         assert want - 0.005 <= calls[s.id].t_start <= want + 0.5, s.id
     assert all(c.prompt_tokens == c.expected_prompt_tokens for c in calls.values())
+
+
+@pytest.mark.timeout(90)
+def test_pd_sweep_point_runs_split_calls(tmp_path):
+    cfg = SweepConfig(
+        trace=TRACE,
+        targets=["kvroute:session_affinity"],
+        concurrency=[2],
+        duration_s=3.0,
+        grace_s=2.0,
+        profile="cpu-tiny",
+        speedup=4.0,
+        progress=False,
+        pd="1:1",
+        pd_mode="always",
+    )
+    res = run_sweep(cfg, tmp_path, command="test")
+    (pt,) = res["points"]
+    assert pt["pd"] == "1:1" and cfg.replicas == 2
+    assert pt["summary"]["requests_ok"] > 0 and pt["summary"]["requests_failed"] == 0
+    pd = pt["router_metrics"]["kvroute_pd_calls_total"]
+    assert pd.get("mode=split,reason=always", 0) >= pt["summary"]["requests_ok"]
+    with pytest.raises(ValueError, match="P:D"):
+        run_sweep(SweepConfig(trace=TRACE, pd="2"), tmp_path / "x")
+    with pytest.raises(ValueError, match="kvroute targets only"):
+        run_sweep(SweepConfig(trace=TRACE, pd="1:1", targets=["sglang:cache_aware"]), tmp_path)
