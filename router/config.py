@@ -26,6 +26,9 @@ from router.kv.config import KVConfig
 from router.priority import PRIORITY_MODES, PriorityConfig
 
 SECRET_FIELDS = frozenset({"upstream_api_key", "admin_key", "api_keys"})
+# the shortest metrics_interval_s accepted: llm-d's scheduler refreshes every 50 ms; below
+# 10 ms the scrapes alone would take most of a core at a few dozen replicas
+MIN_METRICS_INTERVAL_S = 0.01
 
 
 class ConfigError(ValueError):
@@ -163,6 +166,10 @@ class RouterConfig:
     redis_timeout_s: float = 0.25
     redis_reconcile_interval_s: float = 1.0
     health_interval_s: float = 2.0
+    # how often each replica's /metrics is scraped for its queue and KV usage (the load every
+    # load-aware policy reads); down to MIN_METRICS_INTERVAL_S. llm-d's scheduler refreshes
+    # every 50 ms; one scrape of a vLLM-shaped exposition costs this router ~1 ms of CPU
+    # (docs/router.md#load-scrape), so 50 ms is ~2% of a core per replica
     metrics_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     # consecutive timed-out probes before a replica is marked unhealthy (a refused connection
@@ -287,6 +294,10 @@ class RouterConfig:
             raise ConfigError("pd_mode: auto, always or never; pd_min_prompt_tokens >= 0")
         if self.loop_stall_log_ms < 0:
             raise ConfigError("loop_stall_log_ms >= 0 (0: off)")
+        if not self.metrics_interval_s >= MIN_METRICS_INTERVAL_S:
+            raise ConfigError(f"metrics_interval_s >= {MIN_METRICS_INTERVAL_S:g} (seconds)")
+        if not self.health_interval_s > 0:
+            raise ConfigError("health_interval_s > 0 (seconds)")
         if self.priority not in PRIORITY_MODES:
             raise ConfigError(f"priority must be one of {', '.join(PRIORITY_MODES)}, "
                               f"not {self.priority!r}")  # fmt: skip

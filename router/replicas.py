@@ -405,6 +405,14 @@ def diff(old: set[str], new: set[str]) -> tuple[set[str], set[str]]:
 # --- background monitors ---------------------------------------------------------------
 
 
+def next_scrape_at(due: float, now: float, interval: float) -> float:
+    """When the next ``/metrics`` round starts, given when the last one was due and the time
+    now (after it): one interval after it was due, or — when the round ran past that — one
+    interval from now (missed rounds are skipped, never run back to back)."""
+    nxt = due + interval
+    return nxt if nxt >= now else now + interval
+
+
 class ReplicaMonitor:
     """Health checks, model lists, metrics scrapes and discovery loops for one ReplicaSet."""
 
@@ -507,8 +515,15 @@ class ReplicaMonitor:
         await asyncio.gather(*(self.scrape_one(r) for r in self.replicas if r.healthy))
 
     async def metrics_loop(self) -> None:
+        """Scrape every healthy replica's ``/metrics`` at a fixed rate: a round starts every
+        ``metrics_interval_s`` whatever the last one took (a 50 ms interval is 50 ms between
+        reads, not 50 ms plus the round), and a round that overran starts the next one an
+        interval after it ended (:func:`next_scrape_at`)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(self.cfg.metrics_interval_s)
+            due = next_scrape_at(due, loop.time(), self.cfg.metrics_interval_s)
+            await asyncio.sleep(max(0.0, due - loop.time()))
             try:
                 await self.scrape_all()
             except Exception:

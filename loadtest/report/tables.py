@@ -81,3 +81,30 @@ def print_aggregate(rows: list[Mapping[str, Any]], title: str = "over seeds") ->
     console = Console()
     console.width = max(console.width, 160)
     console.print(t)
+
+
+def print_line(line: Mapping[str, Any], title: str = "at the line") -> None:
+    """Each target's line figure, measured and interpolated side by side
+    (:func:`loadtest.line.line_figure`), then ours against the best other target."""
+    from rich.console import Console
+    from rich.table import Table
+
+    figs = line.get("figures") or {}
+    if not figs:
+        return
+    t = Table(title=f"{title}: P90 interactivity >= {line.get('line_tok_s', 50):g} tok/s/user",
+              caption="medians over seeds; interpolated between the lane counts that bracket "
+              "the crossing; flagged where they are > 12.5% apart")  # fmt: skip
+    for head in ("target", "measured tok/GPU·s", "at lanes", "interpolated", "crossing lanes",
+                 "fine at the line"):  # fmt: skip
+        t.add_column(head, justify="left" if head == "target" else "right")
+    for name, f in figs.items():
+        t.add_row(name, fmt(f.get("measured"), "{:,.0f}"), fmt(f.get("measured_lanes"), "{}"),
+                  fmt(f.get("interpolated"), "{:,.0f}"), fmt(f.get("crossing_lanes"), "{:.1f}"),
+                  "yes" if f.get("ok") else f"no: {f.get('why')}")  # fmt: skip
+    console = Console()
+    console.width = max(console.width, 160)
+    console.print(t)
+    for k, v in line.items():
+        if "_vs_best_" in k:
+            console.print(f"  {k}: {v}")

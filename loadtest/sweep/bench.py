@@ -31,6 +31,8 @@ from loadtest.traces import load_trace
 if TYPE_CHECKING:
     from costmodel.profiles import ReplicaProfile
 
+MIN_METRICS_INTERVAL_S = 0.01  # router.config's floor (the harness does not import the router)
+
 
 @dataclass
 class SweepConfig:
@@ -80,6 +82,11 @@ class SweepConfig:
     # kvroute targets get ``--replica URL#role=...`` (router.disagg), with pd_mode below
     pd: str | None = None
     pd_mode: str = "auto"
+    # how often every kvroute target reads the twins' load (its /metrics scrape), in modelled
+    # seconds: upstream llm-d's 50 ms refresh, for its port and for kv_cost alike (the peers
+    # track load themselves); the router's metrics_interval_s is this / speedup, not under
+    # MIN_METRICS_INTERVAL_S (see scrape_wall_s)
+    scrape_s: float = 0.05
 
     @property
     def router_profile_name(self) -> str:
@@ -94,6 +101,11 @@ class SweepConfig:
             raise ValueError(f"--pd takes P:D with P, D >= 1 (e.g. 2:2), not {self.pd!r}")
         self.replicas = int(p) + int(d)
         return ["prefill"] * int(p) + ["decode"] * int(d)
+
+    @property
+    def scrape_wall_s(self) -> float:
+        """kvroute's ``metrics_interval_s`` (wall seconds) for this sweep."""
+        return max(MIN_METRICS_INTERVAL_S, self.scrape_s / self.speedup)
 
 
 def machine() -> str:
@@ -125,6 +137,9 @@ def notes_for(cfg: SweepConfig, trace_block: int, block: int, tpi: int) -> list[
         "sessions with a fresh per-play prompt namespace (no warm cache across plays).",
         "Client and twins share this machine's CPUs: client-side latency is multiplied by the "
         "speedup when scaled back, so compare targets within one run, not absolute numbers.",
+        f"kvroute targets read the twins' load from a /metrics scrape every "
+        f"{cfg.scrape_wall_s * cfg.speedup * 1e3:g} ms modelled ({cfg.scrape_wall_s * 1e3:g} ms "
+        "wall; upstream llm-d refreshes every 50 ms); the peers track load themselves.",
     ]
     if cfg.shared_prefix:
         n.append("Shared tools+system prefix ON: every session of an agent type shares it.")
@@ -169,6 +184,10 @@ def run_point(
             extra["KVROUTE_DECISION_LOG"] = str(d / "decisions.jsonl")
             if roles:
                 extra["KVROUTE_PD_MODE"] = cfg.pd_mode
+        scrape_args = []
+        if target.startswith("kvroute:"):  # every kvroute policy reads load this often
+            scrape_args = ["--metrics-interval-s", repr(cfg.scrape_wall_s)]
+            point["scrape_s"] = cfg.scrape_wall_s * cfg.speedup  # modelled seconds
         router = Router(
             target,
             cluster.urls,
@@ -179,9 +198,8 @@ def run_point(
             profile=cfg.router_profile_name,
             speedup=cfg.speedup,
             extra_env=extra,
-            extra_args=["--priority", "session"]
-            if cfg.priority and target.startswith("kvroute:")
-            else [],
+            extra_args=scrape_args
+            + (["--priority", "session"] if cfg.priority and target.startswith("kvroute:") else []),
             roles=dict(zip(cluster.urls, roles, strict=True)) if roles else {},
         )
         with router:
@@ -365,6 +383,7 @@ def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> 
                 results["points"].append(run_point(cfg, target, conc, out, trace, builder, seed))
                 results["elapsed_s"] = round(time.monotonic() - t0, 1)
                 results["aggregate"] = aggregate(results["points"], out, cfg.warmup_s)
+                results["line"] = line_summary(results["aggregate"])
                 (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     results["report"] = str(build_report(out))
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
@@ -447,3 +466,31 @@ def aggregate(
         row["router_profile"] = pts[0].get("router_profile")
         rows.append(row)
     return rows
+
+
+# kvroute's default policy: the one a line comparison puts against the best of the others
+OURS = ("kvroute:kv_cost",)
+
+
+def line_summary(rows: list[dict[str, Any]], ours: tuple[str, ...] = OURS) -> dict[str, Any]:
+    """Each target's line figure (:func:`loadtest.line.line_figure`: measured and interpolated
+    side by side, flagged where the lane grid is too coarse at the line) from the medians over
+    seeds of :func:`aggregate`'s rows, and ours against the best other target
+    (:func:`loadtest.line.compare_at_line`). A target with one lane count is flagged: a line
+    figure needs a sweep (``--lanes LO:HI``)."""
+    from loadtest.line import LINE_TOK_S, LinePoint, compare_at_line, line_figure
+
+    pts: dict[str, list[LinePoint]] = {}
+    for r in rows:
+        inter, tput = r.get("p90_interactivity_tok_s"), r.get("tokens_per_gpu_s")
+        if not inter or not tput:
+            continue
+        pts.setdefault(r["target"], []).append(
+            LinePoint(r["concurrency"], inter["median"], tput["median"])
+        )
+    figs = {t: line_figure(p) for t, p in pts.items()}
+    return {
+        "line_tok_s": LINE_TOK_S,
+        "figures": {t: f.as_dict() for t, f in figs.items()},
+        **compare_at_line(figs, [t for t in ours if t in figs]),
+    }

@@ -21,7 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="kvroute:round_robin,kvroute:session_affinity",
         help="comma-separated routers",
     )
-    p.add_argument("--concurrency", default="4,8", help="comma-separated lane counts")
+    p.add_argument(
+        "--concurrency", "--lanes", dest="concurrency", default="4,8",
+        help="comma-separated lane counts; LO:HI is a grid fine enough for a line figure "
+        "(neighbours within 12.5%%: 16:48 = 16,18,20,22,25,28,32,36,41,46,48)",
+    )  # fmt: skip
     p.add_argument("--duration", type=float, default=30.0, help="seconds of replay per point")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--profile", default="h200-70b-fp8")
@@ -104,6 +108,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "always", "never"],
         help="with --pd: kvroute's per-call split decision (auto: priced)",
     )
+    p.add_argument(
+        "--scrape", type=float, default=0.05,
+        help="modelled seconds between kvroute's /metrics scrapes of the twins' load, for "
+        "every kvroute policy (default 0.05: upstream llm-d's refresh; 1 was the router's "
+        "default before); the wall interval is this / speedup, at least 10 ms",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -138,15 +148,24 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagger: float) -> int:
     import sys
 
+    from loadtest.line import parse_lanes
     from loadtest.prompts import PromptError
-    from loadtest.report.tables import print_aggregate, print_summary
+    from loadtest.report.tables import print_aggregate, print_line, print_summary
     from loadtest.sweep.bench import SweepConfig, run_sweep
     from loadtest.traces import TraceError
 
+    try:
+        lanes = parse_lanes(args.concurrency)
+    except ValueError as e:
+        print(f"kvroute bench: {e}", file=sys.stderr)
+        return 2
+    if not args.scrape > 0:
+        print("kvroute bench: --scrape must be > 0 seconds", file=sys.stderr)
+        return 2
     cfg = SweepConfig(
         trace=args.trace,
         targets=[t for t in args.targets.split(",") if t],
-        concurrency=[int(c) for c in args.concurrency.split(",") if c],
+        concurrency=lanes,
         duration_s=args.duration,
         replicas=args.replicas,
         profile=args.profile,
@@ -173,6 +192,7 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
         priority=args.priority,
         pd=args.pd,
         pd_mode=args.pd_mode,
+        scrape_s=args.scrape,
     )
     try:
         res = run_sweep(cfg, out, command="kvroute bench " + " ".join(sys.argv[2:]))
@@ -196,6 +216,8 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
             print(f"  {_label(p)}: CPU-saturated, not used: {'; '.join(cpu['why'])}")
     if any(p.get("seed") is not None for p in res["points"]):
         print_aggregate(res["aggregate"], title=f"over seeds, truth {truth}")
+    if len(cfg.concurrency) > 1 and res.get("line"):
+        print_line(res["line"], title=f"truth {truth}")
     print(f"report: {res['report']}")
     return 0 if any(p.get("summary") for p in res["points"]) else 1
 

@@ -14,6 +14,7 @@ from router.replicas import (
     ReplicaSet,
     diff,
     endpoints_from_slices,
+    next_scrape_at,
     parse_vllm_metrics,
 )
 from router.sessions import identify, prompt_prefix_text
@@ -160,6 +161,9 @@ def test_config_precedence_flags_over_env_over_yaml(tmp_path):
         ("port: 1\n", {}, "no replicas"),
         ("replicas: [a:1]\n", {}, "must start with http"),
         ("- a\n", {}, "must hold a mapping"),
+        ("replicas: [http://a:1]\n", {"KVROUTE_METRICS_INTERVAL_S": "0"}, "metrics_interval_s >="),
+        ("replicas: [http://a:1]\nmetrics_interval_s: 0.005\n", {}, "metrics_interval_s >="),
+        ("replicas: [http://a:1]\nhealth_interval_s: 0\n", {}, "health_interval_s > 0"),
     ],
 )
 def test_config_errors_are_clear(tmp_path, yaml_text, env, error):
@@ -167,6 +171,22 @@ def test_config_errors_are_clear(tmp_path, yaml_text, env, error):
     f.write_text(yaml_text)
     with pytest.raises(ConfigError, match=error):
         load_config(f, env=env)
+
+
+def test_load_scrape_interval_goes_down_to_llm_d_s_50_ms(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("replicas: [http://a:1]\n")
+    assert load_config(f, env={}).metrics_interval_s == 1.0  # the default
+    cfg = load_config(f, env={"KVROUTE_METRICS_INTERVAL_S": "0.05"})
+    assert cfg.metrics_interval_s == 0.05
+
+
+def test_scrape_rounds_keep_a_fixed_rate_and_skip_what_they_overran():
+    # a round due at 10.0 that took 30 ms: the next is due 50 ms after 10.0, not after 10.03
+    assert next_scrape_at(10.0, 10.03, 0.05) == pytest.approx(10.05)
+    # a round that ran 2 s (a replica timing out): the next starts an interval after it ended,
+    # not at once and not 40 rounds back to back
+    assert next_scrape_at(10.0, 12.0, 0.05) == pytest.approx(12.05)
 
 
 def test_config_repr_masks_secrets():
