@@ -302,25 +302,3 @@ def summarize(
         "gpus": gpus,
         "replicas_used": sorted({c.replica for c in ok if c.replica}),
     }
-
-
-def throughput_at_line(points: Sequence[tuple[float, float]], line: float = 50.0) -> float | None:
-    """The most throughput a system reaches while its P90 interactivity stays at or above
-    ``line`` (AgentX's fixed-interactivity comparison), from its points along a concurrency
-    sweep: ``(p90 interactivity tok/s, tokens per GPU-second)`` in concurrency order.
-
-    The answer is the best point at or above the line, or the linear interpolation where the
-    curve crosses the line between two neighbours (the Pareto curve read at the line);
-    ``None`` when no point reaches the line. NaN interactivity counts as below the line.
-    """
-    best: float | None = None
-    for i, (inter, tput) in enumerate(points):
-        if inter >= line:
-            best = tput if best is None else max(best, tput)
-            if i + 1 < len(points):
-                nxt_i, nxt_t = points[i + 1]
-                if not nxt_i >= line:  # crosses the line (or NaN: stop at this point)
-                    if nxt_i == nxt_i:  # not NaN
-                        frac = (inter - line) / (inter - nxt_i)
-                        best = max(best, tput + frac * (nxt_t - tput))
-    return best

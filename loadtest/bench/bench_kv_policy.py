@@ -11,9 +11,17 @@ fixed ``max_tokens`` cap, never the recorded output length, and no last-call fla
 Per point: min / median / max over seeds of tokens per GPU-second, P90 interactivity
 (1000 / P90 TPOT ms), TTFT p90, session completion p50 / p90 and the token hit ratio; one
 unlimited-cache hit bound per workload (the trace's first play, every policy the same).
-Per policy: the best *measured* median point with P90 interactivity ≥ ``LINE`` (and a second
-one also holding TTFT p90 ≤ ``TTFT_SLO_S``), and beside it the figure interpolated on the
-Pareto curve where it crosses the line (:func:`loadtest.metrics.throughput_at_line`).
+Per policy, the line figure by the one rule (:mod:`loadtest.line`): the best *measured*
+median point with P90 interactivity ≥ ``LINE`` and beside it the crossing interpolated between
+the two lane counts that bracket it, flagged unless they are within 12.5% of each other (a
+second measured figure also holds TTFT p90 ≤ ``TTFT_SLO_S``). Each workload's lane levels are
+a coarse start: after them every policy's bracket is bisected (and the grid extended where a
+policy never crosses the line) until every policy is fine at the line or ``REFINE_ROUNDS``
+rounds have run — for all policies alike (``KVROUTE_BENCH_REFINE=0``: the levels only).
+
+The simulated router reads the engines' load through a ``/metrics`` scrape every
+``SCRAPE_S`` (50 ms: upstream llm-d's refresh, for every policy alike;
+``KVROUTE_BENCH_SCRAPE_S`` overrides it, 0 = exact load at every decision).
 
 Policies (the router's own pipelines through :class:`loadtest.sim.router_policy.RouterPolicy`,
 block index fed by the engines' KV events): ``kv_cost`` (the default), ``llmd`` (the port of
@@ -45,7 +53,8 @@ from typing import Any
 from costmodel.profiles import load_profile, with_overrides
 from engine_patches.cadence import CadenceConfig
 from engine_patches.retention_rule import RetentionConfig
-from loadtest.metrics import UnlimitedCache, throughput_at_line
+from loadtest.line import LINE_TOK_S, LinePoint, compare_at_line, line_figure, refine_lanes
+from loadtest.metrics import UnlimitedCache
 from loadtest.sim.router_policy import RouterPolicy
 from loadtest.sim.trace import simulate_trace, trace_workload
 from loadtest.traces import load_trace
@@ -54,7 +63,9 @@ from loadtest.twin.engine import EnginePlugin
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
 POLICIES = ("kv_cost", "llmd", "sglang_tree", "session_affinity")
 SEEDS = (0, 1, 2)
-LINE = 50.0  # P90 interactivity, tok/s/user
+LINE = LINE_TOK_S  # P90 interactivity, tok/s/user
+SCRAPE_S = 0.05  # the simulated router's load scrape: upstream llm-d's 50 ms refresh
+REFINE_ROUNDS = 4  # lane levels added per policy at most, to resolve the line
 TTFT_SLO_S = 10.0  # the second line: TTFT p90 at or under this
 WARMUP_S = 120.0
 STAGGER_S = 60.0
@@ -153,18 +164,20 @@ def run_workloads(
     workloads: dict[str, _W], default_policies: tuple[str, ...], quick: bool,
     ours: tuple[str, ...] = ("kv_cost",), overrides: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict]:  # fmt: skip
-    """Every workload x policy x concurrency point over the seeds, then the line row per
-    workload; ``KVROUTE_BENCH_POLICIES`` / ``KVROUTE_BENCH_WORKLOADS`` (comma lists) narrow
-    the run; ``KVROUTE_BENCH_SCRAPE_S`` (seconds, default 0: exact) has the simulated router
-    read engine load through a scrape that often. ``overrides``: engine settings per workload
-    over its profile (``with_overrides``)."""
+    """Every workload x policy x concurrency point over the seeds, the lanes added to
+    resolve the line (:func:`loadtest.line.refine_lanes`, every policy alike; off with
+    ``KVROUTE_BENCH_REFINE=0``), then the line row per workload; ``KVROUTE_BENCH_POLICIES`` /
+    ``KVROUTE_BENCH_WORKLOADS`` (comma lists) narrow the run; ``KVROUTE_BENCH_SCRAPE_S``
+    (seconds, default ``SCRAPE_S``; 0: exact) is how often the simulated router reads engine
+    load. ``overrides``: engine settings per workload over its profile (``with_overrides``)."""
     duration = 480.0 if quick else 900.0
     seeds = SEEDS[:1] if quick else SEEDS
     only = os.environ.get("KVROUTE_BENCH_POLICIES")
     policies = tuple(p for p in only.split(",") if p) if only else default_policies
-    # the simulated router's engine-load view: exact at each decision (0, the yardstick's
-    # default so far) or as of a /metrics scrape every S seconds, as a live router sees it
-    scrape = float(os.environ.get("KVROUTE_BENCH_SCRAPE_S", "0") or 0)
+    # the simulated router's engine-load view: as of a /metrics scrape every S seconds, as a
+    # live router sees it (upstream llm-d's 50 ms by default), or exact at each decision (0)
+    scrape = float(os.environ.get("KVROUTE_BENCH_SCRAPE_S", repr(SCRAPE_S)) or 0)
+    refine = not quick and os.environ.get("KVROUTE_BENCH_REFINE", "1") != "0"
     only_w = os.environ.get("KVROUTE_BENCH_WORKLOADS")
     if only_w:
         workloads = {k: v for k, v in workloads.items() if k in only_w.split(",")}
@@ -178,10 +191,15 @@ def run_workloads(
         trace = load_trace(path, max_gap_s=gap)
         bound = round(trace_bound(trace, prof.block_size), 3)
         medians: dict[str, list[dict[str, float]]] = {}
+        lanes_by_pol: dict[str, list[int]] = {}
         for pol in policies:
             medians[pol] = []
+            lanes_by_pol[pol] = list(quick_levels if quick else levels)
             router_pol, hints, plugin = policy_spec(pol)
-            for n in quick_levels if quick else levels:
+            pending = list(lanes_by_pol[pol])
+            rounds = 0
+            while pending:
+                n = pending.pop(0)
                 t0 = time.perf_counter()
                 runs = [
                     simulate_trace(prof, n_rep, trace,
@@ -195,65 +213,68 @@ def run_workloads(
                 runs = [with_tier_shares(r) for r in runs]
                 stats = {k: spread([float(r.get(src, float("nan"))) for r in runs])
                          for k, src in FIELDS}  # fmt: skip
-                medians[pol].append({k: v["median"] for k, v in stats.items()})
+                medians[pol].append({"lanes": n, **{k: v["median"] for k, v in stats.items()}})
                 row: dict[str, Any] = {
                     "name": f"{wname}_c{n}_{pol}", "workload": wname, "concurrency": n,
                     "policy": pol, "gpus": n_rep * prof.gpus, "seeds": len(seeds),
                     "calls": [r.get("requests", 0) for r in runs], "hit_bound": bound,
-                    "scrape_s": scrape,
+                    "scrape_s": scrape, "added_for_line": n not in (quick_levels if quick
+                                                                    else levels),
                 }  # fmt: skip
                 for k, v in stats.items():
                     nd = 3 if k.startswith(("hit", "host", "storage")) else 1
                     row[k] = {m: round(x, nd) for m, x in v.items()}
                 row["wall_s"] = round(time.perf_counter() - t0, 1)
                 rows.append(row)
+                if not pending and refine and rounds < REFINE_ROUNDS:
+                    rounds += 1
+                    pending = refine_lanes(figure_of(medians[pol]), lanes_by_pol[pol])
+                    lanes_by_pol[pol] += pending
         rows.append(line_row(wname, medians, bound, ours))
     return rows
+
+
+def figure_of(points: list[dict[str, float]]) -> Any:
+    """A policy's :class:`loadtest.line.LineFigure` from its median points."""
+    return line_figure(
+        LinePoint(int(p["lanes"]), p["p90_interactivity"], p["tok_per_gpu_s"]) for p in points
+    )
 
 
 def line_row(
     wname: str, medians: dict[str, list[dict[str, float]]], bound: float,
     ours: tuple[str, ...] = ("kv_cost",),
 ) -> dict:  # fmt: skip
-    """Each policy at the line: the best measured median point, with the SLO too, and the
-    interpolated figure beside it; ratios of each of ``ours`` to the best of the others (the
-    peers: every policy not in ``ours``)."""
+    """Each policy at the line by the one rule (:func:`loadtest.line.line_figure`): the best
+    measured median point and the interpolated crossing side by side, with the lanes of
+    each, whether the grid is fine there and, if not, why; a second measured figure that also
+    holds the TTFT SLO; ratios of each of ``ours`` to the best of the others (the peers: every
+    policy not in ``ours``) by :func:`loadtest.line.compare_at_line` — flagged for all when
+    any policy's grid is too coarse at the line."""
 
-    def best(points: list[dict[str, float]], slo: bool) -> float | None:
-        ok = [
-            p["tok_per_gpu_s"]
-            for p in points
-            if p["p90_interactivity"] >= LINE and (not slo or p["ttft_p90_s"] <= TTFT_SLO_S)
-        ]
-        return max(ok) if ok else None  # fmt: skip
+    def with_slo(points: list[dict[str, float]]) -> float | None:
+        ok = [p["tok_per_gpu_s"] for p in points
+              if p["p90_interactivity"] >= LINE and p["ttft_p90_s"] <= TTFT_SLO_S]  # fmt: skip
+        return max(ok) if ok else None
 
     out: dict[str, Any] = {"name": f"{wname}_at_p90_{LINE:g}tok_s", "hit_bound": bound}
-    measured: dict[str, float | None] = {}
-    with_slo: dict[str, float | None] = {}
-
-    def r(x: float | None) -> int | None:
-        return None if x is None else round(x)
-
+    figs = {pol: figure_of(pts) for pol, pts in medians.items()}
+    slo: dict[str, float | None] = {}
     for pol, pts in medians.items():
-        measured[pol] = best(pts, False)
-        with_slo[pol] = best(pts, True)
-        interp = throughput_at_line([(p["p90_interactivity"], p["tok_per_gpu_s"]) for p in pts])
+        slo[pol] = with_slo(pts)
         out[pol] = {
-            "measured": r(measured[pol]),
-            f"measured_ttft_p90_le_{TTFT_SLO_S:g}s": r(with_slo[pol]),
-            "interpolated": r(interp),
+            **figs[pol].as_dict(),
+            f"measured_ttft_p90_le_{TTFT_SLO_S:g}s": None if slo[pol] is None else round(slo[pol]),
         }
-    for label, table in (("measured", measured), ("with_slo", with_slo)):
-        others: dict[str, float] = {
-            p: v for p, v in table.items() if p not in ours and v is not None
-        }
-        for mine in ours:
-            if mine not in table:
-                continue
-            kv = table[mine]
-            if kv is not None and others:
-                top = max(others, key=lambda p: others[p])
-                out[f"{mine}_vs_best_{label}"] = f"{kv / others[top]:.2f}x vs {top}"
-            else:
-                out[f"{mine}_vs_best_{label}"] = "not comparable (a policy never reached the line)"
+    out.update(compare_at_line(figs, [p for p in ours if p in figs]))
+    peers = {p: v for p, v in slo.items() if p not in ours and v is not None}
+    for mine in ours:
+        if mine not in slo:
+            continue
+        kv = slo[mine]
+        if kv is not None and peers:
+            top = max(peers, key=lambda p: peers[p])
+            out[f"{mine}_vs_best_with_slo"] = f"{kv / peers[top]:.2f}x vs {top}"
+        else:
+            out[f"{mine}_vs_best_with_slo"] = "not comparable (a policy never reached the line)"
     return out

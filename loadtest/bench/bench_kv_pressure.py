@@ -108,12 +108,17 @@ def run(quick: bool = False) -> list[dict]:
 def headroom_rows(rows: list[dict]) -> list[dict]:
     """Per workload a ceiling of ``CEILINGS`` bounds, when both ran: the ceiling's line figure
     (the best policy on a cache that never evicts) ÷ the best port's (every policy not in
-    ``OURS``), measured and interpolated, beside the best of ``OURS``. Pure: reads line rows."""
+    ``OURS``), measured and interpolated, beside the best of ``OURS`` — by the one line rule
+    (:mod:`loadtest.line`) for all or none: ``line_ok`` only when every policy of both rows is
+    fine at the line (else ``line_flags`` says which is not), and no interpolated ratio where
+    any policy's crossing was not bracketed. Pure: reads line rows."""
     lines = {r["name"].split("_at_p90_")[0]: r for r in rows if "_at_p90_" in r.get("name", "")}
 
+    def figs(line: dict) -> dict[str, dict]:
+        return {p: v for p, v in line.items() if isinstance(v, dict) and "measured" in v}
+
     def top(line: dict, keep: Any, kind: str) -> float | None:
-        vals = [v[kind] for p, v in line.items()
-                if isinstance(v, dict) and keep(p) and v.get(kind) is not None]  # fmt: skip
+        vals = [v[kind] for p, v in figs(line).items() if keep(p) and v.get(kind) is not None]
         return max(vals) if vals else None
 
     out: list[dict] = []
@@ -123,7 +128,11 @@ def headroom_rows(rows: list[dict]) -> list[dict]:
             line = lines.get(w)
             if ceiling is None or line is None:
                 continue
-            row: dict[str, Any] = {"name": f"{w}_kv_headroom", "ceiling": cname}
+            both = {**{f"{cname}:{p}": v for p, v in figs(ceiling).items()}, **figs(line)}
+            flags = {p: v.get("why") for p, v in both.items() if v.get("ok") is False}
+            row: dict[str, Any] = {"name": f"{w}_kv_headroom", "ceiling": cname,
+                                   "line_ok": not flags, "line_flags": flags}  # fmt: skip
+            bracketed = all(v.get("interpolated") is not None for v in both.values())
             for kind in ("measured", "interpolated"):
                 ceil = top(ceiling, lambda p: True, kind)
                 port = top(line, lambda p: p not in OURS, kind)
@@ -133,7 +142,11 @@ def headroom_rows(rows: list[dict]) -> list[dict]:
                 row[f"best_ours_{kind}"] = ours
                 for label, x in (("ceiling", ceil), ("ours", ours)):
                     row[f"{label}_vs_best_port_{kind}"] = (
-                        f"{x / port:.2f}x" if x is not None and port else "not comparable"
+                        "not comparable (a crossing lies outside its grid)"
+                        if kind == "interpolated" and not bracketed
+                        else f"{x / port:.2f}x"
+                        if x is not None and port
+                        else "not comparable"
                     )
             out.append(row)
     return out

@@ -13,12 +13,14 @@ warm-up, with each target mapped to the policy the simulator has for it:
 * ``vllm-router:consistent_hash`` → ``session_affinity`` (consistent hashing on the session;
   the port differs: kvroute's variant bounds each replica's load, vllm-router's does not).
 
-The simulated router reads the engines' running / waiting / KV usage as the live router does,
-from a scrape every ``--scrape`` seconds (kvroute's ``metrics_interval_s``, 1 s; the
-simulator's default is exact load at every decision, which flatters a policy that leans on
-it). It prints tokens/GPU-s and TTFT p90 (median over seeds) per target in both, each side's
-ranking, and Kendall's tau between the rankings (1: the same order). Real-path points marked
-CPU-saturated are left out, as in the sweep's aggregate.
+The simulated router reads the engines' running / waiting / KV usage as the live router did,
+from a scrape every ``--scrape`` wall seconds: by default the interval the run recorded
+(``kvroute bench --scrape``, 50 ms modelled since issue 42), else 1 s (kvroute's
+``metrics_interval_s`` default, what runs before it scraped at); 0 is exact load at every
+decision, which flatters a policy that leans on it. It prints tokens/GPU-s and TTFT p90
+(median over seeds) per target in both, each side's ranking, and Kendall's tau between the
+rankings (1: the same order). Real-path points marked CPU-saturated are left out, as in the
+sweep's aggregate.
 """
 
 from __future__ import annotations
@@ -32,7 +34,18 @@ from typing import Any
 # Not a run of its own: it reads another run's output, so ``make bench`` lists it, not runs it.
 STANDALONE = "reads a kvroute bench --out folder: python -m loadtest.bench.bench_sim_vs_real OUT"
 
-SCRAPE_S = 1.0  # kvroute's metrics_interval_s: how often the live router reads engine load
+SCRAPE_S = 1.0  # kvroute's metrics_interval_s default: runs that recorded no scrape used it
+
+
+def recorded_scrape_s(res: dict[str, Any]) -> float:
+    """The wall seconds between the live router's load scrapes in a ``kvroute bench`` run:
+    what its kvroute points recorded (modelled seconds / speedup), else ``SCRAPE_S``."""
+    speedup = float(res.get("config", {}).get("speedup") or 1.0)
+    for p in res.get("points", []):
+        if p.get("scrape_s"):
+            return float(p["scrape_s"]) / speedup
+    return SCRAPE_S
+
 
 SIM_POLICY = {
     "sglang:cache_aware": "sglang_tree",
@@ -85,10 +98,13 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(vs) if vs else None
 
 
-def compare(out: Path, scrape_s: float = SCRAPE_S) -> dict[str, Any]:
+def compare(out: Path, scrape_s: float | None = None) -> dict[str, Any]:
+    """``scrape_s``: wall seconds between simulated scrapes (None: the run's own)."""
     from scipy.stats import kendalltau
 
     res = json.loads((out / "results.json").read_text())
+    if scrape_s is None:
+        scrape_s = recorded_scrape_s(res)
     cfg = res["config"]
     real: dict[str, list[dict[str, Any]]] = {}
     for p in res["points"]:
@@ -152,10 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--scrape",
         type=float,
-        default=SCRAPE_S,
+        default=None,
         metavar="S",
         help="the simulated router reads engine load every S wall seconds, as "
-        "kvroute's metrics_interval_s (default 1; 0: exact at every decision)",
+        "kvroute's metrics_interval_s (default: the run's recorded interval, else 1; "
+        "0: exact at every decision)",
     )
     a = p.parse_args(argv)
     doc = compare(Path(a.out), a.scrape)

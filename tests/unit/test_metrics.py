@@ -114,18 +114,19 @@ def test_queue_depth_median_weights_time_not_sample_count():
     assert s["queue_depth_p50"] == 1 and s["queue_depth_max"] == 8
 
 
-def test_throughput_at_the_interactivity_line_reads_the_pareto_curve():
-    from loadtest.metrics import throughput_at_line
+def test_the_line_rule_reads_the_pareto_curve():
+    """The line figure moved to loadtest.line (one rule for every caller, tests/unit/
+    test_line.py); the cases the old metrics.throughput_at_line covered, on a fine grid."""
+    from loadtest.line import line_figure
 
-    # (P90 interactivity, tok/GPU-s) by rising concurrency
-    pts = [(80.0, 1000.0), (60.0, 2000.0), (40.0, 3000.0), (20.0, 4000.0)]
-    assert throughput_at_line(pts, 50.0) == pytest.approx(2500.0)  # halfway 60 -> 40
-    assert throughput_at_line(pts, 60.0) == pytest.approx(2000.0)  # exactly on a point
-    assert throughput_at_line(pts, 90.0) is None  # never reaches the line
-    assert throughput_at_line(pts, 10.0) == 4000.0  # always above: the last point
-    # a non-monotone curve: the best crossing wins; NaN counts as below, no interpolation
-    assert throughput_at_line([(55.0, 100.0), (45.0, 300.0), (70.0, 900.0)], 50.0) == 900.0
-    assert throughput_at_line([(55.0, 100.0), (float("nan"), 300.0)], 50.0) == 100.0
+    # (lanes, P90 interactivity, tok/GPU-s) by rising lanes
+    pts = [(16, 80.0, 1000.0), (18, 60.0, 2000.0), (20, 40.0, 3000.0), (22, 20.0, 4000.0)]
+    assert line_figure(pts, 50.0).interpolated == pytest.approx(2500.0)  # halfway 60 -> 40
+    assert line_figure(pts, 60.0).interpolated == pytest.approx(2000.0)  # exactly on a point
+    assert line_figure(pts, 90.0).measured is None  # never reaches the line
+    # always above: the last point is measured; the crossing lies past the grid
+    above = line_figure(pts, 10.0)
+    assert (above.measured, above.interpolated, above.ok) == (4000.0, None, False)
 
 
 def test_the_simulator_summary_uses_the_replay_definitions():

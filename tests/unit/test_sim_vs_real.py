@@ -45,3 +45,15 @@ def test_compare_ranks_both_sides(tmp_path):
         assert {r["sim_rank"] for r in rows.values()} == {1, 2}
     assert -1.0 <= doc["kendall_tau"] <= 1.0
     assert "Kendall" in markdown(doc)
+
+
+def test_the_simulated_scrape_is_the_runs_own():
+    from loadtest.bench.bench_sim_vs_real import SCRAPE_S, recorded_scrape_s
+
+    # kvroute bench --scrape 0.05 at speedup 2: the router scraped every 25 ms wall
+    res = {"config": {"speedup": 2.0},
+           "points": [{"target": "sglang:cache_aware"},
+                      {"target": "kvroute:llmd", "scrape_s": 0.05}]}  # fmt: skip
+    assert recorded_scrape_s(res) == 0.025
+    # a run from before the scrape was recorded: the router's 1 s default
+    assert recorded_scrape_s({"config": {"speedup": 1.0}, "points": [{}]}) == SCRAPE_S == 1.0
