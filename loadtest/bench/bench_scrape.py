@@ -26,6 +26,9 @@ import httpx
 from loadtest.sweep.cpuwatch import CpuWatch
 from loadtest.sweep.stack import Router, TwinCluster, cleanup
 
+# Not part of ``make bench``: it starts its own twin clusters and routers for ~40 s each.
+STANDALONE = "starts twins and a router per interval: python -m loadtest.bench.bench_scrape"
+
 
 def parse_cost(url: str, repeats: int = 200) -> dict[str, float]:
     """Bytes of one twin ``/metrics`` exposition and the median time to parse it (ms)."""
