@@ -67,3 +67,41 @@ async def test_timeouts_take_a_replica_out_only_after_health_failures_in_a_row(s
         state["status"] = 503  # an engine that says it is not healthy: out at once
         await mon.check_all()
         assert not slow.healthy
+
+
+async def test_the_load_scrape_runs_at_llm_d_s_50_ms():
+    """``metrics_interval_s: 0.05``: the monitor reads each replica's queue 20 times a second
+    (upstream llm-d's refresh), so a queue that changes is seen within a round or two. Counted
+    by the replica, with a generous deadline (at the old 1 s the count would take 30 s)."""
+    hits = {"n": 0}
+
+    async def metrics(_: web.Request) -> web.Response:
+        hits["n"] += 1
+        return web.Response(text=f"vllm:num_requests_waiting {hits['n']}\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    cfg = RouterConfig(replicas=[url], metrics_interval_s=0.05)
+    cfg.validate()
+    rs = ReplicaSet()
+    rs.set_source("static", [url])
+    try:
+        async with aiohttp.ClientSession() as http:
+            mon = ReplicaMonitor(rs, http, cfg)
+            task = asyncio.create_task(mon.metrics_loop())
+            try:
+                for _ in range(200):  # up to 10 s
+                    if hits["n"] >= 30:
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                task.cancel()
+            assert hits["n"] >= 30
+            assert rs.get(url).waiting is not None and rs.get(url).waiting >= 29
+    finally:
+        await runner.cleanup()
