@@ -142,6 +142,12 @@ def test_sweep_writes_results_plots_and_a_self_contained_report(tmp_path):
     assert firsts[0] != firsts[1]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["points"][0]["summary"]["requests_ok"] == ok["summary"]["requests_ok"]
+    # kvroute read the twins' load every 50 ms modelled (12.5 ms wall at speedup 4); the
+    # results carry the line figure by the one rule, flagged: one lane count is no sweep
+    assert ok["scrape_s"] == pytest.approx(0.05) and "scrape_s" not in bad
+    if row["used"]:
+        fig = saved["line"]["figures"]["kvroute:round_robin"]
+        assert fig["ok"] is False and fig["why"] and saved["line"]["line_ok"] is False
     for png in ("pareto.png", "hit_ratio.png", "ttft_cdf.png", "queue_depth.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tmp_path / "report.html").read_text()
