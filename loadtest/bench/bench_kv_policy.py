@@ -60,7 +60,12 @@ from loadtest.sim.trace import simulate_trace, trace_workload
 from loadtest.traces import load_trace
 from loadtest.twin.engine import EnginePlugin
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+# the traces folder: $KVROUTE_TRACES, else ../shared/data/traces beside the checkout (a git
+# worktree one level deeper sets the variable)
+TRACES = Path(
+    os.environ.get("KVROUTE_TRACES")
+    or Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+)
 POLICIES = ("kv_cost", "llmd", "sglang_tree", "session_affinity")
 SEEDS = (0, 1, 2)
 LINE = LINE_TOK_S  # P90 interactivity, tok/s/user
