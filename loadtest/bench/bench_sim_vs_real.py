@@ -9,7 +9,8 @@ warm-up, with each target mapped to the policy the simulator has for it:
 
 * ``kvroute:<policy>`` → the same pipeline (:class:`loadtest.sim.router_policy.RouterPolicy`);
 * ``sglang:cache_aware`` → ``sglang_tree`` (the port of sglang-router 0.3.2's cache_aware,
-  40 of 40 identical decisions against the binary in tests/integration/test_sglang_agreement.py);
+  107 of 107 identical decisions, the balance branch included, against the binary in
+  tests/integration/test_sglang_agreement.py);
 * ``vllm-router:consistent_hash`` → ``session_affinity`` (consistent hashing on the session;
   the port differs: kvroute's variant bounds each replica's load, vllm-router's does not).
 
