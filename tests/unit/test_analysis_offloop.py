@@ -74,7 +74,9 @@ async def test_a_cold_prompt_does_not_stall_the_loop(tokenizer: ModelTokenizer) 
     assert pending is not None
     worst, wall = await lag_while(pending)
     assert c.block_keys and c.prompt_tokens and c.prompt_tokens > 50_000
-    assert worst < max(0.1, inline_s / 4), (worst, inline_s, wall)  # a loaded 2-core VM
+    # analysed on the loop, the loop would go without a tick for about the whole wait (wall);
+    # a loaded 2-core VM deschedules it now and then, far less than a third of that
+    assert worst < max(0.1, inline_s / 4, wall / 3), (worst, inline_s, wall)
 
 
 async def test_no_call_waits_behind_another_calls_cold_tokenization(
