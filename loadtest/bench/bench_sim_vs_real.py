@@ -18,7 +18,8 @@ The simulated router reads the engines' running / waiting / KV usage as the live
 from a scrape every ``--scrape`` seconds (kvroute's ``metrics_interval_s``, 1 s; the
 simulator's default is exact load at every decision, which flatters a policy that leans on
 it). It prints tokens/GPU-s and TTFT p90 (median over seeds) per target in both, each side's
-ranking, and Kendall's tau between the rankings (1: the same order). Real-path points marked
+ranking, Kendall's tau between the rankings (1: the same order) and which pairs of targets the
+two order differently. Real-path points marked
 CPU-saturated are left out, as in the sweep's aggregate.
 """
 
@@ -117,12 +118,22 @@ def compare(out: Path, scrape_s: float = SCRAPE_S) -> dict[str, Any]:
     if len(rows) >= 2:
         t = kendalltau([r["real_rank"] for r in rows], [r["sim_rank"] for r in rows])
         tau = float(t.statistic)
+    # every pair of targets: does the simulator order it as the real path does?
+    pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :]]
+    disagree = [
+        sorted((a["target"], b["target"]))
+        for a, b in pairs
+        if (a["real_rank"] < b["real_rank"]) != (a["sim_rank"] < b["sim_rank"])
+    ]
     return {
         "out": str(out),
         "trace": cfg["trace"],
         "scrape_s": scrape_s,
         "rows": rows,
         "kendall_tau": tau,
+        "pairs": len(pairs),
+        "pairs_agree": len(pairs) - len(disagree),
+        "pairs_disagree": disagree,
     }
 
 
@@ -143,6 +154,11 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{f(r['real_ttft_p90_s'], '{:.1f}')} | {f(r['sim_ttft_p90_s'], '{:.1f}')} |"
         )
     lines.append(f"\nKendall's tau between the rankings: {f(doc['kendall_tau'], '{:.2f}')}")
+    if doc.get("pairs"):
+        lines.append(
+            f"Pairs of targets ordered alike: {doc['pairs_agree']} of {doc['pairs']}"
+            + "".join(f"; not {a} / {b}" for a, b in doc["pairs_disagree"])
+        )
     return "\n".join(lines)
 
 

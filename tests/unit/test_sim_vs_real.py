@@ -1,10 +1,15 @@
 """The simulator run on a real-path sweep's workload: targets map to the simulator's ports,
-both rankings and Kendall's tau come out, saturated real points are left out."""
+both rankings, Kendall's tau and the pairs ordered alike come out as the inputs imply,
+saturated real points are left out."""
 
 from __future__ import annotations
 
+import functools
 import json
 
+import pytest
+
+from loadtest.bench import bench_sim_vs_real
 from loadtest.bench.bench_sim_vs_real import compare, markdown, sim_policy
 
 TRACE = (
@@ -43,5 +48,71 @@ def test_compare_ranks_both_sides(tmp_path):
     for r in rows.values():
         assert len(r["sim_runs"]) == 2 and r["sim_tok_per_gpu_s"] > 0
         assert {r["sim_rank"] for r in rows.values()} == {1, 2}
-    assert -1.0 <= doc["kendall_tau"] <= 1.0
+    # two targets: the real order (sglang first) against the simulator's
+    agree = rows["sglang:cache_aware"]["sim_rank"] == 1
+    assert doc["kendall_tau"] == (1.0 if agree else -1.0)
+    assert doc["pairs"] == 1 and doc["pairs_agree"] == int(agree)
     assert "Kendall" in markdown(doc)
+
+
+FOUR = ["kvroute:round_robin", "kvroute:kv_cost", "sglang:cache_aware",
+        "vllm-router:consistent_hash"]  # fmt: skip
+
+
+# busy enough (16 sessions on 8 lanes, 3 replicas) that the four policies' figures differ
+TRACE4 = (
+    "synthetic:sessions=16,calls_median=6,calls_sigma=0.3,prefix_tokens=1024,"
+    "first_user_tokens=256,growth_median=300,output_median=20,gap_median_s=0.5,"
+    "max_context_tokens=3500,seed=11"
+)
+
+
+def _results(tmp_path, tok: dict[str, float]):
+    cfg = {"trace": TRACE4, "profile": "cpu-tiny", "replicas": 3, "concurrency": [8],
+           "duration_s": 30.0, "speedup": 1.0, "max_gap_s": 30.0, "seeds": [0],
+           "stagger_s": 1.0, "warmup_s": 2.0}  # fmt: skip
+    points = [{"target": t, "summary": {"tokens_per_gpu_s": v, "ttft_p90_s": 1.0}}
+              for t, v in tok.items()]  # fmt: skip
+    (tmp_path / "results.json").write_text(json.dumps({"config": cfg, "points": points}))
+    return tmp_path
+
+
+def test_agreement_is_measured_pair_by_pair_on_four_policies(tmp_path, monkeypatch):
+    """Four targets, the real figures set to the simulator's own order, then with one pair
+    swapped, then reversed: tau and the pairs ordered alike must be 1 and 6/6, 2/3 and 5/6,
+    -1 and 0/6 — a comparison that ignored either side would not give all three."""
+    sim = bench_sim_vs_real.simulate
+
+    @functools.cache  # one simulation per policy for the three comparisons
+    def cached(frozen_cfg: str, policy: str, seed, scrape_s: float):
+        return sim(json.loads(frozen_cfg), policy, seed, scrape_s)
+
+    monkeypatch.setattr(
+        bench_sim_vs_real,
+        "simulate",
+        lambda cfg, policy, seed, scrape_s=0.0: cached(
+            json.dumps(cfg, sort_keys=True), policy, seed, scrape_s
+        ),
+    )
+    first = compare(_results(tmp_path, dict.fromkeys(FOUR, 1.0)))
+    sim_tok = {r["target"]: r["sim_tok_per_gpu_s"] for r in first["rows"]}
+    assert len(sim_tok) == 4 and len(set(sim_tok.values())) == 4, sim_tok  # no ties
+    order = sorted(FOUR, key=lambda t: -sim_tok[t])  # the simulator's ranking, best first
+
+    def real_in(ranking: list[str]) -> dict:
+        doc = compare(_results(tmp_path, {t: 100.0 - i for i, t in enumerate(ranking)}))
+        assert [r["target"] for r in sorted(doc["rows"], key=lambda r: r["real_rank"])] == ranking
+        assert [r["target"] for r in sorted(doc["rows"], key=lambda r: r["sim_rank"])] == order
+        return doc
+
+    same = real_in(order)
+    assert same["kendall_tau"] == pytest.approx(1.0)
+    assert (same["pairs_agree"], same["pairs"], same["pairs_disagree"]) == (6, 6, [])
+    swapped = real_in([order[0], order[2], order[1], order[3]])
+    assert swapped["kendall_tau"] == pytest.approx(2 / 3)
+    assert swapped["pairs_agree"] == 5
+    assert swapped["pairs_disagree"] == [sorted((order[1], order[2]))]
+    reverse = real_in(order[::-1])
+    assert reverse["kendall_tau"] == pytest.approx(-1.0)
+    assert reverse["pairs_agree"] == 0 and len(reverse["pairs_disagree"]) == 6
+    assert "5 of 6" in markdown(swapped) and f"not {min(order[1], order[2])}" in markdown(swapped)
