@@ -11,7 +11,8 @@ import pytest
 
 from tests.vllm import conftest as beds
 
-ORDER = ["plain", "cadence", "retention", "signals", "tiers", "writeback", "replay",
+# the tier's beds in the order its modules first use them
+ORDER = ["plain", "cadence", "pool", "retention", "signals", "tiers", "writeback", "replay",
          "ft-lru", "ft-retention", "ft-disk", "ft-write-back"]  # fmt: skip
 
 
@@ -60,27 +61,31 @@ def test_every_flag_set_is_named_once_with_distinct_replica_names(tmp_path):
 def test_beds_start_in_batches_within_the_budgets_and_stop_after_their_last_test(pool):
     p, started = pool
     plain = p.get("plain")
-    assert started == [["plugin"], ["a", "b", "cad", "ret"]]  # the next two fit with it
+    assert started == [["plugin"], ["a", "b", "cad"]]  # the pool's two would pass 4 at once
     assert p.get("plain") is plain and p.get("cadence").key == "cadence"
     assert len(started) == 2  # nothing started twice
     p.release("cadence")
-    p.release("retention")
-    p.get("signals")  # 1 + tiers' 1; writeback's 3 would pass 4 at a time
-    assert started[-1] == ["sig", "tier"]
-    p.release("signals")
-    p.release("tiers")
-    p.get("writeback")
-    assert started[-1] == ["wb", "wt", "wbf", "r"]
-    assert sum(len(b.replicas) for b in p.live.values()) <= beds.LIVE_REPLICAS
-    for k in ("writeback", "replay", "plain"):
+    p.get("pool")
+    assert started[-1] == ["p1", "p2", "ret", "sig"]
+    for k in ("pool", "retention", "signals"):
         p.release(k)
-    p.get("ft-lru")
-    assert started[-1] == ["ft-lru", "ft-retention", "ft-disk", "ft-write-back"]
-    assert FakeBed.stopped == ["cad", "ret", "sig", "tier", "wb", "r", "a"]
+    p.get("tiers")
+    assert started[-1] == ["tier", "wb", "wt", "wbf"]
+    assert sum(len(b.replicas) for b in p.live.values()) == beds.LIVE_REPLICAS
+    for k in ("tiers", "writeback"):
+        p.release(k)
+    p.get("replay")  # and three of the fidelity beds, idle until the tier's last module
+    assert started[-1] == ["r", "ft-lru", "ft-retention", "ft-disk"]
+    for k in ("replay", "plain", "ft-lru", "ft-retention", "ft-disk"):
+        p.release(k)
+    p.get("ft-write-back")
+    assert started[-1] == ["ft-write-back"]
+    assert FakeBed.stopped == ["cad", "p1", "ret", "sig", "tier", "wb", "r", "a", "ft-lru",
+                               "ft-retention", "ft-disk"]  # fmt: skip
     with pytest.raises(RuntimeError, match="stopped after its last test"):
         p.get("plain")
     p.close()
-    assert len(FakeBed.stopped) == 11 and not p.live
+    assert len(FakeBed.stopped) == 12 and not p.live
 
 
 def test_a_bed_with_processes_left_is_reported(pool, monkeypatch):

@@ -56,6 +56,7 @@ SIGNALS_BUDGET = 64  # test_engine_signals: a 1,500-token prompt takes ~24 steps
 TIERS_HOST_BLOCKS = 300
 TIERS_MODES = ("lru", "retention", "disk", "write-back")
 RETENTION_SHARE = 0.5
+POOL_BLOCKS = 256  # test_engine_pool: the pool's bound, in 64 KiB block files
 
 
 def install_plugin() -> None:
@@ -159,6 +160,17 @@ def _writeback(ctx: BedContext):
             cfg("wbf", "write-back", 0, copy="front")], {}  # fmt: skip
 
 
+def _pool(ctx: BedContext):
+    """Two replicas sharing one cluster pool directory below their host tiers."""
+    shared = ctx.mktemp("kv-pool")
+    words = presets.flags(
+        presets.EngineOptions(cadence=None, host_tier_bytes=KV_BYTES, pool_dir=str(shared),
+                              pool_bytes=POOL_BLOCKS * BLOCK_SIZE * 2048)
+    )  # fmt: skip
+    return [_cfg(ctx, "p1", 0, words, events_endpoint=ctx.events),
+            _cfg(ctx, "p2", 1, words, events_endpoint=ctx.events)], {"shared": shared}  # fmt: skip
+
+
 def _replay(ctx: BedContext):
     """A publisher that *binds* (ipc: nothing listens beyond this machine), with a replay
     endpoint, for a subscriber that joins late."""
@@ -193,13 +205,15 @@ BEDS: dict[str, tuple[Callable[[BedContext], tuple[list[ReplicaConfig], dict]], 
     "retention": (_retention, True),
     "tiers": (_tiers, True),
     "writeback": (_writeback, True),
+    "pool": (_pool, True),
     "replay": (_replay, False),
     **{f"ft-{m}": (_tiers_fidelity(m), True) for m in TIERS_MODES},
 }
 # the session fixture that serves each key (``tiered_bed`` is parametrized by mode)
 FIXTURE_KEYS = {"vllm_bed": "plain", "cadence_bed": "cadence", "signals_bed": "signals",
                 "retention_bed": "retention", "tiers_bed": "tiers",
-                "writeback_bed": "writeback", "replay_bed": "replay"}  # fmt: skip
+                "writeback_bed": "writeback", "pool_bed": "pool",
+                "replay_bed": "replay"}  # fmt: skip
 
 
 def item_keys(item: pytest.Item) -> list[str]:
@@ -351,6 +365,11 @@ def tiers_bed(beds) -> Bed:
 @pytest.fixture(scope="session")
 def writeback_bed(beds) -> Bed:
     return beds.get("writeback")
+
+
+@pytest.fixture(scope="session")
+def pool_bed(beds) -> Bed:
+    return beds.get("pool")
 
 
 @pytest.fixture(scope="session")
