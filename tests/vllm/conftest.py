@@ -160,15 +160,15 @@ def _writeback(ctx: BedContext):
             cfg("wbf", "write-back", 0, copy="front")], {}  # fmt: skip
 
 
-def _pool(ctx: BedContext):
+def _pool(ctx: BedContext, names: tuple[str, str] = ("p1", "p2")):
     """Two replicas sharing one cluster pool directory below their host tiers."""
     shared = ctx.mktemp("kv-pool")
     words = presets.flags(
         presets.EngineOptions(cadence=None, host_tier_bytes=KV_BYTES, pool_dir=str(shared),
                               pool_bytes=POOL_BLOCKS * BLOCK_SIZE * 2048)
     )  # fmt: skip
-    return [_cfg(ctx, "p1", 0, words, events_endpoint=ctx.events),
-            _cfg(ctx, "p2", 1, words, events_endpoint=ctx.events)], {"shared": shared}  # fmt: skip
+    cfgs = [_cfg(ctx, n, cpu, words, events_endpoint=ctx.events) for cpu, n in enumerate(names)]
+    return cfgs, {"shared": shared}
 
 
 def _replay(ctx: BedContext):
@@ -206,6 +206,9 @@ BEDS: dict[str, tuple[Callable[[BedContext], tuple[list[ReplicaConfig], dict]], 
     "tiers": (_tiers, True),
     "writeback": (_writeback, True),
     "pool": (_pool, True),
+    # the same flags over a pool of its own: the twin comparison starts from an empty pool
+    # (test_engine_pool fills and deletes its one), which no vLLM reset empties
+    "pool-fidelity": (lambda ctx: _pool(ctx, ("f1", "f2")), True),
     "replay": (_replay, False),
     **{f"ft-{m}": (_tiers_fidelity(m), True) for m in TIERS_MODES},
 }
@@ -213,6 +216,7 @@ BEDS: dict[str, tuple[Callable[[BedContext], tuple[list[ReplicaConfig], dict]], 
 FIXTURE_KEYS = {"vllm_bed": "plain", "cadence_bed": "cadence", "signals_bed": "signals",
                 "retention_bed": "retention", "tiers_bed": "tiers",
                 "writeback_bed": "writeback", "pool_bed": "pool",
+                "pool_fidelity_bed": "pool-fidelity",
                 "replay_bed": "replay"}  # fmt: skip
 
 
@@ -370,6 +374,11 @@ def writeback_bed(beds) -> Bed:
 @pytest.fixture(scope="session")
 def pool_bed(beds) -> Bed:
     return beds.get("pool")
+
+
+@pytest.fixture(scope="session")
+def pool_fidelity_bed(beds) -> Bed:
+    return beds.get("pool-fidelity")
 
 
 @pytest.fixture(scope="session")
