@@ -4,7 +4,6 @@ saturated real points are left out."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -59,7 +58,7 @@ FOUR = ["kvroute:round_robin", "kvroute:kv_cost", "sglang:cache_aware",
         "vllm-router:consistent_hash"]  # fmt: skip
 
 
-# busy enough (16 sessions on 8 lanes, 3 replicas) that the four policies' figures differ
+# the run the four targets' real figures are set for (the stand-in simulator ignores it)
 TRACE4 = (
     "synthetic:sessions=16,calls_median=6,calls_sigma=0.3,prefix_tokens=1024,"
     "first_user_tokens=256,growth_median=300,output_median=20,gap_median_s=0.5,"
@@ -78,26 +77,19 @@ def _results(tmp_path, tok: dict[str, float]):
 
 
 def test_agreement_is_measured_pair_by_pair_on_four_policies(tmp_path, monkeypatch):
-    """Four targets, the real figures set to the simulator's own order, then with one pair
+    """Four targets, the real figures set to the simulator's order, then with one pair
     swapped, then reversed: tau and the pairs ordered alike must be 1 and 6/6, 2/3 and 5/6,
-    -1 and 0/6 — a comparison that ignored either side would not give all three."""
-    sim = bench_sim_vs_real.simulate
+    -1 and 0/6 — a comparison that ignored either side would not give all three. The
+    simulator is a stand-in with four distinct figures (the real one runs in the test above;
+    on a small trace two policies may tie, which says nothing about the comparison)."""
+    sim_tok = {"round_robin": 10.0, "kv_cost": 40.0, "sglang_tree": 30.0,
+               "session_affinity": 20.0}  # fmt: skip
 
-    @functools.cache  # one simulation per policy for the three comparisons
-    def cached(frozen_cfg: str, policy: str, seed, scrape_s: float):
-        return sim(json.loads(frozen_cfg), policy, seed, scrape_s)
+    def stand_in(cfg, policy, seed, scrape_s=0.0):
+        return {"tokens_per_gpu_s": sim_tok[policy], "ttft_p90_s": 1.0, "cache_hit_ratio": 0.5}
 
-    monkeypatch.setattr(
-        bench_sim_vs_real,
-        "simulate",
-        lambda cfg, policy, seed, scrape_s=0.0: cached(
-            json.dumps(cfg, sort_keys=True), policy, seed, scrape_s
-        ),
-    )
-    first = compare(_results(tmp_path, dict.fromkeys(FOUR, 1.0)))
-    sim_tok = {r["target"]: r["sim_tok_per_gpu_s"] for r in first["rows"]}
-    assert len(sim_tok) == 4 and len(set(sim_tok.values())) == 4, sim_tok  # no ties
-    order = sorted(FOUR, key=lambda t: -sim_tok[t])  # the simulator's ranking, best first
+    monkeypatch.setattr(bench_sim_vs_real, "simulate", stand_in)
+    order = sorted(FOUR, key=lambda t: -sim_tok[sim_policy(t)])  # the simulator's, best first
 
     def real_in(ranking: list[str]) -> dict:
         doc = compare(_results(tmp_path, {t: 100.0 - i for i, t in enumerate(ranking)}))
