@@ -9,7 +9,8 @@ warm-up, with each target mapped to the policy the simulator has for it:
 
 * ``kvroute:<policy>`` → the same pipeline (:class:`loadtest.sim.router_policy.RouterPolicy`);
 * ``sglang:cache_aware`` → ``sglang_tree`` (the port of sglang-router 0.3.2's cache_aware,
-  40 of 40 identical decisions against the binary in tests/integration/test_sglang_agreement.py);
+  107 of 107 identical decisions, the balance branch included, against the binary in
+  tests/integration/test_sglang_agreement.py);
 * ``vllm-router:consistent_hash`` → ``session_affinity`` (consistent hashing on the session;
   the port differs: kvroute's variant bounds each replica's load, vllm-router's does not).
 
@@ -18,9 +19,9 @@ from a scrape every ``--scrape`` wall seconds: by default the interval the run r
 (``kvroute bench --scrape``, 50 ms modelled since issue 42), else 1 s (kvroute's
 ``metrics_interval_s`` default, what runs before it scraped at); 0 is exact load at every
 decision, which flatters a policy that leans on it. It prints tokens/GPU-s and TTFT p90
-(median over seeds) per target in both, each side's ranking, and Kendall's tau between the
-rankings (1: the same order). Real-path points marked CPU-saturated are left out, as in the
-sweep's aggregate.
+(median over seeds) per target in both, each side's ranking, Kendall's tau between the
+rankings (1: the same order) and which pairs of targets the two order differently. Real-path
+points marked CPU-saturated are left out, as in the sweep's aggregate.
 """
 
 from __future__ import annotations
@@ -132,12 +133,22 @@ def compare(out: Path, scrape_s: float | None = None) -> dict[str, Any]:
     if len(rows) >= 2:
         t = kendalltau([r["real_rank"] for r in rows], [r["sim_rank"] for r in rows])
         tau = float(t.statistic)
+    # every pair of targets: does the simulator order it as the real path does?
+    pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :]]
+    disagree = [
+        sorted((a["target"], b["target"]))
+        for a, b in pairs
+        if (a["real_rank"] < b["real_rank"]) != (a["sim_rank"] < b["sim_rank"])
+    ]
     return {
         "out": str(out),
         "trace": cfg["trace"],
         "scrape_s": scrape_s,
         "rows": rows,
         "kendall_tau": tau,
+        "pairs": len(pairs),
+        "pairs_agree": len(pairs) - len(disagree),
+        "pairs_disagree": disagree,
     }
 
 
@@ -158,6 +169,11 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{f(r['real_ttft_p90_s'], '{:.1f}')} | {f(r['sim_ttft_p90_s'], '{:.1f}')} |"
         )
     lines.append(f"\nKendall's tau between the rankings: {f(doc['kendall_tau'], '{:.2f}')}")
+    if doc.get("pairs"):
+        lines.append(
+            f"Pairs of targets ordered alike: {doc['pairs_agree']} of {doc['pairs']}"
+            + "".join(f"; not {a} / {b}" for a, b in doc["pairs_disagree"])
+        )
     return "\n".join(lines)
 
 

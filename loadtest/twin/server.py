@@ -619,12 +619,9 @@ async def load(request: web.Request) -> web.Response:
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
-    twin = request.app[APP_TWIN]
-    if not twin.reset_prefix_cache():
-        return error_response(
-            ApiError(500, "prefix cache reset refused: requests hold blocks", "InternalServerError")
-        )
-    return web.Response(status=200)
+    """As vLLM 0.32.0's dev endpoint answers: 200 with ``{"success": false}`` while requests
+    hold blocks (the caller may retry), ``{"success": true}`` once the cache is empty."""
+    return web.json_response({"success": bool(request.app[APP_TWIN].reset_prefix_cache())})
 
 
 async def metrics(request: web.Request) -> web.Response:

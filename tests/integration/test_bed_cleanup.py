@@ -24,8 +24,10 @@ from loadtest.vllmbed import (
     BedError,
     ManagedProcess,
     ReplicaConfig,
+    VllmBed,
     VllmReplica,
     processes_with_marker,
+    start_beds,
 )
 
 TREE = textwrap.dedent("""
@@ -164,3 +166,33 @@ def test_another_server_on_the_replicas_port_is_refused_not_taken_for_it(tmp_pat
     finally:
         squatter.kill()
         squatter.wait()
+
+
+def _stand_in_bed(tmp_path: Path, name: str, argv: list[str] | None = None) -> VllmBed:
+    bed = VllmBed([ReplicaConfig(name, tmp_path)], python=Path(sys.executable),
+                  workdir=tmp_path / name, start_timeout_s=20)  # fmt: skip
+    for r in bed:
+        r.argv = argv or [sys.executable, "-c", HEALTH, str(r.cfg.port)]
+        r.env = {**os.environ, BED_ENV: bed.bed_id}
+    return bed
+
+
+def test_beds_started_together_are_all_stopped_when_one_fails(tmp_path):
+    """start_beds launches every bed's replicas at once; one that dies at start fails the lot,
+    and no process of any of them is left."""
+    ok = _stand_in_bed(tmp_path, "ok")
+    dead = _stand_in_bed(tmp_path, "dead", [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(BedError, match="exited"):
+        start_beds([ok, dead])
+    assert _wait_gone(ok.bed_id) == [] and _wait_gone(dead.bed_id) == []
+
+
+def test_beds_started_together_are_ready_together(tmp_path):
+    beds = [_stand_in_bed(tmp_path, f"r{i}") for i in range(3)]
+    try:
+        start_beds(beds)
+        assert all(r.alive() and r.holds_port() for b in beds for r in b)
+    finally:
+        for b in beds:
+            b.stop()
+    assert all(_wait_gone(b.bed_id) == [] for b in beds)

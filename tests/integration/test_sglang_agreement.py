@@ -10,7 +10,12 @@ waves of 3, 1, 2, 3, ... calls, all in flight together: each call is sent once t
 one of its wave has reached a twin (so the router counted it in its in-flight load), and the
 next wave starts when the whole wave has ended and the router's in-flight counts are back to
 zero. The load each decision sees is therefore fixed by the sequence, not by timing — it
-matters: at 0.3.2 a miss goes to the least-loaded worker.
+matters: at 0.3.2 a miss goes to the least-loaded worker. The last wave holds 67 calls in
+flight, 65 of them hits on one group's worker: the two after them find the workers imbalanced
+(in-flight counts apart by more than 64, sglang-router's ``balance_abs_threshold``, and the
+most loaded above 1.5x the least) and go to the least-loaded ones although they match the
+group's prompt; both sides must take that branch. Its calls are streamed and closed once the
+wave is routed, so they stay in flight however long sending 67 calls takes.
 
 Replica identity: sglang-router breaks load ties by the order of its worker list, which is not
 the ``--worker-urls`` order and changes from run to run (the workers register concurrently at
@@ -67,6 +72,12 @@ SPEEDUP = 1.0
 OUT_TOKENS = 240  # ~0.4 s per call: a wave's calls stay in flight while the wave is sent
 WAVES = (3, 1, 2)  # calls in flight together, in turn
 TARGET = 0.9
+# sglang-router 0.3.2's balance thresholds (router_args.py): imbalanced when the most loaded
+# worker's in-flight count exceeds the least loaded one's by more than 64 and is above 1.5x it
+BALANCE_ABS = 64
+BIG_HITS = BALANCE_ABS + 1  # calls of the last wave that pile onto the group's worker
+BIG_BALANCED = 2  # calls after them that the imbalance sends to the least-loaded workers
+BIG_OUT_TOKENS = 3000  # streamed, and closed once the whole wave is routed: never finishes first
 WORDS = tinymodel._WORDS
 
 
@@ -79,6 +90,8 @@ class Session:
     name: str
     system: str
     turns: list[tuple[str, str]] = field(default_factory=list)  # (user, assistant reply)
+    out_tokens: int = OUT_TOKENS
+    stream: bool = False  # streamed: the client closes it once its whole wave is in flight
 
     def body(self, turn: int) -> dict:
         msgs = [{"role": "system", "content": self.system}]
@@ -88,14 +101,20 @@ class Session:
         return {
             "model": "tiny",
             "messages": msgs,
-            "max_tokens": OUT_TOKENS,
+            "max_tokens": self.out_tokens,
             "ignore_eos": True,
+            **({"stream": True} if self.stream else {}),
         }
 
 
 def call_sequence(seed: int = 7) -> list[list[tuple[Session, int]]]:
     """Waves of (session, turn): 10 sessions x 4 turns, three new sessions every step; a step's
-    calls (one turn of each active session) go in waves of 3, 1, 2, 3, 1, 2, ... calls."""
+    calls (one turn of each active session) go in waves of 3, 1, 2, 3, 1, 2, ... calls. Then a
+    last wave of ``BIG_HITS + BIG_BALANCED`` new sessions of group alpha, all in flight
+    together: the first ``BIG_HITS`` match alpha's worker (a hit each), which then has 65 calls
+    in flight and the others none, so the rest go to the least-loaded workers (the balance
+    branch, before any match is looked at). It comes last: after it, alpha's prompt is in
+    three workers' trees, the tie the sequence avoids."""
     rng = random.Random(seed)
     shared = {g: f"You are coding agent {g}. " + words(260, rng) for g in ("alpha", "beta")}
     kinds = ["alpha", "own", "beta", "own", "own", "alpha", "own", "beta", "alpha", "own"]
@@ -116,6 +135,12 @@ def call_sequence(seed: int = 7) -> list[list[tuple[Session, int]]]:
             n = next(sizes)
             waves.append(calls[:n])
             calls = calls[n:]
+    big = []
+    for i in range(BIG_HITS + BIG_BALANCED):
+        s = Session(f"b{i}-alpha", shared["alpha"], out_tokens=BIG_OUT_TOKENS, stream=True)
+        s.turns = [(words(45, rng), words(25, rng))]
+        big.append((s, 0))
+    waves.append(big)
     return waves
 
 
@@ -131,26 +156,33 @@ async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -
 async def drive(
     url: str, cluster: Cluster, waves, idle: Callable[[], Awaitable[None]]
 ) -> list[str]:
-    """Send the waves through ``url``; the twin that served each call, in sequence order."""
+    """Send the waves through ``url``; the twin that served each call, in sequence order. A
+    streamed call is closed once its whole wave is in flight (its twin is in the headers), so
+    a wave of them stays in flight however long sending it takes."""
     chosen: list[str] = []
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as http:
 
-        async def one(s: Session, t: int) -> str:
+        async def one(s: Session, t: int, sent: asyncio.Event) -> str:
             async with http.post(url + "/v1/chat/completions", json=s.body(t)) as r:
                 assert r.status == 200, await r.text()
-                await r.read()
+                if s.stream:
+                    await sent.wait()
+                    r.close()
+                else:
+                    await r.read()
                 return r.headers["x-twin-replica"]
 
         for wave in waves:
-            tasks = []
+            tasks, sent = [], asyncio.Event()
             for k, (s, t) in enumerate(wave):
-                tasks.append(asyncio.create_task(one(s, t)))
+                tasks.append(asyncio.create_task(one(s, t, sent)))
                 # routed and counted: the call is on a twin, and so are the wave's earlier ones
                 await _until(
                     lambda k=k: sum(r.in_flight for r in cluster.replicas) == k + 1,
                     f"call {k + 1} of a wave not in flight with the others (calls too short?)",
                 )
+            sent.set()
             chosen += await asyncio.gather(*tasks)
             await idle()
     return chosen
@@ -231,4 +263,11 @@ async def test_sglang_tree_agrees_with_sglang_router_cache_aware():
         if x != y:
             print(f"  differs: {name} turn {t}: sglang {tx} (#{x}), kvroute {ty} (#{y})")
     assert len(set(a)) == len(set(b)) == REPLICAS_N  # the sequence does spread the load
+    # the last wave reached the balance branch on both sides: its first BIG_HITS calls hit
+    # alpha's worker, the calls after them (which match it as well) went elsewhere
+    big = len(waves[-1])
+    assert big > BALANCE_ABS
+    for side in (a, b):
+        hits, rest = side[-big:-BIG_BALANCED], side[-BIG_BALANCED:]
+        assert len(set(hits)) == 1 and hits[0] not in rest, side[-big:]
     assert share >= TARGET, (share, list(zip(calls, theirs, ours, strict=True)))

