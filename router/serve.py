@@ -50,6 +50,20 @@ HELP = {
     "stream_idle_timeout_s": "a stream silent this long after its first chunk is ended (60; "
     "0: off)",
     "header_timeout_s": "seconds a client has to send a complete request head (10)",
+    "priority": "session-level call priority sent to replicas as X-Vllm-Priority (needs vLLM "
+    "--scheduling-policy priority, the engine preset's; docs/router.md#priority)",
+    "priority_unit_tokens": "attained service (tokens) that one priority level doubles (4096)",
+    "priority_max_level": "highest priority level from attained service (8)",
+    "priority_level_s": "aging: seconds a waiting call gains a level (2; bound: levels x this)",
+    "admission": "while every replica is full, calls wait in the router in priority order "
+    "(docs/router.md#admission)",
+    "admission_max_waiting": "vLLM waiting requests that make a replica full (8)",
+    "admission_max_kv_usage": "vLLM KV cache usage that makes a replica full (0.98)",
+    "admission_timeout_s": "longest wait in the router, then 503 with Retry-After (30)",
+    "admission_max_queued": "calls waiting at most, then 429 with Retry-After (1024)",
+    "pd_mode": "with prefill/decode replica roles: split each call when priced cheaper (auto), "
+    "always or never (docs/router.md#disaggregation)",
+    "pd_min_prompt_tokens": "uncached prompts shorter than this run colocated (512)",
     "send_timeout_s": "a client that reads nothing of a streamed answer this long is cut and the "
     "upstream call closed (30; 0: off)",
     "pool_timeout_s": "longest wait for an upstream connection at the connection limits, then a "
@@ -74,7 +88,8 @@ HELP = {
     "loop_stall_log_ms": "log what filled an event-loop stall longer than this (0: off)",
 }
 CHOICES = {"log_level": ["debug", "info", "warning", "error", "critical"],
-           "engine_hints": ["true", "false"]}  # fmt: skip
+           "engine_hints": ["true", "false"], "priority": ["off", "session"],
+           "admission": ["off", "on"], "pd_mode": ["auto", "always", "never"]}  # fmt: skip
 
 
 def _policies() -> list[str]:
