@@ -7,8 +7,8 @@ replica's memory; any other answers 404) and relaying its answer. The owner come
 has not seen (another router process, a restart, an id forgotten by the bounded table) is asked
 of each healthy replica in turn until one answers other than 404; the one that does is
 remembered. An id known to belong to another tenant is a 404, as an unknown id is. Error
-answers reach the client OpenAI-shaped (:func:`router.errors.replica_error_body`). Must not
-import torch, vllm or loadtest.
+answers reach the client OpenAI-shaped (:func:`router.errors.replica_error_body`). Imports
+neither torch, vllm nor loadtest.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ from aiohttp import web
 
 from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
-from router.app import METRICS, build_app, start_site
-from router.config import RouterConfig
+from router.app import METRICS
 
 pytestmark = pytest.mark.timeout(90)
 WORDS = tinymodel._WORDS
@@ -41,22 +40,6 @@ def chat(text: str, max_tokens: int = 6, stream: bool = False) -> dict[str, Any]
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return body
-
-
-@pytest.fixture
-async def router() -> AsyncIterator[Callable[..., Any]]:
-    runners: list[web.AppRunner] = []
-
-    async def make(urls: list[str], **cfg: Any) -> tuple[str, web.Application]:
-        defaults: dict[str, Any] = {"health_interval_s": 30.0, "metrics_interval_s": 30.0}
-        app = build_app(RouterConfig(replicas=urls, **{**defaults, **cfg}))
-        runner, url = await start_site(app)
-        runners.append(runner)
-        return url, app
-
-    yield make
-    for r in runners:
-        await r.cleanup()
 
 
 def pd_count(app: web.Application, mode: str) -> float:

@@ -185,22 +185,6 @@ async def fakes() -> AsyncIterator[Callable[..., Any]]:
 
 
 @pytest.fixture
-async def router() -> AsyncIterator[Callable[..., Any]]:
-    runners: list[web.AppRunner] = []
-
-    async def make(urls: list[str], **cfg: Any) -> tuple[str, web.Application]:
-        defaults: dict[str, Any] = {"health_interval_s": 30.0, "metrics_interval_s": 30.0}
-        app = build_app(RouterConfig(replicas=urls, **{**defaults, **cfg}))
-        runner, url = await start_site(app)
-        runners.append(runner)
-        return url, app
-
-    yield make
-    for r in runners:
-        await r.cleanup()
-
-
-@pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         yield s
