@@ -17,9 +17,9 @@ import orjson
 import pytest
 
 from router.keys import CONFIG
-from tests.integration.test_router_proxy import CHAT, SSE_CHUNKS, fakes, http, router
+from tests.integration.test_router_proxy import CHAT, SSE_CHUNKS, fakes, http
 
-__all__ = ["fakes", "http", "router"]  # fixtures re-used from the proxy tests
+__all__ = ["fakes", "http"]  # fixtures re-used from the proxy tests (router: conftest)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import orjson
 
-from tests.integration.test_router_proxy import fakes, http, router  # noqa: F401
+from tests.integration.test_router_proxy import fakes, http  # noqa: F401
 
 HDR = {"Content-Type": "application/json", "x-session-id": "agent-7"}
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

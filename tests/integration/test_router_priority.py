@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tests.integration.test_router_proxy import fakes, http, router  # noqa: F401
+from tests.integration.test_router_proxy import fakes, http  # noqa: F401
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.keys import MONITOR
-from tests.integration.test_router_proxy import fakes, http, router  # noqa: F401 - fixtures
+from tests.integration.test_router_proxy import fakes, http  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(60)
 

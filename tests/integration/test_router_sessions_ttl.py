@@ -12,7 +12,7 @@ import time
 import pytest
 
 from router.keys import STORE
-from tests.integration.test_router_proxy import fakes, http, router  # noqa: F401
+from tests.integration.test_router_proxy import fakes, http  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 N = 10_000

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.integration.test_router_proxy import fakes, router  # noqa: F401
+from tests.integration.test_router_proxy import fakes  # noqa: F401
 
 pytestmark = pytest.mark.timeout(90)
 N = 300
