@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 
+from loadtest.cli_args import add_speedup_arg, add_trace_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="trace path or synthetic[:k=v,...]")
+    add_trace_args(p)
     p.add_argument("--target", required=True, help="base URL of a router or replica")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument(
@@ -35,31 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grace", type=float, default=30.0, help="seconds in-flight calls get after --duration"
     )
-    p.add_argument("--max-sessions", type=int, default=None, help="sessions to load")
-    p.add_argument("--max-calls", type=int, default=None, help="first N calls of each session")
     p.add_argument("--max-plays", type=int, default=None, help="session plays to start at most")
-    p.add_argument(
-        "--max-gap",
-        type=float,
-        default=None,
-        help="cap on recorded idle gaps, seconds (WEKA; default 60)",
-    )
-    p.add_argument(
-        "--open-loop",
-        action="store_true",
-        help="start sessions at their trace timestamps (Mooncake) instead of lanes",
-    )
-    p.add_argument(
-        "--convention",
-        choices=["claude", "codex", "opencode", "dynamo", "none"],
-        default="claude",
-        help="session headers to send",
-    )
-    p.add_argument(
-        "--shared-prefix",
-        action="store_true",
-        help="map every session's tools+system blocks to one shared prefix",
-    )
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     p.add_argument(
         "--model-dir",
@@ -67,24 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokenizer folder (default: the tiny model; must match the target's)",
     )
     p.add_argument("--block-size", type=int, default=32, help="the replicas' KV block size")
-    p.add_argument(
-        "--tokens-per-id",
-        type=int,
-        default=None,
-        help="tokens each trace hash id becomes (default: the trace block size)",
-    )
-    p.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        help="truncate longer prompts (keeps prefixes)",
-    )
-    p.add_argument(
-        "--speedup",
-        type=float,
-        default=1.0,
-        help="the target's time compression (twins): metrics are scaled back",
-    )
+    add_speedup_arg(p, help="the target's time compression (twins): metrics are scaled back")
     p.add_argument(
         "--time-scale",
         type=float,

