@@ -244,3 +244,21 @@ def add_trace_args(p: argparse.ArgumentParser, max_gap: float | None = None) -> 
         default=None,
         help="truncate longer prompts (keeps prefixes)",
     )
+
+
+def trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """What of the trace loads (``load_trace``'s and the sweep's names), from
+    :func:`add_trace_args`."""
+    return {"max_sessions": args.max_sessions, "max_calls": args.max_calls,
+            "max_gap_s": args.max_gap}  # fmt: skip
+
+
+def prompt_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """How the trace's prompts are shaped (``PromptBuilder``'s and the sweep's names)."""
+    return {"tokens_per_id": args.tokens_per_id, "shared_prefix": args.shared_prefix,
+            "max_prompt_tokens": args.max_prompt_tokens}  # fmt: skip
+
+
+def play_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """How the sessions play (``ReplayConfig``'s and the sweep's names)."""
+    return {"open_loop": args.open_loop, "convention": args.convention}

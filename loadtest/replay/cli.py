@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.cli_args import add_speedup_arg, add_trace_args
+from loadtest import cli_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_trace_args(p)
+    cli_args.add_trace_args(p)
     p.add_argument("--target", required=True, help="base URL of a router or replica")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument(
@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokenizer folder (default: the tiny model; must match the target's)",
     )
     p.add_argument("--block-size", type=int, default=32, help="the replicas' KV block size")
-    add_speedup_arg(p, help="the target's time compression (twins): metrics are scaled back")
+    cli_args.add_speedup_arg(
+        p, help="the target's time compression (twins): metrics are scaled back"
+    )
     p.add_argument(
         "--time-scale",
         type=float,
@@ -92,18 +94,14 @@ def run(args: argparse.Namespace) -> int:
         trace = load_trace(
             args.trace,
             fmt=args.fmt,
-            max_sessions=args.max_sessions,
-            max_calls=args.max_calls,
-            max_gap_s=args.max_gap,
+            **cli_args.trace_kwargs(args),
             seed=args.seed,
         )
         builder = PromptBuilder(
             args.model_dir or tinymodel.ensure(),
             block_size=args.block_size,
             trace_block_size=trace.block_size,
-            tokens_per_id=args.tokens_per_id,
-            shared_prefix=args.shared_prefix,
-            max_prompt_tokens=args.max_prompt_tokens,
+            **cli_args.prompt_kwargs(args),
         )
         cfg = ReplayConfig(
             target=args.target,
@@ -113,8 +111,7 @@ def run(args: argparse.Namespace) -> int:
             grace_s=args.grace,
             max_plays=args.max_plays,
             time_scale=args.time_scale or args.speedup,
-            open_loop=args.open_loop,
-            convention=args.convention,
+            **cli_args.play_kwargs(args),
             request_timeout_s=args.timeout,
             speedup=args.speedup,
             gpus=args.gpus,

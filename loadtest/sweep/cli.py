@@ -12,17 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.cli_args import (
-    add_profile_arg,
-    add_router_profile_arg,
-    add_speedup_arg,
-    add_trace_args,
-    add_truth_arg,
-)
+from loadtest import cli_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_trace_args(p, max_gap=30.0)
+    cli_args.add_trace_args(p, max_gap=30.0)
     p.add_argument("--out", required=True)
     p.add_argument(
         "--targets",
@@ -36,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--duration", type=float, default=30.0, help="seconds of replay per point")
     p.add_argument("--replicas", type=int, default=4)
-    add_profile_arg(p)
-    add_speedup_arg(p, default=10.0)
+    cli_args.add_profile_arg(p)
+    cli_args.add_speedup_arg(p, default=10.0)
     p.add_argument(
         "--seeds",
         default=None,
@@ -49,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="modelled seconds over which lanes' first sessions start (default 60 with --seeds)",
     )  # fmt: skip
     p.add_argument("--warmup", type=float, default=0.0, help="modelled seconds left out")
-    add_truth_arg(p, many=True)
-    add_router_profile_arg(p, "kvroute's KV layer")
+    cli_args.add_truth_arg(p, many=True)
+    cli_args.add_router_profile_arg(p, "kvroute's KV layer")
     p.add_argument(
         "--disrupt",
         default=None,
@@ -156,14 +150,9 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
         replicas=args.replicas,
         profile=args.profile,
         speedup=args.speedup,
-        max_sessions=args.max_sessions,
-        max_calls=args.max_calls,
-        max_gap_s=args.max_gap,
-        tokens_per_id=args.tokens_per_id,
-        max_prompt_tokens=args.max_prompt_tokens,
-        shared_prefix=args.shared_prefix,
-        open_loop=args.open_loop,
-        convention=args.convention,
+        **cli_args.trace_kwargs(args),
+        **cli_args.prompt_kwargs(args),
+        **cli_args.play_kwargs(args),
         progress=not args.no_progress,
         seeds=seeds,
         stagger_s=stagger,

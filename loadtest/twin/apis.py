@@ -20,7 +20,6 @@ override counts here as on chat), ``end_turn`` / ``max_tokens`` / ``tool_use`` a
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -145,11 +144,7 @@ async def _generation(
     req = Request(uuid.uuid4().hex[:16], len(ids), turn.tokens, token_ids=ids, session_id=session)
     twin.in_flight += 1
     try:
-        overhead = twin.profile.request_overhead_s / twin.speedup
-        if overhead > 0:
-            await asyncio.sleep(overhead)
-        twin.check_alive()
-        yield twin.submit(req, t_arrival)
+        yield await srv._submit(twin, req, t_arrival)
     finally:
         twin.in_flight -= 1
         twin.release(req)

@@ -8,7 +8,6 @@ or vllm.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -31,6 +30,7 @@ from loadtest.twin.http_request import (
     _produced_params,
     _prompt_ids,
     _session_id,
+    _submit,
     _turn,
     _usage,
     error_response,
@@ -72,11 +72,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     created = int(time.time())
     twin.in_flight += 1
     try:
-        overhead = twin.profile.request_overhead_s / twin.speedup
-        if overhead > 0:
-            await asyncio.sleep(overhead)
-        twin.check_alive()
-        st = twin.submit(req, t_arrival)
+        st = await _submit(twin, req, t_arrival)
         if stream:
             return await _stream(request, twin, st, chat, rid, model, created, include_usage, turn)
         toks: list[int] = []

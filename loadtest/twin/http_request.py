@@ -10,6 +10,7 @@ table (``POST /twin/expect``). Must not import torch or vllm.
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from typing import Any
 
@@ -19,7 +20,7 @@ from aiohttp import web
 from engine_patches.retention_rule import Hint, parse_hint
 from loadtest.twin import TWIN_OUTPUT_FIELD, expect_key
 from loadtest.twin.engine import Request
-from loadtest.twin.replica import ApiError, TwinReplica
+from loadtest.twin.replica import ApiError, Stream, TwinReplica
 from loadtest.twin.tokenize import TemplateError
 from loadtest.twin.turns import Turn
 
@@ -336,6 +337,16 @@ def _usage(req: Request, block_size: int, chat: bool, stream: bool) -> dict[str,
             "total_tokens": req.prompt_len + req.num_output,
             "completion_tokens": req.num_output,
             "prompt_tokens_details": details}  # fmt: skip
+
+
+async def _submit(twin: TwinReplica, req: Request, t_arrival: float) -> Stream:
+    """Hand ``req`` to the engine after the API server's share of a request
+    (``request_overhead_s``, compressed by the speedup), unless the replica went down."""
+    overhead = twin.profile.request_overhead_s / twin.speedup
+    if overhead > 0:
+        await asyncio.sleep(overhead)
+    twin.check_alive()
+    return twin.submit(req, t_arrival)
 
 
 def _headers(twin: TwinReplica) -> dict[str, str]:

@@ -9,25 +9,14 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.cli_args import (
-    add_model_args,
-    add_overrides_arg,
-    add_plugin_args,
-    add_profile_arg,
-    add_reply_args,
-    add_speedup_arg,
-    add_truth_arg,
-    plugin_from_args,
-    profile_from_args,
-    reply_kwargs,
-)
+from loadtest import cli_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
-    add_profile_arg(p)
-    add_model_args(p)
+    cli_args.add_profile_arg(p)
+    cli_args.add_model_args(p)
     p.add_argument("--name", default="twin", help="replica name (KV-event topic kv@NAME)")
     p.add_argument(
         "--kv-events",
@@ -36,9 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ZMQ endpoint; tcp://H:P connects, tcp://*:P binds (as vLLM)",
     )
     p.add_argument("--kv-events-topic", default=None)
-    add_speedup_arg(p)
+    cli_args.add_speedup_arg(p)
     p.add_argument("--max-model-len", type=int, default=None)
-    add_overrides_arg(p)
+    cli_args.add_overrides_arg(p)
     p.add_argument(
         "--kv-events-replay",
         default=None,
@@ -56,9 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="both",
         help="P/D disaggregation role (vLLM's kv_role: kv_producer, kv_consumer, kv_both)",
     )
-    add_reply_args(p)
-    add_plugin_args(p)
-    add_truth_arg(p)
+    cli_args.add_reply_args(p)
+    cli_args.add_plugin_args(p)
+    cli_args.add_truth_arg(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from loadtest.twin.server import runner_port, serve
 
     try:
-        prof = profile_from_args(args)
-        plugin = plugin_from_args(args)
+        prof = cli_args.profile_from_args(args)
+        plugin = cli_args.plugin_from_args(args)
         cfg = TwinConfig(
             profile=prof,
             model_dir=Path(args.model or tinymodel.ensure()),
@@ -89,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             truth=args.truth,
             role=args.role,
             host=args.host,
-            **reply_kwargs(args),
+            **cli_args.reply_kwargs(args),
         )
     except (ProfileError, ValueError) as e:
         print(f"kvroute twin: {e}")
