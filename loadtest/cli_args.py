@@ -11,10 +11,13 @@ defaults wherever it is used (a default that is a command's own is a parameter):
   engine plugin's settings (:func:`add_plugin_args` → :func:`plugin_from_args`, an
   :class:`loadtest.twin.plugin.EnginePlugin`), the twins' time compression
   (:func:`add_speedup_arg`), their model (:func:`add_model_args`) and how they reply
-  (:func:`add_reply_args` → :func:`reply_kwargs`);
+  (:func:`add_reply_args` → :func:`reply_kwargs`); :func:`add_engine_args` adds the
+  overrides, the plugin's settings and the truth together;
 * the router: the profile it prices with (:func:`add_router_profile_arg`);
 * the trace and how it plays: path, sessions, calls, gaps, prompt shape, session headers
-  (:func:`add_trace_args`).
+  (:func:`add_trace_args`; :func:`trace_kwargs`, :func:`prompt_kwargs` and
+  :func:`play_kwargs` pass them on by the loader's, the prompt builder's and the replay's
+  names).
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ def add_overrides_arg(p: argparse.ArgumentParser) -> None:
 
 def profile_from_args(args: argparse.Namespace) -> ReplicaProfile:
     return with_overrides(load_profile(args.profile), parse_overrides(args.set))
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """What a twin's or a simulated engine runs beyond its profile: ``--set`` overrides, the
+    engine plugin's settings and ``--truth`` (``kvroute twin``, ``cluster``, ``sim``)."""
+    add_overrides_arg(p)
+    add_plugin_args(p)
+    add_truth_arg(p)
 
 
 def add_plugin_args(p: argparse.ArgumentParser) -> None:

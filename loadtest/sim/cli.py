@@ -30,9 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hours", type=float, default=1.0, help="simulated duration")
     p.add_argument("--seed", type=int, default=0)
-    cli_args.add_overrides_arg(p)
-    cli_args.add_plugin_args(p)
-    cli_args.add_truth_arg(p)
+    cli_args.add_engine_args(p)
     p.add_argument(
         "--engine-hints",
         action="store_true",

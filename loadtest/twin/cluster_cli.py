@@ -37,9 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     cli_args.add_speedup_arg(p)
     p.add_argument("--name-prefix", default="twin")
-    cli_args.add_overrides_arg(p)
-    cli_args.add_plugin_args(p)
-    cli_args.add_truth_arg(p)
+    cli_args.add_engine_args(p)
     p.add_argument(
         "--kv-events-replay",
         action="store_true",

@@ -27,7 +27,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-topic", default=None)
     cli_args.add_speedup_arg(p)
     p.add_argument("--max-model-len", type=int, default=None)
-    cli_args.add_overrides_arg(p)
     p.add_argument(
         "--kv-events-replay",
         default=None,
@@ -46,8 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="P/D disaggregation role (vLLM's kv_role: kv_producer, kv_consumer, kv_both)",
     )
     cli_args.add_reply_args(p)
-    cli_args.add_plugin_args(p)
-    cli_args.add_truth_arg(p)
+    cli_args.add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
