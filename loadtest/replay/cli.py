@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 
+from loadtest import cli_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="trace path or synthetic[:k=v,...]")
+    cli_args.add_trace_args(p)
     p.add_argument("--target", required=True, help="base URL of a router or replica")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument(
@@ -35,31 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grace", type=float, default=30.0, help="seconds in-flight calls get after --duration"
     )
-    p.add_argument("--max-sessions", type=int, default=None, help="sessions to load")
-    p.add_argument("--max-calls", type=int, default=None, help="first N calls of each session")
     p.add_argument("--max-plays", type=int, default=None, help="session plays to start at most")
-    p.add_argument(
-        "--max-gap",
-        type=float,
-        default=None,
-        help="cap on recorded idle gaps, seconds (WEKA; default 60)",
-    )
-    p.add_argument(
-        "--open-loop",
-        action="store_true",
-        help="start sessions at their trace timestamps (Mooncake) instead of lanes",
-    )
-    p.add_argument(
-        "--convention",
-        choices=["claude", "codex", "opencode", "dynamo", "none"],
-        default="claude",
-        help="session headers to send",
-    )
-    p.add_argument(
-        "--shared-prefix",
-        action="store_true",
-        help="map every session's tools+system blocks to one shared prefix",
-    )
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     p.add_argument(
         "--model-dir",
@@ -67,23 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokenizer folder (default: the tiny model; must match the target's)",
     )
     p.add_argument("--block-size", type=int, default=32, help="the replicas' KV block size")
-    p.add_argument(
-        "--tokens-per-id",
-        type=int,
-        default=None,
-        help="tokens each trace hash id becomes (default: the trace block size)",
-    )
-    p.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        help="truncate longer prompts (keeps prefixes)",
-    )
-    p.add_argument(
-        "--speedup",
-        type=float,
-        default=1.0,
-        help="the target's time compression (twins): metrics are scaled back",
+    cli_args.add_speedup_arg(
+        p, help="the target's time compression (twins): metrics are scaled back"
     )
     p.add_argument(
         "--time-scale",
@@ -131,18 +94,14 @@ def run(args: argparse.Namespace) -> int:
         trace = load_trace(
             args.trace,
             fmt=args.fmt,
-            max_sessions=args.max_sessions,
-            max_calls=args.max_calls,
-            max_gap_s=args.max_gap,
+            **cli_args.trace_kwargs(args),
             seed=args.seed,
         )
         builder = PromptBuilder(
             args.model_dir or tinymodel.ensure(),
             block_size=args.block_size,
             trace_block_size=trace.block_size,
-            tokens_per_id=args.tokens_per_id,
-            shared_prefix=args.shared_prefix,
-            max_prompt_tokens=args.max_prompt_tokens,
+            **cli_args.prompt_kwargs(args),
         )
         cfg = ReplayConfig(
             target=args.target,
@@ -152,8 +111,7 @@ def run(args: argparse.Namespace) -> int:
             grace_s=args.grace,
             max_plays=args.max_plays,
             time_scale=args.time_scale or args.speedup,
-            open_loop=args.open_loop,
-            convention=args.convention,
+            **cli_args.play_kwargs(args),
             request_timeout_s=args.timeout,
             speedup=args.speedup,
             gpus=args.gpus,

@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.twin.cli_common import (
-    add_overrides_arg,
-    add_plugin_args,
-    add_truth_arg,
-    plugin_from_args,
-    profile_from_args,
-)
+from loadtest import cli_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=8)
-    p.add_argument("--profile", default="h200-70b-fp8")
+    cli_args.add_profile_arg(p)
     p.add_argument(
         "--policy",
         action="append",
@@ -36,9 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hours", type=float, default=1.0, help="simulated duration")
     p.add_argument("--seed", type=int, default=0)
-    add_overrides_arg(p)
-    add_plugin_args(p)
-    add_truth_arg(p)
+    cli_args.add_engine_args(p)
     p.add_argument(
         "--engine-hints",
         action="store_true",
@@ -50,12 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engines schedule by request priority (priority_scheduling=1) and router:<policy> "
         "sends its session-level priority (the router's priority: session)",
     )
-    p.add_argument(
-        "--router-profile",
-        default=None,
-        help="the profile router:<policy> prices with (default: --profile, the nominal "
-        "profile; never the truth); 'none': no profile (a generic stand-in, calibrated online)",
-    )
+    cli_args.add_router_profile_arg(p, "router:<policy>")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summaries")
 
 
@@ -71,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
         print("kvroute sim: --replicas must be >= 1 and --hours > 0")
         return 2
     try:
-        prof = profile_from_args(args)
+        prof = cli_args.profile_from_args(args)
         if args.priority:
             prof = prof.replace(priority_scheduling=1)
-        plugin = plugin_from_args(args)
+        plugin = cli_args.plugin_from_args(args)
         # what the router is told: the nominal profile (with the same --set), or a named one
         router_prof = prof if args.router_profile is None else router_profile(args.router_profile)
         if router_prof.block_size != prof.block_size:

@@ -37,473 +37,44 @@ Subagent calls are routed as their own sessions (``f"{session}/{agent}"``) with 
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import numpy as np
+from collections.abc import Sequence
+from typing import Any
 
 from costmodel.profiles import ReplicaProfile
 from engine_patches.retention_rule import parse_hint
-from loadtest.metrics import SIZE_CLASSES, CallNumbers, UnlimitedCache, agentx_numbers, size_class
-from loadtest.traces.synthetic import agentx_chains
+from loadtest.metrics import UnlimitedCache
+from loadtest.sim.records import CallRecord, SimResult
+from loadtest.sim.routing import (
+    ROUTERS,
+    CallView,
+    ReplicaView,
+    RouteFn,
+    SimObserver,
+    route_exact_cache,
+    route_fewest_requests,
+    route_round_robin,
+    route_sticky_spill,
+)
+from loadtest.sim.workload import (
+    MASK64,
+    Call,
+    DagSession,
+    Session,
+    SessionFeed,
+    TraceCall,
+    _DagRun,
+    _stable64,
+    synthetic_agentx,
+)
 from loadtest.twin.engine import RUNNING, ClusterPool, Engine, EnginePlugin, Request, Step
 from loadtest.twin.truth import Truth
-
-MASK64 = (1 << 64) - 1
-
-
-def _stable64(text: str) -> int:
-    """A 64-bit hash of ``text`` that does not change between processes."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-
-# ---- workload -------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Call:
-    """One model call of a session: tokens appended since the previous call (its output is
-    counted by the simulator itself), tokens to generate, idle time before it."""
-
-    new_tokens: int
-    output_tokens: int
-    think_s: float = 0.0
-
-
-@dataclass(slots=True)
-class Session:
-    id: str
-    start: float
-    calls: list[Call]
-    shared_prefix_tokens: int = 0  # leading tokens identical across sessions (tools+system)
-
-
-def synthetic_agentx(
-    n_sessions: int,
-    duration_s: float,
-    *,
-    seed: int = 0,
-    shared_prefix_tokens: int = 15_000,
-    first_call_tokens: int = 20_000,
-    turn_tokens_median: float = 2_000,
-    output_median: float = 300,
-    think_median_s: float = 18.0,
-    think_p90_s: float = 130.0,
-    calls_mean: float = 46.0,
-    max_context: int = 250_000,
-) -> list[Session]:
-    """Sessions shaped like the public Claude Code traces (see shared/data/README.md):
-    ~15k tokens of tools+system prompt, contexts growing by a few thousand tokens a call to
-    ~100k, a few hundred output tokens, think times with median 18 s and p90 130 s
-    (log-normal), ~46 calls (geometric), session starts uniform over ``duration_s``.
-
-    The shape is :func:`loadtest.traces.synthetic.agentx_chains` (the one AgentX-like
-    generator, also behind the replay's ``synthetic:...`` traces), seen as simulator
-    sessions."""
-    chains = agentx_chains(
-        n_sessions,
-        duration_s,
-        seed=seed,
-        shared_prefix_tokens=shared_prefix_tokens,
-        first_call_tokens=first_call_tokens,
-        turn_tokens_median=turn_tokens_median,
-        output_median=output_median,
-        think_median_s=think_median_s,
-        think_sigma=math.log(think_p90_s / think_median_s) / 1.2816,
-        calls_mean=calls_mean,
-        max_context=max_context,
-    )
-    return [
-        Session(
-            f"s{ch.index}",
-            ch.start_s,
-            [Call(c.new_tokens, c.output_tokens, c.think_s) for c in ch.calls],
-            ch.shared_prefix_tokens,
-        )
-        for ch in chains
-    ]
-
-
-@dataclass(slots=True)
-class TraceCall:
-    """One call of a :class:`DagSession`: its whole prompt (``prompt_tokens``, and the keys of
-    its full blocks in the simulated profile's block size, chained: equal key at position i
-    means equal prompt up to and including block i), tokens to generate, and when it starts:
-    ``delay_s`` after the last of its dependencies (``(index of an earlier call, delay_s)``)
-    ends, or ``start_delay_s`` after the session starts if it has none; in both cases not
-    before ``not_before_s`` after the session starts, when set."""
-
-    prompt_tokens: int
-    output_tokens: int
-    block_keys: Sequence[int]
-    deps: tuple[tuple[int, float], ...] = ()
-    start_delay_s: float = 0.0
-    not_before_s: float | None = None
-    agent: str = "main"
-    id: str = ""  # the trace's call id (information only)
-
-
-@dataclass(slots=True)
-class DagSession:
-    """A session whose calls form a DAG (topological order: deps point to earlier calls).
-
-    Calls of ``main_agent`` are routed as session ``id``; a subagent's as ``f"{id}/{agent}"``
-    with ``parent_session=id``. ``start`` is when it starts if handed to :meth:`Simulator.run`
-    directly (a :class:`SessionFeed` starts its sessions itself)."""
-
-    id: str
-    calls: list[TraceCall]
-    start: float = 0.0
-    main_agent: str = "main"
-
-    def __post_init__(self) -> None:
-        if not self.calls:
-            raise ValueError(f"session {self.id}: no calls")
-        for k, c in enumerate(self.calls):
-            for d, delay in c.deps:
-                if not 0 <= d < k:
-                    raise ValueError(f"session {self.id}: call {k} depends on {d}, not earlier")
-                if delay < 0:
-                    raise ValueError(f"session {self.id}: negative delay on call {k}")
-            if c.not_before_s is not None and c.not_before_s < 0:
-                raise ValueError(f"session {self.id}: negative not_before_s on call {k}")
-
-
-class SessionFeed(Protocol):
-    """Closed-loop lanes: ``lanes`` sessions in flight, one per lane; when a lane's session
-    ends at ``now``, ``next_session(lane, now)`` gives the lane's next one (None: the lane
-    stops). At start, each lane in order is asked once at time 0."""
-
-    lanes: int
-
-    def next_session(self, lane: int, now: float) -> DagSession | None: ...
-
-
-# ---- the replicas' read-only view for routing ----------------------------------------------
-
-
-@dataclass(slots=True)
-class CallView:
-    """What a routing function sees of an arriving call."""
-
-    session_id: str
-    call_index: int
-    prompt_tokens: int
-    block_keys: list[int]
-    max_tokens: int
-    now: float
-    final: bool = False  # the session's (for a subagent: the agent's) last call
-    agent_id: str | None = None  # a subagent's name (None: the session's main agent)
-    parent_session: str | None = None  # a subagent call's root session id
-
-
-class ReplicaView:
-    """Read-only view of one simulated replica for routing functions."""
-
-    __slots__ = ("_eng", "index")
-
-    def __init__(self, index: int, engine: Engine):
-        self.index = index
-        self._eng = engine
-
-    @property
-    def num_running(self) -> int:
-        return len(self._eng.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._eng.waiting)
-
-    @property
-    def kv_usage(self) -> float:
-        return self._eng.kv_usage()
-
-    @property
-    def host_retained(self) -> float | None:
-        """Share of the host tier held for paused sessions: the engine plugin's gauge
-        (``vllm:kv_offload_cpu_retained_perc``); None without the plugin's retention."""
-        cpu = self._eng.cpu
-        return None if cpu is None else cpu.retained_share(self._eng.now)
-
-    @property
-    def pending_prefill_gauge(self) -> float | None:
-        """The engine plugin's ``vllm:num_pending_prefill_tokens`` as a live router scrapes it:
-        exported only where the cadence scheduler and a host tier are both on, as on real vLLM
-        (:meth:`loadtest.twin.engine.Engine.pending_prefill_gauge`)."""
-        g = self._eng.pending_prefill_gauge()
-        return None if g is None else float(g)
-
-    @property
-    def profile(self) -> ReplicaProfile:
-        return self._eng.profile
-
-    def pending_prefill_tokens(self) -> int:
-        e = self._eng
-        return sum(r.num_tokens - r.num_computed for r in e.waiting) + sum(
-            r.num_tokens - r.num_computed for r in e.running if r.num_output == 0
-        )
-
-    def cached_blocks(self, keys: Sequence[int]) -> tuple[int, int, int]:
-        """(gpu, cpu, storage) blocks of the longest cached prefix of ``keys`` (the cluster
-        pool's count as storage, as the router's index files them)."""
-        e = self._eng
-        gpu = len(e.pool.match(keys, len(keys)))
-        cpu = sto = 0
-        cpool = e.cluster_pool
-        for k in keys[gpu:]:
-            if e.cpu is not None and k in e.cpu:
-                cpu += 1
-            elif (e.storage is not None and k in e.storage) or (cpool is not None and k in cpool):
-                sto += 1
-            else:
-                break
-        return gpu, cpu, sto
-
-
-RouteFn = Callable[[CallView, Sequence[ReplicaView]], int]
-
-
-def route_round_robin() -> RouteFn:
-    counter = iter(range(1 << 62))
-
-    def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
-        return next(counter) % len(replicas)
-
-    return route
-
-
-def route_fewest_requests() -> RouteFn:
-    def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
-        return min(replicas, key=lambda r: (r.num_running + r.num_waiting, r.kv_usage)).index
-
-    return route
-
-
-def route_sticky_spill(max_waiting: int = 4) -> RouteFn:
-    """Keep a session on its replica unless that replica has a queue; new sessions go to
-    the replica with the fewest requests. (Not the router's ``session_affinity``, which is
-    bounded-load consistent hashing.)"""
-    home: dict[str, int] = {}
-    least = route_fewest_requests()
-
-    def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
-        r = home.get(call.session_id)
-        if r is None or replicas[r].num_waiting > max_waiting:
-            r = least(call, replicas)
-            home[call.session_id] = r
-        return r
-
-    return route
-
-
-def route_exact_cache(load_weight_s: float = 2.0) -> RouteFn:
-    """Score = estimated uncached prefill tokens + queue, read from every engine's own cache
-    (an oracle no router has; not sglang-router's ``cache_aware``). Cost
-    O(replicas x prompt blocks): fine for tens of replicas, slow for sweeps of hundreds)."""
-
-    def route(call: CallView, replicas: Sequence[ReplicaView]) -> int:
-        best, best_cost = 0, float("inf")
-        for r in replicas:
-            g, c, s = r.cached_blocks(call.block_keys)
-            bs = r.profile.block_size
-            uncached = call.prompt_tokens - (g + 0.5 * c + 0.2 * s) * bs
-            cost = uncached + r.pending_prefill_tokens() + load_weight_s * 1000 * r.num_waiting
-            if cost < best_cost:
-                best, best_cost = r.index, cost
-        return best
-
-    return route
-
-
-# Simulator-only routing functions. Their names are not the router's policy names: the
-# router's own pipelines run here through loadtest.sim.router_policy.RouterPolicy.
-ROUTERS: dict[str, Callable[[], RouteFn]] = {
-    "round_robin": route_round_robin,  # the same rule as the router's round_robin
-    "fewest_requests": route_fewest_requests,
-    "sticky_spill": route_sticky_spill,
-    "exact_cache": route_exact_cache,
-}
-
 
 # ---- the simulator --------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class CallRecord:
-    session_id: str
-    call_index: int
-    replica: int
-    arrival: float
-    prompt_tokens: int
-    output_tokens: int
-    cached_tokens: int
-    first_token: float
-    finish: float
-    preemptions: int
-    agent: str | None = None  # DAG sessions: the call's agent ("main" for the root)
-    bound_cached_tokens: int | None = None  # DAG sessions: unlimited-cache prefix hit
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.finish - self.first_token) / (self.output_tokens - 1)
-
-
-@dataclass
-class SimResult:
-    records: list[CallRecord]
-    sim_time_s: float
-    wall_s: float
-    replicas: int
-    events: int
-    steps: int
-    sessions_done: int
-    sessions: int
-    engine_busy_s: list[float] = field(default_factory=list)
-    tier_hit_blocks: dict[str, int] = field(default_factory=dict)
-    gpus_per_replica: int = 1  # the profile's tensor-parallel size
-    failed: int = 0  # DAG calls refused (prompt + output over max_model_len)
-    cut: bool = False  # stopped by ``until`` with work left: ``sim_time_s`` is ``until``
-    session_spans: list[tuple[float, float]] = field(default_factory=list)  # DAG: start, end
-    # DAG sessions completed: (session id, start, end, calls) — the size classes' input
-    session_runs: list[tuple[str, float, float, int]] = field(default_factory=list)
-
-    @property
-    def gpus(self) -> int:
-        return self.replicas * self.gpus_per_replica
-
-    def summary(self, warmup_s: float = 0.0) -> dict[str, Any]:
-        """AgentX numbers in simulated seconds, by :func:`loadtest.metrics.agentx_numbers`
-        (the HTTP replay's definitions: TPOT over calls with ≥2 output tokens, interactivity
-        = 1 / P90 TPOT, tokens per GPU-second over ``sim_time_s``); where there is nothing to
-        measure, NaN (TPOT, interactivity) or 0 (hit ratio) as before. ``warmup_s``: only
-        calls (and completed sessions) that arrived (started) after it count, over the time
-        after it. Session completion p50/p90 over DAG sessions that finished."""
-        r = [x for x in self.records if x.arrival >= warmup_s] if warmup_s else self.records
-        span = self.sim_time_s - warmup_s
-        if not r or span <= 0:
-            return {"requests": 0, "wall_s": round(self.wall_s, 2)}
-        n = agentx_numbers(
-            (
-                CallNumbers(x.ttft, x.tpot, x.prompt_tokens, x.output_tokens, x.cached_tokens,
-                            x.bound_cached_tokens)
-                for x in r
-            ),
-            wall_s=span,
-            gpus=self.gpus,
-        )  # fmt: skip
-        nan = float("nan")
-        done = sorted(e - s for s, e in self.session_spans if s >= warmup_s)
-        out = {
-            "requests": len(r),
-            "sessions_done": self.sessions_done,
-            "sessions": self.sessions,
-            "ttft_p50_s": n["ttft_p50_s"],
-            "ttft_p90_s": n["ttft_p90_s"],
-            "ttft_p99_s": n["ttft_p99_s"],
-            "tpot_p90_s": _or(n["tpot_p90_s"], nan),
-            "p90_interactivity_tok_s": _or(n["p90_interactivity_tok_s"], nan),
-            "cache_hit_ratio": _or(n["cache_hit_ratio"], 0.0),
-            "throughput_tok_per_gpu_s": n["tokens_per_gpu_s"],
-            "session_p50_s": float(np.percentile(done, 50)) if done else nan,
-            "session_p90_s": float(np.percentile(done, 90)) if done else nan,
-            "preemptions": sum(x.preemptions for x in r),
-            "tier_hit_blocks": dict(self.tier_hit_blocks),
-            "sim_time_s": self.sim_time_s,
-            "wall_s": self.wall_s,
-            "events": self.events,
-            "steps": self.steps,
-            "utilization": (sum(self.engine_busy_s) / (self.replicas * self.sim_time_s)
-                            if self.sim_time_s else 0.0),
-        }  # fmt: skip
-        if done:
-            out["session_p99_s"] = float(np.percentile(done, 99))
-            out["session_mean_s"] = float(np.mean(done))
-            out["session_by_size"] = self._by_size(r, warmup_s)
-        # runs with DAG sessions track the unlimited-cache bound (synthetic sessions do not)
-        if any(x.bound_cached_tokens is not None for x in r):
-            out["hit_bound"] = _or(n["cache_hit_bound"], 0.0)
-            out["requests_failed"] = self.failed
-        return out
-
-    def _by_size(self, r: list[CallRecord], warmup_s: float) -> dict[str, dict[str, Any]]:
-        """Completed DAG sessions started after ``warmup_s`` by size class
-        (:func:`loadtest.metrics.size_class` of their calls): count, completion p50/p90/p99 and
-        the TTFT p99 of their calls ``r`` (a subagent's calls, ``<root>/<agent>``, count with
-        their root)."""
-        cls = {sid: size_class(n) for sid, st, _, n in self.session_runs if st >= warmup_s}
-        out: dict[str, dict[str, Any]] = {}
-        for c in SIZE_CLASSES:
-            times = [e - st for sid, st, e, _ in self.session_runs
-                     if st >= warmup_s and cls.get(sid) == c]  # fmt: skip
-            ttft = [
-                x.ttft for x in r if x.ttft is not None and cls.get(_root(x.session_id, cls)) == c
-            ]
-            out[c] = {
-                "sessions": len(times),
-                "p50_s": float(np.percentile(times, 50)) if times else None,
-                "p90_s": float(np.percentile(times, 90)) if times else None,
-                "p99_s": float(np.percentile(times, 99)) if times else None,
-                "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
-            }
-        return out
-
-
-def _root(sid: str, roots: Mapping[str, Any]) -> str:
-    """The root session of a DAG call's session id (``<root>/<agent>`` for a subagent)."""
-    return sid if sid in roots else sid.rsplit("/", 1)[0]
-
-
-def _or(x: float | None, default: float) -> float:
-    return default if x is None else x
-
-
 _ARRIVE, _STEP, _WAKE, _ENQUEUE, _DAG_ARRIVE, _SESSION = 0, 1, 2, 3, 4, 5
-
-
-class _DagRun:
-    """One DAG session in flight: dependency counters, ready times, routing identities."""
-
-    __slots__ = ("agent_index", "children", "final", "lane", "left", "pending", "ready",
-                 "session", "sids", "start")  # fmt: skip
-
-    def __init__(self, s: DagSession, lane: int | None, start: float):
-        n = len(s.calls)
-        self.session = s
-        self.start = start
-        self.lane = lane
-        self.left = n
-        self.pending = [len(c.deps) for c in s.calls]
-        # a call is ready at the latest of its dependencies' ends plus delays and its
-        # not_before_s after the session start
-        self.ready = [-math.inf if c.not_before_s is None else start + c.not_before_s
-                      for c in s.calls]  # fmt: skip
-        self.children: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-        self.agent_index = [0] * n
-        self.sids: list[tuple[str, str | None, str | None]] = []  # (session, agent, parent)
-        count: dict[str, int] = {}
-        last: dict[str, int] = {}
-        for k, c in enumerate(s.calls):
-            for d, delay in c.deps:
-                self.children[d].append((k, delay))
-            self.agent_index[k] = count.get(c.agent, 0)
-            count[c.agent] = self.agent_index[k] + 1
-            last[c.agent] = k
-            if c.agent == s.main_agent:
-                self.sids.append((s.id, None, None))
-            else:
-                self.sids.append((f"{s.id}/{c.agent}", c.agent, s.id))
-        self.final = [last[c.agent] == k for k, c in enumerate(s.calls)]
 
 
 class _Replica:
@@ -514,24 +85,6 @@ class _Replica:
         self.step: Step | None = None
         self.burst: tuple[float, list[float], int] | None = None  # start, step ends, batch
         self.version = 0
-
-
-class SimObserver(Protocol):
-    """Optional hooks of a routing function object (e.g. the router's pipeline adapter in
-    :mod:`loadtest.sim.router_policy`): what a real router would hear back."""
-
-    wants_events: bool
-
-    def on_events(self, replica: int, events: list[dict[str, Any]], now: float) -> None:
-        """KV events (vLLM wire form) a replica published at the end of a step."""
-
-    def on_finish(self, record: CallRecord) -> None:
-        """A call finished (its usage, TTFT and duration are in the record)."""
-
-    # optional: ``on_first_token(request_id, now)`` — a call's first token (``"sid/index"``)
-    # optional: ``kv_transfer_params(call) -> Mapping | None`` — the body field the router
-    # would send with the call it just routed (its engine hints); the engines read the
-    # ``kvroute`` hint from it as the HTTP twin and vLLM do.
 
 
 class Simulator:
@@ -929,5 +482,7 @@ def simulate(
     return Simulator(profile, n_replicas, fn, **kw).run(sessions, until=until)
 
 
-__all__ = ["RUNNING", "Call", "CallView", "DagSession", "ReplicaView", "Session", "SessionFeed",
-           "SimResult", "Simulator", "TraceCall", "simulate", "synthetic_agentx"]  # fmt: skip
+__all__ = ["MASK64", "ROUTERS", "RUNNING", "Call", "CallRecord", "CallView", "DagSession",
+           "ReplicaView", "RouteFn", "Session", "SessionFeed", "SimObserver", "SimResult",
+           "Simulator", "TraceCall", "route_exact_cache", "route_fewest_requests",
+           "route_round_robin", "route_sticky_spill", "simulate", "synthetic_agentx"]  # fmt: skip

@@ -48,8 +48,8 @@ from loadtest.sim.simulator import (
     SimResult,
     Simulator,
     TraceCall,
-    _stable64,
 )
+from loadtest.sim.workload import _stable64
 from loadtest.traces import Trace
 from loadtest.traces.lanes import PlayCounter
 from loadtest.traces.model import Session

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 
+from loadtest import cli_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="trace path or synthetic[:k=v,...]")
+    cli_args.add_trace_args(p, max_gap=30.0)
     p.add_argument("--out", required=True)
     p.add_argument(
         "--targets",
@@ -28,18 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--duration", type=float, default=30.0, help="seconds of replay per point")
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--profile", default="h200-70b-fp8")
-    p.add_argument("--speedup", type=float, default=10.0)
-    p.add_argument("--max-sessions", type=int, default=None)
-    p.add_argument("--max-calls", type=int, default=None)
-    p.add_argument("--max-gap", type=float, default=30.0)
-    p.add_argument("--tokens-per-id", type=int, default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=None)
-    p.add_argument("--shared-prefix", action="store_true")
-    p.add_argument("--open-loop", action="store_true")
-    p.add_argument(
-        "--convention", default="claude", choices=["claude", "codex", "opencode", "dynamo", "none"]
-    )
+    cli_args.add_profile_arg(p)
+    cli_args.add_speedup_arg(p, default=10.0)
     p.add_argument(
         "--seeds",
         default=None,
@@ -51,20 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="modelled seconds over which lanes' first sessions start (default 60 with --seeds)",
     )  # fmt: skip
     p.add_argument("--warmup", type=float, default=0.0, help="modelled seconds left out")
-    p.add_argument(
-        "--truth",
-        default="nominal",
-        help="the twins' engine timing, which no router is told: nominal (default), "
-        "prefill-slow, decode-fast-slow-link, measured-h100 (once `make gpu-check` has "
-        "measured it: docs/gpu-check.md), or costmodel (the router's own formula); "
-        "a comma-separated list runs the whole sweep under each, into OUT/<truth>/",
-    )
-    p.add_argument(
-        "--router-profile",
-        default=None,
-        help="the profile kvroute's KV layer prices with (default: --profile, the nominal "
-        "profile); 'none': no profile (a generic stand-in, calibrated online)",
-    )
+    cli_args.add_truth_arg(p, many=True)
+    cli_args.add_router_profile_arg(p, "kvroute's KV layer")
     p.add_argument(
         "--disrupt",
         default=None,
@@ -170,14 +150,9 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
         replicas=args.replicas,
         profile=args.profile,
         speedup=args.speedup,
-        max_sessions=args.max_sessions,
-        max_calls=args.max_calls,
-        max_gap_s=args.max_gap,
-        tokens_per_id=args.tokens_per_id,
-        max_prompt_tokens=args.max_prompt_tokens,
-        shared_prefix=args.shared_prefix,
-        open_loop=args.open_loop,
-        convention=args.convention,
+        **cli_args.trace_kwargs(args),
+        **cli_args.prompt_kwargs(args),
+        **cli_args.play_kwargs(args),
         progress=not args.no_progress,
         seeds=seeds,
         stagger_s=stagger,

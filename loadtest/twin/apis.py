@@ -14,13 +14,12 @@ twin's blocks and the router's block keys agree. How a reply ends — its length
 override counts here as on chat), ``end_turn`` / ``max_tokens`` / ``tool_use`` and
 ``completed`` / ``incomplete``, and whether it calls one of the offered function tools — is
 :mod:`loadtest.twin.turns`'s plan; tool choice follows the chat rule
-(:func:`loadtest.twin.server._check_tool_choice`). Errors are Anthropic-shaped on
+(:func:`loadtest.twin.http_request._check_tool_choice`). Errors are Anthropic-shaped on
 ``/v1/messages*``. Must not import torch or vllm.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,6 +29,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from loadtest.twin import http_request as srv
 from loadtest.twin.engine import Request
 from loadtest.twin.replica import ApiError, Stream, TwinReplica
 from loadtest.twin.tokenize import TemplateError
@@ -37,12 +37,6 @@ from loadtest.twin.turns import ToolCall, Turn, split_pieces
 from router.errors import anthropic_type
 
 __all__ = ["add_routes"]
-
-
-def _server() -> Any:
-    from loadtest.twin import server  # the chat helpers (import here: server imports us)
-
-    return server
 
 
 def anthropic_error(e: ApiError) -> web.Response:
@@ -111,7 +105,6 @@ def _prepare(
     twin: TwinReplica, request: web.Request, body: dict[str, Any], route: str
 ) -> tuple[str, list[int], Turn, str | None]:
     """Validate ``body`` and tokenize its prompt: (model, ids, the reply's plan, session)."""
-    srv = _server()
     model = srv._check_model(twin, body)
     anthropic = route.startswith("/v1/messages")
     tools = _chat_tools(body.get("tools"), anthropic)
@@ -151,11 +144,7 @@ async def _generation(
     req = Request(uuid.uuid4().hex[:16], len(ids), turn.tokens, token_ids=ids, session_id=session)
     twin.in_flight += 1
     try:
-        overhead = twin.profile.request_overhead_s / twin.speedup
-        if overhead > 0:
-            await asyncio.sleep(overhead)
-        twin.check_alive()
-        yield twin.submit(req, t_arrival)
+        yield await srv._submit(twin, req, t_arrival)
     finally:
         twin.in_flight -= 1
         twin.release(req)
@@ -164,7 +153,7 @@ async def _generation(
 async def _sse(request: web.Request, twin: TwinReplica) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache",
-                                       **_server()._headers(twin)})  # fmt: skip
+                                       **srv._headers(twin)})  # fmt: skip
     await resp.prepare(request)
     return resp
 
@@ -188,10 +177,10 @@ def _tool_use_id() -> str:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    twin = request.app[_server().APP_TWIN]
+    twin = request.app[srv.APP_TWIN]
     t_arrival = time.monotonic()
     try:
-        body = await _server()._json_body(request)
+        body = await srv._json_body(request)
         model, ids, turn, session = _prepare(twin, request, body, "/v1/messages")
     except ApiError as e:
         return anthropic_error(e)
@@ -205,6 +194,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 toks.append(t)
             twin.check_alive(st.req)
             call = turn.tool_call
+            block: dict[str, Any]
             if call is None:
                 block = {"type": "text", "text": twin.tokenizer.decode(toks)}
             else:
@@ -221,7 +211,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                     "stop_sequence": None,
                     "usage": _anthropic_usage(st.req),
                 },
-                headers=_server()._headers(twin),
+                headers=srv._headers(twin),
             )
     except ApiError as e:
         return anthropic_error(e)
@@ -283,9 +273,9 @@ async def _messages_stream(
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    twin = request.app[_server().APP_TWIN]
+    twin = request.app[srv.APP_TWIN]
     try:
-        body = await _server()._json_body(request)
+        body = await srv._json_body(request)
         _model, ids, _turn, _s = _prepare(twin, request, body, "/v1/messages/count_tokens")
     except ApiError as e:
         return anthropic_error(e)
@@ -334,7 +324,6 @@ def response_status(turn: Turn) -> str:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    srv = _server()
     twin = request.app[srv.APP_TWIN]
     t_arrival = time.monotonic()
     try:

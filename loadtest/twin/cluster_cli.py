@@ -8,16 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.twin.cli_common import (
-    AGENT_PROFILE,
-    add_overrides_arg,
-    add_plugin_args,
-    add_reply_args,
-    add_truth_arg,
-    plugin_from_args,
-    profile_from_args,
-    reply_kwargs,
-)
+from loadtest import cli_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,15 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated P/D role per replica (prefill, decode, both; default all both)",
     )
-    p.add_argument(
-        "--profile",
-        default=AGENT_PROFILE,
-        help=f"replica profile name (default {AGENT_PROFILE}; cpu-tiny: the vLLM-CPU bed's)",
-    )
+    cli_args.add_profile_arg(p)
     p.add_argument("--base-port", type=int, default=0, help="0: free ports")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
-    p.add_argument("--served-model-name", default="tiny")
+    cli_args.add_model_args(p)
     p.add_argument(
         "--kv-events",
         default=None,
@@ -49,17 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TOPIC",
         help="every replica's KV-event topic (\"\" is vLLM's default; default: kv@<name>)",
     )
-    p.add_argument("--speedup", type=float, default=1.0)
+    cli_args.add_speedup_arg(p)
     p.add_argument("--name-prefix", default="twin")
-    add_overrides_arg(p)
-    add_plugin_args(p)
-    add_truth_arg(p)
+    cli_args.add_engine_args(p)
     p.add_argument(
         "--kv-events-replay",
         action="store_true",
         help="give every replica vLLM's replay service on its own loopback port",
     )
-    add_reply_args(p)
+    cli_args.add_reply_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from loadtest.twin.cluster import start_cluster
 
     async def main() -> None:
-        prof = profile_from_args(args)
+        prof = cli_args.profile_from_args(args)
         async with start_cluster(
             args.replicas,
             prof,
@@ -82,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             name_prefix=args.name_prefix,
             kv_events_replay=args.kv_events_replay,
-            plugin=plugin_from_args(args),
+            plugin=cli_args.plugin_from_args(args),
             truth=args.truth,
             roles=[r.strip() for r in args.roles.split(",")] if args.roles else None,
-            **reply_kwargs(args),
+            **cli_args.reply_kwargs(args),
         ) as c:
             for name, url in zip(c.names, c.urls, strict=True):
                 print(f"{name} {url}", flush=True)

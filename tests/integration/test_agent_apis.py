@@ -10,8 +10,6 @@ import httpx
 import pytest
 
 from loadtest.twin.cluster import start_cluster
-from router.app import build_app, start_site
-from router.config import RouterConfig
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -23,15 +21,10 @@ TOOLS = [{"type": "function", "function": {"name": "ls", "description": "list", 
 
 
 @pytest.fixture()
-async def base() -> AsyncIterator[str]:
+async def base(router) -> AsyncIterator[str]:
     async with start_cluster(2, "cpu-tiny", enable_auto_tool_choice=True) as c:
-        app = build_app(RouterConfig(replicas=list(c.urls), policy="session_affinity",
-                                     health_interval_s=30, metrics_interval_s=30))  # fmt: skip
-        runner, url = await start_site(app)
-        try:
-            yield url
-        finally:
-            await runner.cleanup()
+        url, _ = await router(list(c.urls), policy="session_affinity")
+        yield url
 
 
 async def test_openai_sdk_chat_with_auto_tools_and_responses(base: str) -> None:

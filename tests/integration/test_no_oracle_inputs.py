@@ -109,38 +109,17 @@ def test_the_bench_gives_the_truth_to_the_twins_and_only_a_profile_to_the_router
     truth or any of its figures (the decision log's output path aside)."""
     import os
 
-    from loadtest.sweep import bench, stack
+    from loadtest.sweep import bench
     from loadtest.twin.truth import TRUTHS
+    from tests.helpers.sweep import STOPPED, fake_sweep_processes
 
-    started: list[tuple[list[str], dict[str, str]]] = []
-
-    class FakeProcess:
-        def __init__(self, argv, env, log, cwd):
-            self.argv, self.env, self.proc = list(argv), env, None
-            started.append((self.argv, env))
-
-        def start(self):
-            if "serve" in self.argv:  # the router: seen, now stop the point here
-                raise stack.StackError("stopped by the test")
-
-        def alive(self):
-            return True
-
-        def stop(self, grace_s=5.0):
-            pass
-
-    def ready(self, log, timeout_s):
-        self.names, self.urls = ["twin-0", "twin-1"], ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-        self.event_endpoints = {u: f"tcp://127.0.0.1:{9 + i}" for i, u in enumerate(self.urls)}
-
-    monkeypatch.setattr(stack, "ManagedProcess", FakeProcess)
-    monkeypatch.setattr(stack.TwinCluster, "_wait_ready", ready)
+    started = fake_sweep_processes(monkeypatch)
     cfg = bench.SweepConfig(
         trace="t", replicas=2, profile="h200-70b-fp8-tp4", truth="prefill-slow",
         router_profile=router_profile,
     )  # fmt: skip
     point = bench.run_point(cfg, "kvroute:kv_cost", 4, tmp_path, None, None)
-    assert "stopped by the test" in point["error"]
+    assert STOPPED in point["error"]
     assert point["truth"] == "prefill-slow"
     assert point["router_profile"] == (router_profile or "h200-70b-fp8-tp4")
     (cluster_argv, _), (router_argv, router_env) = started

@@ -17,8 +17,6 @@ import pytest
 from loadtest import tinymodel
 from loadtest.twin import TWIN_OUTPUT_FIELD, expect_key
 from loadtest.twin.cluster import start_cluster
-from router.app import build_app, start_site
-from router.config import RouterConfig
 
 pytestmark = pytest.mark.timeout(120)
 WORDS = tinymodel._WORDS
@@ -322,18 +320,13 @@ anthropic = pytest.importorskip("anthropic")
 
 
 @pytest.fixture()
-async def routed() -> AsyncIterator[str]:
+async def routed(router) -> AsyncIterator[str]:
     """kvroute in front of a twin that calls a tool on every first reply and answers in text
     after a result: the agent loop below is then deterministic."""
     async with start_cluster(1, "cpu-tiny", speedup=SPEEDUP, tool_call_rate=1.0,
                              tool_call_rate_after_result=0.0) as c:  # fmt: skip
-        app = build_app(RouterConfig(replicas=list(c.urls), policy="session_affinity",
-                                     health_interval_s=30, metrics_interval_s=30))  # fmt: skip
-        runner, url = await start_site(app)
-        try:
-            yield url
-        finally:
-            await runner.cleanup()
+        url, _ = await router(list(c.urls), policy="session_affinity")
+        yield url
 
 
 async def test_an_openai_chat_agent_runs_a_tool_and_comes_back(routed):
@@ -411,8 +404,8 @@ async def test_a_responses_agent_runs_a_tool_and_comes_back(routed):
 async def test_the_cli_defaults_serve_an_agent(http):
     """``kvroute twin`` / ``kvroute cluster`` with no flags: a profile whose window holds
     Codex's first prompt (11,520 tokens, above cpu-tiny's 4,096) and auto tool choice on."""
+    from loadtest.cli_args import profile_from_args, reply_kwargs
     from loadtest.twin import cluster_cli, twin_cli
-    from loadtest.twin.cli_common import profile_from_args, reply_kwargs
 
     for mod in (twin_cli, cluster_cli):
         p = argparse.ArgumentParser()

@@ -8,39 +8,18 @@ import argparse
 import pytest
 
 from loadtest.sweep import bench, stack
+from tests.helpers.sweep import STOPPED, fake_sweep_processes
 
 
 def _routers_started(monkeypatch, tmp_path, target: str, **cfg_kw) -> list[str]:
     """The router argv ``run_point`` starts for ``target`` (processes faked; the point stops
     as soon as the router would start)."""
-    started: list[list[str]] = []
-
-    class FakeProcess:
-        def __init__(self, argv, env, log, cwd):
-            self.argv, self.proc = list(argv), None
-            started.append(self.argv)
-
-        def start(self):
-            if "cluster" not in self.argv:
-                raise stack.StackError("stopped by the test")
-
-        def alive(self):
-            return True
-
-        def stop(self, grace_s=5.0):
-            pass
-
-    def ready(self, log, timeout_s):
-        self.names, self.urls = ["twin-0", "twin-1"], ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-        self.event_endpoints = {u: f"tcp://127.0.0.1:{9 + i}" for i, u in enumerate(self.urls)}
-
-    monkeypatch.setattr(stack, "ManagedProcess", FakeProcess)
-    monkeypatch.setattr(stack.TwinCluster, "_wait_ready", ready)
+    started = fake_sweep_processes(monkeypatch)
     monkeypatch.setattr(stack, "peer_python", lambda kind: tmp_path / "python")
     cfg = bench.SweepConfig(trace="t", replicas=2, profile="h200-70b-fp8-tp4", **cfg_kw)
     point = bench.run_point(cfg, target, 4, tmp_path, None, None)
-    assert "stopped by the test" in point["error"]
-    (router_argv,) = [a for a in started if "cluster" not in a]
+    assert STOPPED in point["error"]
+    (router_argv,) = [a for a, _ in started if "cluster" not in a]
     return router_argv
 
 

@@ -10,7 +10,7 @@ from costmodel.disagg import kv_transfer_time
 from costmodel.profiles import load_profile
 from loadtest.twin.engine import LOADING, Engine, Request
 from router.vllm.hashing import BlockHasher
-from tests.unit.test_twin_engine import drive, events, stored, toks
+from tests.helpers.twin_engine import drive, events, stored, toks
 
 TINY = load_profile("cpu-tiny")
 BS = TINY.block_size

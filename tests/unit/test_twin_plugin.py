@@ -9,11 +9,12 @@ import pytest
 from costmodel.profiles import load_profile
 from engine_patches.cadence import CadenceConfig
 from engine_patches.retention_rule import Hint, RetentionConfig
+from loadtest.cli_args import add_plugin_args, plugin_from_args
 from loadtest.sim.router_policy import RouterPolicy
 from loadtest.sim.simulator import Simulator, synthetic_agentx
-from loadtest.twin.cli_common import add_plugin_args, plugin_from_args
 from loadtest.twin.engine import Engine, EnginePlugin, HostTier, Request
 from router.vllm.kvevents import decode_event
+from tests.helpers.twin_engine import drive
 
 TINY = load_profile("cpu-tiny")
 BS = TINY.block_size
@@ -28,21 +29,6 @@ def keys(n: int) -> list[int]:
 
 def call(rid: str, ks: list[int], hint: Hint | None = None, max_tokens: int = 1) -> Request:
     return Request(rid, len(ks) * BS + 1, max_tokens, block_keys=ks, hint=hint)
-
-
-def drive(e: Engine, reqs=(), t: float = 0.0) -> float:
-    for r in reqs:
-        e.add(r)
-    while e.has_work:
-        s = e.schedule(t)
-        if s is None:
-            nxt = e.next_ready()
-            assert nxt is not None, "engine stuck with work but nothing schedulable"
-            t = max(t, nxt)
-            continue
-        t += s.duration
-        e.complete(s, t)
-    return t
 
 
 def retaining(**kw) -> Engine:

@@ -11,7 +11,7 @@ from loadtest.twin.engine import ClusterPool, Engine, Request
 from loadtest.twin.truth import timing
 from router.kv.index import BlockIndex
 from router.vllm.kvevents import decode_event
-from tests.unit.test_twin_engine import drive
+from tests.helpers.twin_engine import drive
 
 TINY = load_profile("cpu-tiny").replace(gpu_kv_blocks=64, cpu_kv_blocks=32)
 BS = TINY.block_size
