@@ -32,7 +32,7 @@ STANDALONE = "starts twins and a router per interval: python -m loadtest.bench.b
 
 def parse_cost(url: str, repeats: int = 200) -> dict[str, float]:
     """Bytes of one twin ``/metrics`` exposition and the median time to parse it (ms)."""
-    from router.replicas import parse_vllm_metrics
+    from router.vllm.metrics import parse_vllm_metrics
 
     text = httpx.get(url + "/metrics", timeout=5.0).text
     times = []

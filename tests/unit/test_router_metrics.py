@@ -17,7 +17,7 @@ from costmodel.calibration import Calibrator
 from router.kv.events import PublisherState, SubscriberStats
 from router.metrics import RouterMetrics
 from router.outcome import CallOutcome, Usage, usage_from_body, usage_from_stream, usage_from_tail
-from router.replicas import Replica, ReplicaSet, cached_by_source, parse_vllm_metrics
+from router.replicas import Replica, ReplicaSet
 from router.sessions import SessionIdentity
 
 
@@ -213,33 +213,6 @@ def test_usage_from_a_whole_json_answer_of_any_size():
     for bad in (b'{"usage": null}', b'{"usage":{"prompt_tokens":3', b"not json", b'{"a":"usage"}',
                 b'{"usage":{"prompt_tokens":3]}}'):  # fmt: skip
         assert usage_from_body(bad) is None, bad
-
-
-VLLM_033 = """\
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 3.0
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
-# TYPE vllm:prompt_tokens_cached counter
-vllm:prompt_tokens_cached_total{engine="0",model_name="m"} 700.0
-# TYPE vllm:prompt_tokens_cached_by_source counter
-vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 500.0
-vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="host"} 150.0
-vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="disk"} 50.0
-"""
-
-
-def test_cached_tokens_by_tier_from_the_replicas_metrics():
-    m = parse_vllm_metrics(VLLM_033)
-    assert (m["running"], m["waiting"], m["kv_usage"]) == (3.0, 1.0, 0.5)
-    assert {k: v for k, v in m.items() if k.startswith("cached:")} == {
-        "cached:device": 500.0, "cached:host": 150.0, "cached:disk": 50.0,
-    }  # fmt: skip
-    old = parse_vllm_metrics(VLLM_033.split("# TYPE vllm:prompt_tokens_cached_by_source")[0])
-    assert old["cached:all"] == 700.0  # vLLM 0.32 does not split by tier
-    assert cached_by_source(VLLM_033) == {"device": 500.0, "host": 150.0, "disk": 50.0}
 
 
 def test_replica_collector_follows_the_live_set():
