@@ -24,8 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import orjson
 
-from router.config import strip_url_credentials
 from router.replicas import Replica, ReplicaSet
+from router.urls import strip_url_credentials
 
 log = logging.getLogger("kvroute.discovery")
 K8S_BACKOFF_MIN_S = 0.1

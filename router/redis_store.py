@@ -18,7 +18,7 @@ and the other routers'), so when Redis goes away all routers hold the same last 
 also for a session the other router moved, or placed, and this one never served since. While
 Redis is away a session keeps that binding; one without any (first seen during the outage)
 or whose replica is unhealthy gets a rendezvous hash over the healthy replicas
-(:func:`router.proxy.place_session`): the same answer on every router, without Redis. When
+(:func:`router.placement.place_session`): the same answer on every router, without Redis. When
 Redis returns nothing moves back: bindings changed during the outage are written with the
 same script (the rule gave every router the same one), the others with ``HSETNX``. What
 this cannot cover: a binding change whose message had not reached the other router when

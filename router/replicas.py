@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
-from router.config import ROLES, split_role, strip_role, strip_url_credentials  # noqa: F401
+from router.urls import split_role, strip_role, strip_url_credentials
 
 log = logging.getLogger("kvroute.replicas")
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from router import disagg
-from router.config import ConfigError, load_config, split_role
+from router.config import ConfigError, load_config
 from router.replicas import ReplicaSet
+from router.urls import split_role
 from tests.unit.test_router_scheduling import ctx, ep
 
 
