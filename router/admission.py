@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (router.replicas imports router.config, which imports this module)
+if TYPE_CHECKING:
     from router.replicas import EndpointView
 
 

@@ -1,9 +1,9 @@
 """HTTP routes: inference APIs, model list, health, metrics and the admin surface.
 
 Owns: request validation (size, time to send the body, JSON, model), authentication
-(client API key -> tenant; admin key for ``/admin/*``), session bookkeeping around a call,
-and the admin views (replicas, sessions, ``/admin/route?explain=1``). A call's steps around
-the send are :class:`router.call.CallSequence`'s; the send itself is :mod:`router.proxy`'s.
+(client API key -> tenant; admin key for ``/admin/*``), the call's identity and context, and
+the admin views (replicas, sessions, ``/admin/route?explain=1``). A validated call is handed
+to :func:`router.proxy.handle_call` once, which takes it to its end.
 Must not import :mod:`router.app` (which imports this), torch, vllm or loadtest.
 
 Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
@@ -48,7 +48,7 @@ from router.keys import (
 from router.openapi import openapi_document
 from router.outcome import CallOutcome
 from router.priority import call_level, call_priority, client_hint
-from router.proxy import forward
+from router.proxy import handle_call
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import NoCandidates
 from router.sessions import SessionIdentity, identify
@@ -146,11 +146,8 @@ async def _context(request: web.Request, route: str) -> tuple[bytes, RequestCont
     if ident.source == "prefix":  # no session id: a Responses call continuing an answer
         ident = _previous_response_session(app, ident, body)  # is that answer's session's
     ctx = RequestContext(request_id(request.headers), route, body.get("model"), ident, body)
+    # count_tokens & co.: routed with the session, not a call of it (nothing to analyze)
     ctx.session_call = route not in PASSTHROUGH_ROUTES
-    if ctx.session_call:  # (count_tokens & co. make no KV: nothing for the KV layer to see)
-        pending = app[CALLS].analyze(ctx)
-        if pending is not None:
-            await pending
     return raw, ctx
 
 
@@ -185,20 +182,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         except _Reject as r:
             app[METRICS].requests_by(route, "-", str(r.response.status)).inc()
             return r.response
-        store = app[STORE]
-        if not ctx.session_call:  # routed with the session, neither a call nor a gap of it
-            record = await store.get(ctx.identity.key)
-            try:
-                return await forward(request, ctx, raw, record, t0, route)
-            finally:
-                app[CALLS].finish(ctx, CallOutcome(None, "not_completed"))
-        record = await store.begin_call(ctx.identity, time.time())
-        try:
-            return await forward(request, ctx, raw, record, t0, route)
-        finally:
-            # a call that never got a complete answer (503, client gone, upstream failure)
-            app[CALLS].finish(ctx, CallOutcome(None, "not_completed"))
-            await store.end_call(ctx.identity.key, time.time())
+        return await handle_call(request, ctx, raw, t0, route)
     finally:
         rt.leave()
 
@@ -358,6 +342,10 @@ async def admin_route(request: web.Request) -> web.Response:
     app = request.app
     record = await app[STORE].get(ctx.identity.key)
     calls = app[CALLS]
+    if ctx.session_call:  # the KV layer's analysis, as a sent call gets it
+        pending = calls.analyze(ctx)
+        if pending is not None:
+            await pending
     try:
         d = calls.decide(ctx, app[REPLICAS].views(), record, dry_run=True,
                          explain=request.query.get("explain") in ("1", "true"))  # fmt: skip

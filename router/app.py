@@ -47,12 +47,13 @@ from router.keys import (
 )
 from router.kv.autoconf import LayerStatus, no_layer_status, replica_facts, tokenize_request
 from router.metrics import RouterMetrics
+from router.monitor import ReplicaMonitor, cancel_all
 from router.outcome import CallOutcome
 from router.priority import served_tokens
-from router.replicas import BREAKER_CODE, ReplicaMonitor, ReplicaSet, cancel_all
+from router.redis_store import RedisStore, make_store
+from router.replicas import BREAKER_CODE, ReplicaSet
 from router.responses import ResponseOwners
 from router.scheduling.registry import build_pipeline
-from router.state import RedisStore, make_store
 from router.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -99,9 +100,9 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
     replicas.set_source("static", cfg.replicas)
     mon = ReplicaMonitor(replicas, app[CLIENT], cfg)
     app[MONITOR] = mon
-    await mon.resolve_dns()
+    await mon.discovery.resolve_dns()
     if cfg.k8s_service:
-        await mon.poll_k8s()
+        await mon.discovery.poll_k8s()
     await mon.check_all()  # know health and models before taking traffic
     metrics = app[METRICS]
 

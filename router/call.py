@@ -2,30 +2,36 @@
 
 Owns: :class:`CallSequence`, the steps every routed call goes through, in order:
 
+0. **begin** (the proxy's calls; the simulator keeps its own session table) — analyze, then
+   the session's record from the store: ``begin_call`` for a call of the session, a plain
+   read for a passthrough route (``count_tokens``), which analyzes nothing;
 1. **analyze** — the prompt analyzer (the KV layer: tokens, block keys) fills the context;
    an analyzer error is logged and the call is scheduled without those fields;
 2. **decide** — snapshot (endpoint views, the session's record, named state views such as
    ``"kv"``) → ``pipeline.schedule`` → ``pipeline.record`` (the pick counter) → the
    decision hooks (the KV layer records the routed prompt in its approximate cache, at
    selection time as sglang-router does);
-3. *send* — the caller's part: :mod:`router.proxy` places the session in the store and sends
-   the call over HTTP (retrying elsewhere before the first byte: decide again with the tried
-   replicas excluded); the simulator's adapter (:mod:`loadtest.sim.router_policy`) hands it to
-   a simulated engine;
+3. *send* — the caller's part: :mod:`router.placement` places the session in the store and
+   :mod:`router.relay` sends the call over HTTP (:mod:`router.proxy` retries elsewhere before
+   the first byte: decide again with the tried replicas excluded); the simulator's adapter
+   (:mod:`loadtest.sim.router_policy`) hands it to a simulated engine;
    When the first byte of the answer arrives (a stream's first chunk: prefill is over), the
    caller runs :meth:`CallSequence.first_byte` — the first-byte hooks (the KV layer stops
    counting the call's prompt as prefill queued on its replica);
 4. **finish** — every observer hears how the call ended, exactly once, as a typed
    :class:`router.outcome.CallOutcome` (with the decision and its scorer terms), whatever the
-   end: calls that never got a complete answer are reported with ``replica=None``.
+   end: calls that never got a complete answer are reported with ``replica=None``;
+   **end** (with **begin**) also closes the call in the session table (``end_call``).
 
-Must not import aiohttp, the stores' back ends, torch or vllm.
+Must not import aiohttp, the stores' back ends, torch or vllm (the store is the
+:class:`router.state.SessionStore` interface).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -33,7 +39,7 @@ from router.outcome import CallOutcome
 from router.replicas import EndpointView
 from router.scheduling import RequestContext, Snapshot
 from router.scheduling.pipeline import Decision, Pipeline
-from router.state import SessionRecord
+from router.state import SessionRecord, SessionStore
 
 log = logging.getLogger("kvroute.call")
 
@@ -62,6 +68,25 @@ class CallSequence:
         self.observers = list(observers or [])
         self.decision_hooks = list(decision_hooks or [])
         self.first_byte_hooks = list(first_byte_hooks or [])
+
+    async def begin(self, ctx: RequestContext, store: SessionStore) -> SessionRecord | None:
+        """Analyze a call of its session, then open it in the session table (``begin_call``:
+        timing, lineage); a passthrough route (``ctx.session_call`` false) is neither analyzed
+        nor counted: its session's record is only read. Pair with :meth:`end`."""
+        if not ctx.session_call:
+            return await store.get(ctx.identity.key)
+        pending = self.analyze(ctx)
+        if pending is not None:
+            await pending
+        return await store.begin_call(ctx.identity, time.time())
+
+    async def end(self, ctx: RequestContext, store: SessionStore) -> None:
+        """After :meth:`begin`, however the call ended: the observers hear of a call that never
+        got a complete answer (503, client gone, upstream failure) as ``not_completed``, and a
+        call of its session is closed in the session table."""
+        self.finish(ctx, CallOutcome(None, "not_completed"))
+        if ctx.session_call:
+            await store.end_call(ctx.identity.key, time.time())
 
     def analyze(self, ctx: RequestContext) -> Awaitable[None] | None:
         """Run the analyzer; returns what the caller must await when it is asynchronous."""

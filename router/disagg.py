@@ -1,11 +1,11 @@
 """Prefill/decode disaggregation: which replicas serve which leg, and whether to split a call.
 
 Owns: the role split of the replica set (``URL#role=prefill|decode|both``,
-:func:`router.config.split_role`), the decode replica's choice (:func:`pick_decode`), the
+:func:`router.urls.split_role`), the decode replica's choice (:func:`pick_decode`), the
 per-call verdict (:func:`plan`, the inputs gathered from the KV layer's view and priced by
 the pure :func:`costmodel.disagg.disagg_cost`) and the two legs' bodies in vLLM's
 ``kv_transfer_params`` protocol (:func:`prefill_body`, :func:`decode_body`). The HTTP legs
-themselves are :func:`router.proxy.forward_pd`'s. Must not import aiohttp, torch or vllm.
+themselves are :func:`router.proxy_pd.forward_pd`'s. Must not import aiohttp, torch or vllm.
 
 Protocol, as vLLM's NIXL connector expects it and as vLLM's own toy P/D proxy
 (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``) and vllm-router's P/D mode

@@ -20,8 +20,9 @@ import time
 from aiohttp import web
 
 from router.errors import error_response, replica_error_body, request_id
+from router.headers import response_headers, upstream_headers
 from router.keys import CONFIG, METRICS, REPLICAS, RESPONSES, UPSTREAM
-from router.proxy import BUFFERED_MAX, UPSTREAM_ERRORS, response_headers, upstream_headers
+from router.relay import BUFFERED_MAX, UPSTREAM_ERRORS
 from router.responses import RESPONSES_ROUTE, valid_response_id
 from router.upstream import UpstreamResponse
 

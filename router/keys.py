@@ -17,8 +17,9 @@ from aiohttp import web
 from router.call import CallSequence
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
+from router.monitor import ReplicaMonitor
 from router.priority import PriorityConfig
-from router.replicas import ReplicaMonitor, ReplicaSet
+from router.replicas import ReplicaSet
 from router.responses import ResponseOwners
 from router.scheduling.pipeline import Pipeline
 from router.state import SessionStore

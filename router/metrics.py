@@ -1,8 +1,9 @@
 """Prometheus metrics of one router app, on its own registry (never the global one).
 
-Owns: metric names, labels and buckets, and the collectors that read live state at scrape
-time. Names follow Prometheus/vLLM conventions (``_total`` counters, ``_seconds``
-histograms, no ``_created`` series). The full list with meanings is in docs/router.md
+Owns: :class:`RouterMetrics` — metric names, labels and buckets, the hooks the app calls
+(``watch_*``, which register the scrape-time collectors of :mod:`router.collectors`), the call
+observer and session spans. Names follow Prometheus/vLLM conventions (``_total`` counters,
+``_seconds`` histograms, no ``_created`` series). The full list with meanings is in docs/router.md
 ("Metrics"); in short:
 
 * calls: ``kvroute_requests_total{route,replica,status}``, ``kvroute_added_latency_seconds``
@@ -39,9 +40,9 @@ histograms, no ``_created`` series). The full list with meanings is in docs/rout
   ``kvroute_redis_reconciles_total``.
 
 The per-call series (requests, latencies, TTFT/TPOT, placements, identity, usage tokens,
-retries) are :class:`LoopCounter` / :class:`LoopHistogram`: plain adds on the event loop's
-thread, scraped through prometheus_client's families (the same text as its own ``Counter`` /
-``Histogram``, pinned by a test). Everything updated from another thread stays on
+retries) are :class:`router.loopmetrics.LoopCounter` / ``LoopHistogram``: plain adds on the
+event loop's thread, scraped through prometheus_client's families (the same text as its own
+``Counter`` / ``Histogram``, pinned by a test). Everything updated from another thread stays on
 prometheus_client's locked metrics.
 
 Must not import aiohttp handlers, the proxy, scheduling or the KV layer: live state reaches
@@ -52,25 +53,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
-from itertools import accumulate
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.utils import floatToGoString
 
+from router.collectors import (
+    CalibrationCollector,
+    KVAnalysisCollector,
+    KVEventCollector,
+    KVModeCollector,
+    KVPoolCollector,
+    ReplicaCollector,
+    StoreCollector,
+    WithoutCreated,
+)
+from router.loopmetrics import LAT_BUCKETS, LoopCounter, LoopHistogram
 from router.outcome import CallOutcome
 from router.priority import class_of, served_tokens
 
-LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
 # agent sessions: tens of calls with tool pauses, minutes to hours
@@ -84,104 +86,6 @@ SESSION_IDLE_S = 300.0  # a session silent this long counts as complete (unless 
 MAX_TRACKED_SESSIONS = 100_000
 # why a placement moved a session (router.scheduling.pipeline.Decision.move_reason)
 MOVE_REASONS = ("retry", "unavailable", "cost", "score", "other")
-
-
-class _Count:
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        if amount < 0:
-            raise ValueError("counters only go up")
-        self.value += amount
-
-
-class _Buckets:
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
-        self.sum = 0.0
-
-    def observe(self, amount: float) -> None:
-        self.counts[bisect_left(self.bounds, amount)] += 1  # the first bound >= amount
-        self.sum += amount
-
-
-class _LoopMetric:
-    """A metric whose children are plain objects updated on the event loop's thread, exposed
-    at scrape time through prometheus_client's own families (so the text is the library's)."""
-
-    def __init__(self, name: str, doc: str, labelnames: Iterable[str],
-                 registry: CollectorRegistry | None):  # fmt: skip
-        self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
-        self._children: dict[tuple[str, ...], Any] = {}
-        if registry is not None:
-            registry.register(self)
-
-    def _child(self) -> Any:
-        raise NotImplementedError
-
-    def collect(self) -> Iterator[Metric]:
-        raise NotImplementedError
-
-    def labels(self, *values: str) -> Any:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
-            child = self._children[values] = self._child()
-        return child
-
-
-class LoopCounter(_LoopMetric):
-    """A labelled counter for code on the event loop's thread: ``labels(...).inc(n)`` adds to a
-    float. prometheus_client's ``Counter`` takes a lock and makes three Python calls per
-    ``inc``; a proxied call makes about ten such updates (~6% of the router's instructions per
-    call, bench_instructions). Not for use from other threads."""
-
-    def __init__(self, name: str, doc: str, labelnames: Iterable[str] = (),
-                 registry: CollectorRegistry | None = None):  # fmt: skip
-        super().__init__(name, doc, labelnames, registry)
-
-    def _child(self) -> _Count:
-        return _Count()
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.labels().inc(amount)
-
-    def collect(self) -> Iterator[Metric]:
-        fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
-        for values, c in list(self._children.items()):
-            fam.add_metric(values, c.value)
-        yield fam
-
-
-class LoopHistogram(_LoopMetric):
-    """A labelled histogram for code on the event loop's thread (see :class:`LoopCounter`):
-    ``observe`` is one bisect and two adds."""
-
-    def __init__(self, name: str, doc: str, labelnames: Iterable[str] = (),
-                 buckets: Iterable[float] = LAT_BUCKETS,
-                 registry: CollectorRegistry | None = None):  # fmt: skip
-        self.bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
-        self._les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
-        super().__init__(name, doc, labelnames, registry)
-
-    def _child(self) -> _Buckets:
-        return _Buckets(self.bounds)
-
-    def observe(self, amount: float) -> None:
-        self.labels().observe(amount)
-
-    def collect(self) -> Iterator[Metric]:
-        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
-        for values, h in list(self._children.items()):
-            fam.add_metric(values, list(zip(self._les, accumulate(h.counts), strict=True)), h.sum)
-        yield fam
 
 
 class RouterMetrics:
@@ -378,7 +282,7 @@ class RouterMetrics:
     def exposition(self) -> bytes:
         for fn in self._refreshers:
             fn()
-        return generate_latest(_WithoutCreated(self.registry))
+        return generate_latest(WithoutCreated(self.registry))
 
     # ---- hooks the app calls ------------------------------------------------------------
 
@@ -386,7 +290,7 @@ class RouterMetrics:
         """Per-replica health, engine load and cached tokens by tier, read from the live
         replica set at each scrape (a removed replica's series go with it); with
         ``runtime`` (has ``inflight``) also this pod's in-flight calls."""
-        self.registry.register(_ReplicaCollector(replicas, runtime))
+        self.registry.register(ReplicaCollector(replicas, runtime))
 
     def watch_admission(self, gate: Any) -> None:
         """``kvroute_admission_queued``: calls waiting in the router's admission queue."""
@@ -397,31 +301,31 @@ class RouterMetrics:
     def watch_store(self, store: Any) -> None:
         """Redis write-back backlog and reconciles, when ``store`` is the Redis store."""
         if getattr(store, "backend", None) == "redis":
-            self.registry.register(_StoreCollector(store))
+            self.registry.register(StoreCollector(store))
 
     def watch_kv_events(self, subscriber: Callable[[], Any]) -> None:
         """KV event stream health from ``subscriber()`` (a ``KVEventSubscriber`` or None)."""
-        self.registry.register(_KVEventCollector(subscriber))
+        self.registry.register(KVEventCollector(subscriber))
 
     def watch_calibration(self, kv: Any) -> None:
         """The KV layer's per-replica fit of observed against modelled time (``kv`` has
         ``calibrators`` and ``calibration(replica)``, :class:`router.kv.state.KVState`)."""
-        self.registry.register(_CalibrationCollector(kv))
+        self.registry.register(CalibrationCollector(kv))
 
     def watch_kv_analysis(self, kv: Any) -> None:
         """How calls fared with prompt analysis (``kv.analysis_stats()``,
         :class:`router.kv.state.KVState`)."""
-        self.registry.register(_KVAnalysisCollector(kv))
+        self.registry.register(KVAnalysisCollector(kv))
 
     def watch_kv_mode(self, status: Callable[[], Any]) -> None:
         """``kvroute_kv_layer_mode{mode}``: 1 for how fully the KV layer runs now
         (``status()`` is a :class:`router.kv.autoconf.LayerStatus`), 0 for the other modes."""
-        self.registry.register(_KVModeCollector(status))
+        self.registry.register(KVModeCollector(status))
 
     def watch_kv_pool(self, kv: Any) -> None:
         """The cluster pool as the index sees it (``kv.index``, a
         :class:`router.kv.index.BlockIndex`)."""
-        self.registry.register(_KVPoolCollector(kv))
+        self.registry.register(KVPoolCollector(kv))
 
     def placed(self, previous: str | None, chosen: str, decision: Any = None) -> None:
         """One placement of a session's call: kept / moved / new (a move counted by its
@@ -491,225 +395,3 @@ class RouterMetrics:
     def _session_done(self, start: float, end: float, served: float) -> None:
         self.session_duration.observe(max(0.0, end - start))
         self.session_service.observe(served)
-
-
-class _WithoutCreated:
-    """The registry's families without ``*_created`` samples (per registry, not global)."""
-
-    def __init__(self, registry: CollectorRegistry):
-        self._registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for fam in self._registry.collect():
-            fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
-            yield fam
-
-
-class _ReplicaCollector:
-    def __init__(self, replicas: Iterable[Any], runtime: Any):
-        self.replicas = replicas
-        self.runtime = runtime
-
-    def collect(self) -> Iterator[Metric]:
-        lab = ["replica"]
-        healthy = GaugeMetricFamily(
-            "kvroute_replica_healthy", "Last health check passed", labels=lab
-        )
-        running = GaugeMetricFamily(
-            "kvroute_replica_requests_running", "vLLM running requests (last scrape)", labels=lab
-        )
-        waiting = GaugeMetricFamily(
-            "kvroute_replica_requests_waiting", "vLLM waiting requests (last scrape)", labels=lab
-        )
-        kv = GaugeMetricFamily(
-            "kvroute_replica_kv_cache_usage_perc", "vLLM KV usage, 0-1 (last scrape)", labels=lab
-        )
-        cached = CounterMetricFamily(
-            "kvroute_replica_prompt_tokens_cached",
-            "Cached prompt tokens by tier (source) as the replica reports them; source=all when "
-            "it does not split them by tier",
-            labels=["replica", "source"],
-        )
-        for r in self.replicas:
-            healthy.add_metric([r.name], 1.0 if r.healthy else 0.0)
-            if r.running is not None:
-                running.add_metric([r.name], r.running)
-            if r.waiting is not None:
-                waiting.add_metric([r.name], r.waiting)
-            if r.kv_usage is not None:
-                kv.add_metric([r.name], r.kv_usage)
-            for source, v in sorted(getattr(r, "cached_by_source", {}).items()):
-                cached.add_metric([r.name, source], v)
-        yield from (healthy, running, waiting, kv, cached)
-        if self.runtime is not None:
-            g = GaugeMetricFamily(
-                "kvroute_router_inflight_requests", "Calls this router pod is handling now"
-            )
-            g.add_metric([], float(self.runtime.inflight))
-            yield g
-
-
-class _StoreCollector:
-    def __init__(self, store: Any):
-        self.store = store
-
-    def collect(self) -> Iterator[Metric]:
-        g = GaugeMetricFamily(
-            "kvroute_redis_pending_writes",
-            "Sessions touched while Redis was away, waiting to be written back",
-        )
-        g.add_metric([], float(self.store.pending_writes))
-        c = CounterMetricFamily(
-            "kvroute_redis_reconciles", "Write-backs after Redis came back", labels=[]
-        )
-        c.add_metric([], float(self.store.reconciles))
-        yield g
-        yield c
-
-
-class _CalibrationCollector:
-    """``kvroute_kv_calibration{replica, term}``: the cost model's fitted prefill scale, TTFT
-    offset (s), decode scale and hit realization (the share of matched prefixes the engine
-    delivered) per replica (1, 0, 1, 1 until enough calls were seen), and the samples behind
-    each fit. A scale pinned at a bound (0.2 or 5) means the model and the
-    replica disagree by more than any calibration should absorb: look at the replica."""
-
-    def __init__(self, kv: Any):
-        self.kv = kv
-
-    def collect(self) -> Iterator[Metric]:
-        g = GaugeMetricFamily(
-            "kvroute_kv_calibration",
-            "Fitted observed/modelled time per replica: prefill_scale, ttft_offset_s, "
-            "decode_scale; hit_realization: share of matched prefixes the engine delivered "
-            "(the cost model's calibration)",
-            labels=["replica", "term"],
-        )
-        n = GaugeMetricFamily(
-            "kvroute_kv_calibration_samples",
-            "Observations in each replica's calibration window (ttft, itl, hit)",
-            labels=["replica", "kind"],
-        )
-        for name in sorted(self.kv.calibrators):
-            c = self.kv.calibration(name)
-            g.add_metric([name, "prefill_scale"], c.prefill_scale)
-            g.add_metric([name, "ttft_offset_s"], c.ttft_offset_s)
-            g.add_metric([name, "decode_scale"], c.decode_scale)
-            g.add_metric([name, "hit_realization"], c.hit_realization)
-            n.add_metric([name, "ttft"], float(c.ttft_samples))
-            n.add_metric([name, "itl"], float(c.itl_samples))
-            n.add_metric([name, "hit"], float(c.hit_samples))
-        yield g
-        yield n
-
-
-class _KVAnalysisCollector:
-    """``kvroute_kv_analyses_total{outcome}``: calls that waited for their own analysis
-    (``waited``), were placed without waiting (``not_waited``: queued behind other calls'
-    cold work), waited in vain (``late``), were not analysed (``dropped``: the queue was full),
-    and waited for a burst leader's placement (``burst_wait``). Many ``not_waited`` calls
-    mean cold prompts arrive faster than one process tokenizes them."""
-
-    def __init__(self, kv: Any):
-        self.kv = kv
-
-    def collect(self) -> Iterator[Metric]:
-        c = CounterMetricFamily(
-            "kvroute_kv_analyses", "Calls by how their prompt analysis went", labels=["outcome"]
-        )
-        for outcome, n in sorted(self.kv.analysis_stats().items()):
-            c.add_metric([outcome], float(n))
-        yield c
-
-
-class _KVModeCollector:
-    """``kvroute_kv_layer_mode{mode}``: ``full`` (tokens, block keys and KV events),
-    ``approximate`` (kv_cost runs on part of what it needs: /ready says which), ``affinity``
-    (no KV layer: kv_cost routes as session affinity), ``off`` (the policy reads no KV
-    state). Exactly one is 1."""
-
-    def __init__(self, status: Callable[[], Any]):
-        self.status = status
-
-    def collect(self) -> Iterator[Metric]:
-        from router.kv.autoconf import MODES
-
-        g = GaugeMetricFamily(
-            "kvroute_kv_layer_mode", "How fully the KV layer runs (1: this mode)", labels=["mode"]
-        )
-        mode = self.status().mode
-        for m in MODES:
-            g.add_metric([m], 1.0 if m == mode else 0.0)
-        yield g
-
-
-class _KVPoolCollector:
-    """``kvroute_kv_pool_blocks``: blocks in the cluster pool (KV events with ``locality``
-    REMOTE), reachable from every member; ``kvroute_kv_pool_members``: replicas that read it;
-    ``kvroute_kv_pool_removed_total``: pool blocks evicted. All 0 without a pool."""
-
-    def __init__(self, kv: Any):
-        self.kv = kv
-
-    def collect(self) -> Iterator[Metric]:
-        ix = self.kv.index
-        b = GaugeMetricFamily("kvroute_kv_pool_blocks", "Blocks in the cluster KV pool")
-        b.add_metric([], float(ix.pool_blocks()))
-        m = GaugeMetricFamily("kvroute_kv_pool_members", "Replicas that read the cluster KV pool")
-        m.add_metric([], float(len(ix.pool_members())))
-        r = CounterMetricFamily("kvroute_kv_pool_removed", "Blocks evicted from the cluster pool")
-        r.add_metric([], float(ix.pool_removed))
-        yield b
-        yield m
-        yield r
-
-
-class _KVEventCollector:
-    def __init__(self, subscriber: Callable[[], Any]):
-        self.subscriber = subscriber
-
-    def collect(self) -> Iterator[Metric]:
-        sub = self.subscriber()
-        lab = ["replica"]
-        fams = {
-            "batches": CounterMetricFamily(
-                "kvroute_kv_event_batches", "KV event batches applied to the index", labels=lab
-            ),
-            "gaps": CounterMetricFamily(
-                "kvroute_kv_event_gaps", "Sequence gaps seen (missed batches)", labels=lab
-            ),
-            "replayed": CounterMetricFamily(
-                "kvroute_kv_event_replayed", "Batches refilled from the replay socket", labels=lab
-            ),
-            "restarts": CounterMetricFamily(
-                "kvroute_kv_event_restarts", "Publisher restarts (seq back to 0)", labels=lab
-            ),
-        }
-        lag = GaugeMetricFamily(
-            "kvroute_kv_event_lag_seconds",
-            "Publish-to-apply delay of the newest applied batch",
-            labels=lab,
-        )
-        errors = CounterMetricFamily(
-            "kvroute_kv_event_decode_errors", "Undecodable KV event messages", labels=[]
-        )
-        if sub is not None:
-            stats = sub.stats
-            per: dict[str, dict[str, float]] = {}
-            lags: dict[str, float] = {}
-            for (replica, _rank), st in list(stats.streams.items()):
-                d = per.setdefault(replica, dict.fromkeys(fams, 0.0))
-                for k in fams:
-                    d[k] += getattr(st, k, 0)
-                v = getattr(st, "last_lag_s", None)
-                if v is not None:
-                    lags[replica] = max(lags.get(replica, 0.0), v)
-            for replica, d in sorted(per.items()):
-                for k, fam in fams.items():
-                    fam.add_metric([replica], d[k])
-            for replica, v in sorted(lags.items()):
-                lag.add_metric([replica], v)
-            errors.add_metric([], float(stats.decode_errors))
-        yield from fams.values()
-        yield lag
-        yield errors

@@ -7,23 +7,21 @@ client writes each request head in one call and parses answers with httptools (l
 parser of Node and uvicorn). Measured as a bare pass-through on the 2-core VM at c = 32: 0.32
 → 0.14 ms CPU per 2 KB call and 0.42 → 0.25 ms per 200 KB call (docs/benchmarks-log.md).
 
-Owns: a pool of connections per replica address, bounded per replica and in total (idle ones
-reused last-in first-out, dropped after ``keepalive_s`` or when the replica closes them); the
-wait for a connection when a bound is reached, itself bounded by ``pool_timeout_s`` and ended
-by :class:`PoolTimeout` (the router's limit, not an ``OSError``: no caller blames the replica);
-the first-byte deadline (``first_byte_s``, :class:`FirstByteTimeout`) counted from the moment
-the request is written, not from the start of the pool wait; connect and read timeouts
-(``read_timeout_s``: the longest silence, the wait for the response head included); response
-bodies read whole or chunk by chunk with backpressure (reading pauses while more than
-``HIGH_WATER`` bytes wait for the consumer); abort by closing the connection, which makes vLLM
-abort the request; informational (1xx) heads before the answer skipped. A request that finds a
-reused idle connection closed by the replica before any answer byte (a keep-alive race) is sent
-once more on a fresh one. Idle sockets past ``keepalive_s`` are closed in every pool by a sweep
+Owns: :class:`Upstream` — a pool of connections per replica address (:mod:`router.http1`:
+the connection, its parser and the answer it carries), bounded per replica and in total (idle
+ones reused last-in first-out, dropped after ``keepalive_s`` or when the replica closes them);
+the wait for a connection when a bound is reached, itself bounded by ``pool_timeout_s`` and
+ended by :class:`PoolTimeout` (the router's limit, not an ``OSError``: no caller blames the
+replica); the first-byte deadline (``first_byte_s``, :class:`FirstByteTimeout`) counted from
+the moment the request is written, not from the start of the pool wait; connect timeouts; the
+:class:`UpstreamResponse` interface both clients' answers share. A request that finds a reused
+idle connection closed by the replica before any answer byte (a keep-alive race) is sent once
+more on a fresh one. Idle sockets past ``keepalive_s`` are closed in every pool by a sweep
 that runs when a socket goes idle, at most once per ``keepalive_s``.
 
 Plain ``http://`` replicas only: ``https://`` ones (and any method with a bodiless answer, such
 as HEAD) go through the aiohttp session, behind the same response interface. The health,
-models and metrics probes stay on aiohttp (:mod:`router.replicas`); they are not the hot path.
+models and metrics probes stay on aiohttp (:mod:`router.monitor`); they are not the hot path.
 Must not import torch, vllm or loadtest.
 """
 
@@ -37,30 +35,13 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
-import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = [
-    "BadResponse", "FirstByteTimeout", "PoolTimeout", "ServerDisconnected", "Upstream",
-    "UpstreamError", "UpstreamResponse",
-]  # fmt: skip
+from router.http1 import BadResponse, Conn, Pool, Response, UpstreamError
 
-# buffered answer bytes at which reading pauses while the consumer streams; it resumes once
-# the consumer has taken what was buffered
-HIGH_WATER = 1 << 20
+__all__ = ["FirstByteTimeout", "PoolTimeout", "Upstream", "UpstreamResponse"]
+
 _STALE_WINDOW_S = 1.0  # a reused connection that died this fast, answerless, was stale
-
-
-class UpstreamError(ConnectionError):
-    """The replica's connection failed (an ``OSError``, as aiohttp's socket errors are)."""
-
-
-class ServerDisconnected(UpstreamError):
-    pass
-
-
-class BadResponse(UpstreamError):
-    pass
 
 
 class FirstByteTimeout(TimeoutError):
@@ -100,290 +81,9 @@ class UpstreamResponse(Protocol):
         """Done with the answer: the connection goes back to the pool if it can be reused."""
 
 
-_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
-
-
-def _expire(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError("the replica was silent for read_timeout_s"))
-
-
 def _give_up(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)  # the waiter checks the time and raises PoolTimeout
-
-
-class _Response:
-    __slots__ = (
-        "_chunks",
-        "_complete",
-        "_conn",
-        "_exc",
-        "_got_bytes",
-        "_head",
-        "_keep_alive",
-        "_paused",
-        "_raw_headers",
-        "_read_timeout",
-        "_reason",
-        "_released",
-        "_size",
-        "_waiter",
-        "_whole",
-        "content_length",
-        "headers",
-        "reason",
-        "status",
-    )  # fmt: skip
-
-    def __init__(self, conn: _Conn, read_timeout: float | None) -> None:
-        self._conn = conn
-        self._read_timeout = read_timeout
-        self.status = 0
-        self.reason = ""
-        self.headers: CIMultiDictProxy[str] = _NO_HEADERS  # until the head is in
-        self.content_length: int | None = None
-        self._raw_headers: list[tuple[str, str]] = []
-        self._reason: list[bytes] = []
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self._head = False
-        self._complete = False
-        self._exc: BaseException | None = None
-        self._whole = False  # read() wants everything: never pause
-        self._paused = False
-        self._released = False
-        self._got_bytes = False
-        self._keep_alive = False
-
-    # -- fed by the connection (parser callbacks) --
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def _on_head(self, status: int, keep_alive: bool) -> None:
-        self.status = status
-        self.reason = b"".join(self._reason).decode("latin-1")
-        h = CIMultiDict(self._raw_headers)
-        self.headers = CIMultiDictProxy(h)
-        cl = h.get("content-length")
-        if cl is not None and "transfer-encoding" not in h and cl.isdigit():
-            self.content_length = int(cl)
-        self._keep_alive = keep_alive
-        self._head = True
-        self._wake()
-
-    def _delimited_by_close(self) -> bool:
-        return self.content_length is None and "transfer-encoding" not in self.headers
-
-    def _on_body(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._size += len(data)
-        if self._size > HIGH_WATER and not self._whole and not self._paused:
-            self._paused = True
-            self._conn.pause()
-        self._wake()
-
-    def _on_done(self, keep_alive: bool) -> None:
-        self._keep_alive = keep_alive
-        self._complete = True
-        self._wake()
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._exc is None and not self._complete:
-            self._exc = exc
-            self._wake()
-
-    # -- the consumer's side --
-    async def _wait(self) -> None:
-        # a timer handle, not an ``asyncio.timeout`` context: this runs two or more times a
-        # call, and those contexts took about 4 % of the router's CPU (py-spy, 2 KB JSON calls)
-        loop = self._conn.loop  # not asyncio.get_running_loop(): that is a getpid() call
-        self._waiter = fut = loop.create_future()
-        timer = None if self._read_timeout is None else loop.call_later(
-            self._read_timeout, _expire, fut)  # fmt: skip
-        try:
-            await fut
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    async def _wait_head(self) -> None:
-        while not self._head:
-            if self._exc is not None:
-                raise self._exc
-            await self._wait()
-
-    async def read(self) -> bytes:
-        self._whole = True
-        if self._paused:
-            self._paused = False
-            self._conn.resume()
-        while not self._complete:
-            if self._exc is not None:
-                raise self._exc
-            await self._wait()
-        return self._take()
-
-    async def next_chunk(self) -> bytes:
-        while not self._chunks:
-            if self._complete:
-                return b""
-            if self._exc is not None:
-                raise self._exc
-            await self._wait()
-        return self._take()
-
-    def _take(self) -> bytes:
-        """Everything buffered; reading resumes if it had paused."""
-        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks = []
-        self._size = 0
-        if self._paused:
-            self._paused = False
-            self._conn.resume()
-        return data
-
-    def close(self) -> None:
-        if not self._released:
-            self._released = True
-            self._conn.drop()
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        if self._complete and self._keep_alive and self._exc is None:
-            self._conn.reuse()
-        else:
-            self._conn.drop()
-
-
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection: the parser's callbacks feed the response in flight."""
-
-    def __init__(self, pool: _Pool, loop: asyncio.AbstractEventLoop) -> None:
-        self.pool = pool
-        self.loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.resp: _Response | None = None
-        self.closed = False
-        self.counted = True  # holds a slot of the pool's limits until dropped
-        self.idle_since = 0.0
-        self.reused = False
-        self.informational = False  # parsing a 1xx head that precedes the answer
-
-    # asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        r = self.resp
-        if r is None:  # bytes nobody asked for: the connection is not reusable
-            self.drop()
-            return
-        r._got_bytes = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            r._fail(BadResponse("replica switched protocols"))
-            self.drop()
-        except httptools.HttpParserError as e:
-            r._fail(BadResponse(f"malformed response from the replica: {e}"))
-            self.drop()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        r = self.resp
-        if r is not None and r._head and r._delimited_by_close():
-            r._on_done(False)  # an answer with neither length nor chunks ends with the socket
-        elif r is not None:
-            r._fail(ServerDisconnected("replica closed the connection")
-                    if exc is None else UpstreamError(f"{type(exc).__name__}: {exc}"))  # fmt: skip
-        self.pool.lost(self)
-
-    def pause(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.pause_reading()
-
-    def resume(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.resume_reading()
-
-    # httptools callbacks
-    def on_status(self, status: bytes) -> None:
-        if self.resp is not None:
-            self.resp._reason.append(status)
-
-    def on_header(self, name: bytes, value: bytes | None) -> None:
-        if self.resp is not None:
-            v = (value or b"").decode("utf-8", "surrogateescape")
-            self.resp._raw_headers.append((name.decode("utf-8", "surrogateescape"), v))
-
-    def on_headers_complete(self) -> None:
-        r = self.resp
-        if r is None:
-            return
-        status = self.parser.get_status_code()
-        if 100 <= status < 200 and status != 101:  # informational (103 Early Hints, ...):
-            r._raw_headers, r._reason = [], []  # not the answer, which follows it
-            self.informational = True
-            return
-        r._on_head(status, self.parser.should_keep_alive())
-
-    def on_body(self, body: bytes) -> None:
-        if self.resp is not None:
-            self.resp._on_body(body)
-
-    def on_message_complete(self) -> None:
-        if self.informational:
-            self.informational = False
-        elif self.resp is not None:
-            self.resp._on_done(self.parser.should_keep_alive())
-
-    # the pool's side
-    def reuse(self) -> None:
-        self.resp = None
-        if self.closed or self.transport is None or self.transport.is_closing():
-            self.drop()
-            return
-        self.resume()
-        self.reused = True
-        self.idle_since = time.monotonic()
-        self.pool.put_idle(self)
-
-    def drop(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.close()
-        self.pool.lost(self)
-
-
-class _Pool:
-    """The connections to one replica address."""
-
-    def __init__(self, owner: Upstream, host: str, port: int) -> None:
-        self.owner, self.host, self.port = owner, host, port
-        self.idle: list[_Conn] = []
-        self.open = 0
-
-    def put_idle(self, c: _Conn) -> None:
-        self.idle.append(c)
-        self.owner._wake_waiters()
-        if c.idle_since - self.owner.swept_at > self.owner.keepalive_s:
-            self.owner.sweep(c.idle_since)
-
-    def lost(self, c: _Conn) -> None:
-        if c.counted:
-            c.counted = False
-            self.open -= 1
-            self.owner.open -= 1
-            self.owner._wake_waiters()
-        if c in self.idle:
-            self.idle.remove(c)
 
 
 class _AiohttpResponse:
@@ -444,19 +144,19 @@ class Upstream:
         self.pool_timeouts = 0  # calls that gave up waiting for a connection (PoolTimeout)
         self._aio_busy: dict[str, int] = {}  # calls in flight per host on the aiohttp path
         self.swept_at = time.monotonic()
-        self._pools: dict[tuple[str, int], _Pool] = {}
-        self._targets: dict[str, tuple[_Pool, str, str] | None] = {}
+        self._pools: dict[tuple[str, int], Pool] = {}
+        self._targets: dict[str, tuple[Pool, str, str] | None] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
 
     # -- bookkeeping --
-    def _wake_waiters(self) -> None:
+    def wake_waiters(self) -> None:
         while self._waiters:
             f = self._waiters.popleft()
             if not f.done():
                 f.set_result(None)
 
-    def _target(self, url: str) -> tuple[_Pool, str, str] | None:
+    def _target(self, url: str) -> tuple[Pool, str, str] | None:
         """(pool, Host header, path prefix) for a plain-http base URL; None for the rest."""
         try:
             return self._targets[url]
@@ -472,7 +172,7 @@ class Upstream:
             key = (parts.hostname, port)
             pool = self._pools.get(key)
             if pool is None:
-                pool = self._pools[key] = _Pool(self, parts.hostname, port)
+                pool = self._pools[key] = Pool(self, parts.hostname, port)
             t = (pool, parts.netloc, parts.path.rstrip("/"))
         if len(self._targets) > 4096:  # replica churn: forget old URLs, keep the pools
             self._targets.clear()
@@ -490,7 +190,7 @@ class Upstream:
     def idle_connections(self) -> int:
         return sum(len(p.idle) for p in self._pools.values())
 
-    async def _acquire(self, pool: _Pool) -> _Conn:
+    async def _acquire(self, pool: Pool) -> Conn:
         """An idle connection, a new one, or — when a limit is reached — the next one to come
         free, waiting at most ``pool_timeout_s`` (then :class:`PoolTimeout`)."""
         deadline: float | None = None
@@ -535,11 +235,11 @@ class Upstream:
                 timer.cancel()
         return deadline
 
-    async def _connect(self, pool: _Pool) -> _Conn:
+    async def _connect(self, pool: Pool) -> Conn:
         pool.open += 1
         self.open += 1
         loop = asyncio.get_running_loop()
-        c = _Conn(pool, loop)
+        c = Conn(pool, loop)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 await loop.create_connection(lambda: c, pool.host, pool.port)
@@ -580,7 +280,7 @@ class Upstream:
         ).encode("utf-8", "surrogateescape")
         for attempt in (0, 1):
             c = await self._acquire(pool)
-            resp = _Response(c, self.read_timeout_s)
+            resp = Response(c, self.read_timeout_s)
             c.resp = resp
             sent = time.monotonic()
             deadline = None if not first_byte_s else asyncio.timeout(first_byte_s)
@@ -588,14 +288,14 @@ class Upstream:
                 assert c.transport is not None
                 c.transport.writelines((head, body))
                 if deadline is None:
-                    await resp._wait_head()
+                    await resp.wait_head()
                 else:
                     async with deadline:
-                        await resp._wait_head()
+                        await resp.wait_head()
                 return resp
             except UpstreamError as e:
                 resp.close()
-                stale = c.reused and not resp._got_bytes and not isinstance(e, BadResponse)
+                stale = c.reused and not resp.got_bytes and not isinstance(e, BadResponse)
                 if attempt == 0 and stale and time.monotonic() - sent < _STALE_WINDOW_S:
                     continue  # the replica closed the idle socket as we wrote: not an answer
                 raise
@@ -650,12 +350,12 @@ class Upstream:
             self._aio_busy[key] = n
         else:
             self._aio_busy.pop(key, None)
-        self._wake_waiters()
+        self.wake_waiters()
 
     async def close(self) -> None:
         self._closed = True
         for p in self._pools.values():
             for c in list(p.idle):
                 c.drop()
-        self._wake_waiters()
+        self.wake_waiters()
         await asyncio.sleep(0)  # let the transports run their close callbacks

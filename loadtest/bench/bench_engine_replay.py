@@ -54,7 +54,7 @@ from loadtest.traces import load_trace
 from loadtest.vllmbed import ReplicaConfig, VllmBed
 from router.app import build_app, start_site
 from router.config import RouterConfig
-from router.replicas import cached_by_source
+from router.vllm.metrics import cached_by_source
 
 TRACE = (
     "synthetic:sessions=16,calls_median=6,calls_sigma=0.3,prefix_tokens=1200,"

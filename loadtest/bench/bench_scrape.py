@@ -9,7 +9,7 @@ checks every 2 s, the KV-event subscription, and the ``/metrics`` scrape of ever
 S seconds — and the twins' CPU includes serving those scrapes. The difference between two
 intervals, divided by the scrapes it added, is the CPU one scrape costs each side (idle twins
 serve the same families a loaded twin does; the values, not the size, change under load). Also
-the time :func:`router.replicas.parse_vllm_metrics` takes on one twin exposition, in this
+the time :func:`router.vllm.metrics.parse_vllm_metrics` takes on one twin exposition, in this
 process. CPU is from :class:`loadtest.sweep.cpuwatch.CpuWatch` (``/proc``), in cores.
 Writes JSON to ``--json`` when given; prints a table.
 """
@@ -32,7 +32,7 @@ STANDALONE = "starts twins and a router per interval: python -m loadtest.bench.b
 
 def parse_cost(url: str, repeats: int = 200) -> dict[str, float]:
     """Bytes of one twin ``/metrics`` exposition and the median time to parse it (ms)."""
-    from router.replicas import parse_vllm_metrics
+    from router.vllm.metrics import parse_vllm_metrics
 
     text = httpx.get(url + "/metrics", timeout=5.0).text
     times = []

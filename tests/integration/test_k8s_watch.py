@@ -1,10 +1,10 @@
-"""EndpointSlice discovery against a fake API server that speaks the watch protocol: a real
-aiohttp server on 127.0.0.1 answering LIST with a resourceVersion and WATCH with chunked JSON
-lines (ADDED / MODIFIED / DELETED / BOOKMARK / ERROR 410), and able to drop the stream.
-Pinned: events change the replica set as they arrive; a dropped stream resumes from the last
-resourceVersion (a bookmark's included) without a new LIST; 410 Gone, as an event or as the
-watch's HTTP status, re-lists; a failing API backs off while DNS stands in, and DNS stands
-down once the watch is live again."""
+"""EndpointSlice discovery (router.discovery) against a fake API server that speaks the watch
+protocol: a real aiohttp server on 127.0.0.1 answering LIST with a resourceVersion and WATCH
+with chunked JSON lines (ADDED / MODIFIED / DELETED / BOOKMARK / ERROR 410), and able to drop
+the stream. Pinned: events change the replica set as they arrive; a dropped stream resumes
+from the last resourceVersion (a bookmark's included) without a new LIST; 410 Gone, as an
+event or as the watch's HTTP status, re-lists; a failing API backs off while DNS stands in,
+and DNS stands down once the watch is live again."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import pytest
 from aiohttp import web
 
 from router.config import RouterConfig
-from router.replicas import ReplicaMonitor, ReplicaSet, cancel_all
+from router.discovery import Discovery
+from router.monitor import ReplicaMonitor, cancel_all
+from router.replicas import ReplicaSet
 
 pytestmark = pytest.mark.timeout(30)
 PATH = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
@@ -157,14 +159,14 @@ async def monitor(api, tmp_path) -> AsyncIterator[Callable[..., Any]]:
     _fake, url = api
     started: list[tuple[aiohttp.ClientSession, list[asyncio.Task[None]]]] = []
 
-    async def start(**kw: Any) -> tuple[ReplicaMonitor, ReplicaSet]:
+    async def start(**kw: Any) -> tuple[Discovery, ReplicaSet]:
         cfg = RouterConfig(
             k8s_service="vllm", k8s_namespace="llm", k8s_port_name="http", k8s_api_url=url,
             k8s_sa_dir=str(tmp_path), health_timeout_s=0.5, k8s_interval_s=0.4, **kw,
         )  # fmt: skip
         http = aiohttp.ClientSession()
         rs = ReplicaSet()
-        mon = ReplicaMonitor(rs, http, cfg)
+        mon = ReplicaMonitor(rs, http, cfg).discovery  # health-checks what it adds
         await mon.resolve_dns()
         await mon.poll_k8s()  # as the app does before taking traffic
         task = asyncio.create_task(mon.k8s_loop())

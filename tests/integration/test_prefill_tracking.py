@@ -16,7 +16,7 @@ from router.app import build_app, start_site
 from router.config import RouterConfig
 from router.kv.config import KVConfig
 from router.kv.state import KVState
-from router.proxy import _response_head
+from router.relay import response_head
 from router.vllm.tokenizer import ModelTokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,9 +30,9 @@ def words(n: int, seed: int) -> str:
 
 def test_response_head_is_only_the_opening_events():
     head = b"event: response.created\ndata: {}\n\nevent: response.in_progress\ndata: {}\n\n"
-    assert _response_head(head)
-    assert not _response_head(head + b"event: response.output_item.added\ndata: {}\n\n")
-    assert not _response_head(b'data: {"choices": []}\n\n') and not _response_head(b"")
+    assert response_head(head)
+    assert not response_head(head + b"event: response.output_item.added\ndata: {}\n\n")
+    assert not response_head(b'data: {"choices": []}\n\n') and not response_head(b"")
 
 
 async def test_prompt_counts_as_queued_prefill_until_the_first_byte():
@@ -60,7 +60,7 @@ async def test_prompt_counts_as_queued_prefill_until_the_first_byte():
                         seen = b""
                         if path == "/v1/responses":  # the opening events come at once
                             seen = await r.content.readany()
-                            assert _response_head(seen), seen[:200]
+                            assert response_head(seen), seen[:200]
                             await asyncio.sleep(0.1)
                             assert st.pending_prefill(), "a head event is not the first token"
                         while b"output_item.added" not in seen and b'"content":"' not in seen:

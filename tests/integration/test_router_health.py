@@ -12,7 +12,8 @@ from aiohttp import web
 
 from loadtest.vllmbed import free_port
 from router.config import RouterConfig
-from router.replicas import ReplicaMonitor, ReplicaSet
+from router.monitor import ReplicaMonitor
+from router.replicas import ReplicaSet
 
 pytestmark = pytest.mark.timeout(30)
 

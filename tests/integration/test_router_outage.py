@@ -17,7 +17,7 @@ from aiohttp import web
 from router.app import build_app, start_site
 from router.config import RouterConfig
 from router.keys import REPLICAS, STORE
-from router.state import RedisStore
+from router.redis_store import RedisStore
 from tests.integration.test_router_proxy import fakes, http  # noqa: F401
 from tests.integration.test_router_redis import RedisServer, redis_server  # noqa: F401
 

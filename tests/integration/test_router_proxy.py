@@ -619,11 +619,11 @@ async def test_kubernetes_endpointslice_discovery_against_a_loopback_api(fakes, 
             assert r.status == 200
         state["ready"] = [True, False]  # the second pod is not ready any more
         (sa / "token").write_text("tok-2\n")  # rotated by the kubelet
-        assert await app[MONITOR].poll_k8s()
+        assert await app[MONITOR].discovery.poll_k8s()
         assert {r.url for r in app[REPLICAS]} == {reps[0].url}
         assert state["seen"][-1][2] == "Bearer tok-2"
         state["fail"] = True  # the API server has a bad moment: keep the last answer
-        assert not await app[MONITOR].poll_k8s()
+        assert not await app[MONITOR].discovery.poll_k8s()
         assert {r.url for r in app[REPLICAS]} == {reps[0].url}
     finally:
         await api_runner.cleanup()

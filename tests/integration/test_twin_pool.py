@@ -22,9 +22,9 @@ from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
 from loadtest.vllmbed import EventCollector
 from router.kv.index import BlockIndex, is_pool_event
-from router.replicas import cached_by_source
 from router.vllm.hashing import BlockHasher
 from router.vllm.kvevents import BlockRemoved, BlockStored
+from router.vllm.metrics import cached_by_source
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from router.config import load_config
-from router.replicas import endpoints_from_slices
+from router.discovery import endpoints_from_slices
 from router.scheduling.registry import build_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]

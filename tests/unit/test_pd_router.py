@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from router import disagg
-from router.config import ConfigError, load_config, split_role
+from router.config import ConfigError, load_config
 from router.replicas import ReplicaSet
+from router.urls import split_role
 from tests.unit.test_router_scheduling import ctx, ep
 
 
@@ -146,11 +147,11 @@ async def test_dns_discovered_replicas_keep_their_role():
     import aiohttp
 
     from router.config import RouterConfig
-    from router.replicas import ReplicaMonitor
+    from router.monitor import ReplicaMonitor
 
     cfg = RouterConfig(replica_dns=["http://localhost:1#role=decode"], health_timeout_s=0.2)
     rs = ReplicaSet()
     async with aiohttp.ClientSession() as http:
-        await ReplicaMonitor(rs, http, cfg).resolve_dns()
+        await ReplicaMonitor(rs, http, cfg).discovery.resolve_dns()
     views = rs.views()
     assert views and all(v.role == "decode" and "#" not in v.name for v in views)

@@ -1,23 +1,19 @@
 """The router's operator metrics, in process: names and labels, no ``_created`` series, the
 observer's figures (identity source, usage tokens, per-call TPOT, session completion), the
-placement outcomes, and the scrape-time collectors over replicas, KV event streams and the
-Redis store (duck-typed stand-ins, as the collectors only read attributes)."""
+placement outcomes, the loop-lag probe, and usage parsing (router.outcome). The scrape-time
+collectors: test_collectors.py; the loop-only metrics: test_loopmetrics.py."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from costmodel.calibration import Calibrator
-from router.kv.events import PublisherState, SubscriberStats
 from router.metrics import RouterMetrics
 from router.outcome import CallOutcome, Usage, usage_from_body, usage_from_stream, usage_from_tail
-from router.replicas import Replica, ReplicaSet, cached_by_source, parse_vllm_metrics
 from router.sessions import SessionIdentity
 
 
@@ -64,40 +60,6 @@ def test_no_created_series_and_counters_end_in_total():
         if fam.type == "histogram":
             # a base unit: seconds, or tokens (as vLLM's request_prompt_tokens histogram)
             assert fam.name.endswith(("_seconds", "_tokens")), fam.name
-
-
-def test_loop_metrics_expose_what_prometheus_clients_own_would():
-    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-
-    from router.metrics import LAT_BUCKETS, LoopCounter, LoopHistogram
-
-    def text(registry: CollectorRegistry) -> list[str]:
-        lines = generate_latest(registry).decode().splitlines()
-        return sorted(x for x in lines if "_created" not in x)
-
-    ours, theirs = CollectorRegistry(), CollectorRegistry()
-    lc = LoopCounter("t_calls", "Calls", ["route", "status"], registry=ours)
-    pc = Counter("t_calls", "Calls", ["route", "status"], registry=theirs)
-    lh = LoopHistogram("t_lat_seconds", "Latency", ["replica"], buckets=LAT_BUCKETS, registry=ours)
-    ph = Histogram("t_lat_seconds", "Latency", ["replica"], buckets=LAT_BUCKETS, registry=theirs)
-    lu = LoopHistogram("t_one_seconds", "One", buckets=(1, 2), registry=ours)
-    pu = Histogram("t_one_seconds", "One", buckets=(1, 2), registry=theirs)
-    # on a bound, between bounds, above all, zero, many per bucket
-    for v in (0.0, 0.0001, 0.0002, 0.00025, 0.3, 0.5, 0.7, 12.0, 0.003, 0.003):
-        for h in (lh.labels("a"), ph.labels("a")):
-            h.observe(v)
-        for u in (lu, pu):
-            u.observe(v * 4)
-    for route, status, n in (("/v1/x", "200", 3), ("/v1/x", "503", 1), ("/v1/y", "200", 2.5)):
-        lc.labels(route, status).inc(n)
-        pc.labels(route, status).inc(n)
-    lh.labels("b")  # a child with no observation yet is exposed with zeros, as theirs is
-    ph.labels("b")
-    assert text(ours) == text(theirs)
-    with pytest.raises(ValueError):
-        lc.labels("/v1/x", "200").inc(-1)
-    with pytest.raises(ValueError):
-        lc.labels("/v1/x")  # a label missing
 
 
 @pytest.mark.parametrize(
@@ -215,125 +177,6 @@ def test_usage_from_a_whole_json_answer_of_any_size():
         assert usage_from_body(bad) is None, bad
 
 
-VLLM_033 = """\
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 3.0
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
-# TYPE vllm:prompt_tokens_cached counter
-vllm:prompt_tokens_cached_total{engine="0",model_name="m"} 700.0
-# TYPE vllm:prompt_tokens_cached_by_source counter
-vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 500.0
-vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="host"} 150.0
-vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="disk"} 50.0
-"""
-
-
-def test_cached_tokens_by_tier_from_the_replicas_metrics():
-    m = parse_vllm_metrics(VLLM_033)
-    assert (m["running"], m["waiting"], m["kv_usage"]) == (3.0, 1.0, 0.5)
-    assert {k: v for k, v in m.items() if k.startswith("cached:")} == {
-        "cached:device": 500.0, "cached:host": 150.0, "cached:disk": 50.0,
-    }  # fmt: skip
-    old = parse_vllm_metrics(VLLM_033.split("# TYPE vllm:prompt_tokens_cached_by_source")[0])
-    assert old["cached:all"] == 700.0  # vLLM 0.32 does not split by tier
-    assert cached_by_source(VLLM_033) == {"device": 500.0, "host": 150.0, "disk": 50.0}
-
-
-def test_replica_collector_follows_the_live_set():
-    rs = ReplicaSet()
-    rs.set_source("static", ["http://a:8000", "http://b:8000"])
-    a, b = rs.get("http://a:8000"), rs.get("http://b:8000")
-    assert isinstance(a, Replica) and isinstance(b, Replica)
-    a.running, a.waiting, a.kv_usage = 3.0, 1.0, 0.25
-    a.cached_by_source = {"device": 500.0, "host": 150.0}
-    b.healthy = False
-    m = RouterMetrics()
-    m.watch_replicas(rs, SimpleNamespace(inflight=7))
-    assert value(m, "kvroute_replica_healthy", replica="http://a:8000") == 1.0
-    assert value(m, "kvroute_replica_healthy", replica="http://b:8000") == 0.0
-    assert value(m, "kvroute_replica_requests_running", replica="http://a:8000") == 3.0
-    assert value(m, "kvroute_replica_requests_waiting", replica="http://a:8000") == 1.0
-    assert value(m, "kvroute_replica_kv_cache_usage_perc", replica="http://a:8000") == 0.25
-    assert value(m, "kvroute_replica_requests_running", replica="http://b:8000") is None
-    assert value(m, "kvroute_replica_prompt_tokens_cached_total", replica="http://a:8000",
-                 source="host") == 150.0  # fmt: skip
-    assert value(m, "kvroute_router_inflight_requests") == 7.0
-    rs.set_source("static", ["http://a:8000"])  # b leaves: its series go with it
-    assert value(m, "kvroute_replica_healthy", replica="http://b:8000") is None
-
-
-@dataclass
-class FakeSubscriber:
-    stats: SubscriberStats = field(default_factory=SubscriberStats)
-
-
-def test_kv_event_collector_sums_streams_per_replica():
-    sub = FakeSubscriber()
-    sub.stats.streams[("r1", 0)] = PublisherState(batches=10, gaps=1, replayed=3, last_lag_s=0.02)
-    sub.stats.streams[("r1", 1)] = PublisherState(batches=5, restarts=1, last_lag_s=0.05)
-    sub.stats.decode_errors = 2
-    holder: list[FakeSubscriber | None] = [None]
-    m = RouterMetrics()
-    m.watch_kv_events(lambda: holder[0])
-    assert value(m, "kvroute_kv_event_batches_total", replica="r1") is None  # not started
-    holder[0] = sub
-    assert value(m, "kvroute_kv_event_batches_total", replica="r1") == 15.0
-    assert value(m, "kvroute_kv_event_gaps_total", replica="r1") == 1.0
-    assert value(m, "kvroute_kv_event_replayed_total", replica="r1") == 3.0
-    assert value(m, "kvroute_kv_event_restarts_total", replica="r1") == 1.0
-    assert value(m, "kvroute_kv_event_lag_seconds", replica="r1") == 0.05
-    assert value(m, "kvroute_kv_event_decode_errors_total") == 2.0
-
-
-def test_calibration_collector_shows_each_replicas_fit():
-    from router.kv.config import KVConfig
-    from router.kv.state import KVState
-
-    kv = KVState(KVConfig(block_size=16), clock=lambda: 0.0)
-    m = RouterMetrics()
-    m.watch_calibration(kv)
-    assert value(m, "kvroute_kv_calibration", replica="r1", term="prefill_scale") is None
-    cal = kv.calibrators.setdefault("r1", Calibrator())
-    for i in range(10):  # the replica answers 5x faster than modelled: the scale pins at 0.2
-        cal.observe_ttft(2.0 + i, (2.0 + i) / 10)
-    assert value(m, "kvroute_kv_calibration", replica="r1", term="prefill_scale") == pytest.approx(
-        0.2
-    )
-    assert value(m, "kvroute_kv_calibration", replica="r1", term="decode_scale") == 1.0
-    assert value(m, "kvroute_kv_calibration_samples", replica="r1", kind="ttft") == 10.0
-    assert value(m, "kvroute_kv_calibration", replica="r1", term="hit_realization") == 1.0
-    for _ in range(8):  # a fifth of each matched prefix was still cached when the call ran
-        cal.observe_hit(1000, 200)
-    assert value(m, "kvroute_kv_calibration", replica="r1", term="hit_realization") == (
-        pytest.approx(0.2)
-    )
-    assert value(m, "kvroute_kv_calibration_samples", replica="r1", kind="hit") == 8.0
-
-
-def test_analysis_collector_counts_how_calls_fared():
-    from router.kv.config import KVConfig
-    from router.kv.state import KVState
-
-    kv = KVState(KVConfig(block_size=16), clock=lambda: 0.0)
-    m = RouterMetrics()
-    m.watch_kv_analysis(kv)
-    assert value(m, "kvroute_kv_analyses_total", outcome="not_waited") == 0.0
-    kv.burst_waits = 3
-    assert value(m, "kvroute_kv_analyses_total", outcome="burst_wait") == 3.0
-
-
-def test_store_collector_only_for_redis():
-    m = RouterMetrics()
-    m.watch_store(SimpleNamespace(backend="memory"))
-    assert value(m, "kvroute_redis_pending_writes") is None
-    m.watch_store(SimpleNamespace(backend="redis", pending_writes=4, reconciles=2))
-    assert value(m, "kvroute_redis_pending_writes") == 4.0
-    assert value(m, "kvroute_redis_reconciles_total") == 2.0
-
-
 async def test_loop_lag_probe_sees_a_stall():
     import asyncio
     import time
@@ -348,22 +191,3 @@ async def test_loop_lag_probe_sees_a_stall():
     assert value(m, "kvroute_event_loop_lag_seconds_bucket", le="0.2") < value(
         m, "kvroute_event_loop_lag_seconds_bucket", le="0.5"
     )
-
-
-def test_pool_collector_follows_the_index():
-    from router.kv.config import KVConfig
-    from router.kv.state import KVState
-    from router.vllm.kvevents import BlockRemoved, BlockStored
-
-    kv = KVState(KVConfig(block_size=16), clock=lambda: 0.0)
-    m = RouterMetrics()
-    m.watch_kv_pool(kv)
-    assert value(m, "kvroute_kv_pool_blocks") == 0.0
-    kv.index.apply("r1", [BlockStored([1, 2, 3], None, [], 0, "STORAGE", locality="REMOTE")])
-    kv.index.apply("r2", [BlockStored([3, 4], None, [], 0, "STORAGE", locality="REMOTE")])
-    kv.index.apply("r2", [BlockStored([5], None, [], 0, "STORAGE")])  # its own disk: not pool
-    assert value(m, "kvroute_kv_pool_blocks") == 4.0
-    assert value(m, "kvroute_kv_pool_members") == 2.0
-    kv.index.apply("r1", [BlockRemoved([1, 4], "STORAGE", locality="REMOTE")])
-    assert value(m, "kvroute_kv_pool_blocks") == 2.0
-    assert value(m, "kvroute_kv_pool_removed_total") == 2.0

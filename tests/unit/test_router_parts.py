@@ -1,24 +1,15 @@
-"""Router parts without servers: identity, config, session table, breaker, discovery parsing."""
+"""Router parts without servers: identity (router.sessions), config, error bodies.
+
+The replica set, discovery, monitor, vLLM metrics and session table have their own files:
+test_replicas.py, test_discovery.py, test_monitor.py, test_vllm_metrics.py, test_state.py."""
 
 from __future__ import annotations
-
-import json
-import time
 
 import orjson
 import pytest
 
 from router.config import ConfigError, load_config
-from router.replicas import (
-    CircuitBreaker,
-    ReplicaSet,
-    diff,
-    endpoints_from_slices,
-    next_scrape_at,
-    parse_vllm_metrics,
-)
 from router.sessions import identify, prompt_prefix_text
-from router.state import MemoryStore
 
 # --- identity ---------------------------------------------------------------------------
 
@@ -181,14 +172,6 @@ def test_load_scrape_interval_goes_down_to_llm_d_s_50_ms(tmp_path):
     assert cfg.metrics_interval_s == 0.05
 
 
-def test_scrape_rounds_keep_a_fixed_rate_and_skip_what_they_overran():
-    # a round due at 10.0 that took 30 ms: the next is due 50 ms after 10.0, not after 10.03
-    assert next_scrape_at(10.0, 10.03, 0.05) == pytest.approx(10.05)
-    # a round that ran 2 s (a replica timing out): the next starts an interval after it ended,
-    # not at once and not 40 rounds back to back
-    assert next_scrape_at(10.0, 12.0, 0.05) == pytest.approx(12.05)
-
-
 def test_config_repr_masks_secrets():
     cfg = load_config(
         env={
@@ -202,189 +185,7 @@ def test_config_repr_masks_secrets():
     assert "sk-very-secret" not in text and "adm-secret" not in text and "ck-secret" not in text
 
 
-# --- session table ----------------------------------------------------------------------
-
-
-async def test_memory_store_lineage_gaps_and_ttl():
-    st = MemoryStore(ttl_s=100)
-    t0 = time.time()
-    parent = identify({"x-claude-code-session-id": "S"}, {})
-    child = identify({"x-claude-code-session-id": "S", "x-claude-code-agent-id": "c"}, {})
-    await st.begin_call(parent, now=t0 + 0)
-    assert await st.claim(parent.key, "r1") == "r1"
-    assert await st.claim(parent.key, "r2") == "r1"  # first placement wins
-    await st.end_call(parent.key, now=t0 + 2)
-    rec = await st.begin_call(parent, now=t0 + 10)
-    assert rec.gaps == [8.0] and rec.calls == 2 and rec.replica == "r1"
-    await st.end_call(parent.key, now=t0 + 11)
-    await st.begin_call(child, now=t0 + 12)
-    p = await st.get(parent.key)
-    assert p is not None and p.children == {child.key}
-    c = await st.get(child.key)
-    assert c is not None and c.parent == parent.key
-    await st.end_call(child.key, now=t0 + 13)
-    assert st.sweep(now=t0 + 200) == 2 and st.active_count() == 0
-
-
-async def test_memory_store_keeps_sessions_with_calls_in_flight_past_ttl():
-    st = MemoryStore(ttl_s=1)
-    ident = identify({"x-session-id": "long"}, {})
-    await st.begin_call(ident, now=0.0)
-    assert st.sweep(now=50.0) == 0  # a 50 s prefill must not lose its session
-    await st.end_call(ident.key, now=50.0)
-    assert st.sweep(now=52.0) == 1
-
-
-async def test_memory_store_cap_evicts_oldest():
-    st = MemoryStore(max_sessions=3)
-    for i in range(5):
-        await st.begin_call(identify({"x-session-id": f"s{i}"}, {}), now=float(i))
-    assert [r.key for r in st.list()] == ["-/s4", "-/s3", "-/s2"]
-
-
-# --- breaker, metrics, discovery --------------------------------------------------------
-
-
-def test_breaker_opens_then_lets_one_probe_through():
-    b = CircuitBreaker(failures=2, cooldown_s=10)
-    b.on_failure(now=0)
-    assert b.state == "closed" and b.allows(now=0)
-    b.on_failure(now=1)
-    assert b.state == "open" and not b.allows(now=5)
-    assert b.allows(now=11)
-    b.on_send(now=11)
-    assert b.state == "half_open" and not b.allows(now=11)  # one probe at a time
-    b.on_failure(now=12)
-    assert b.state == "open" and not b.allows(now=15)
-    b.on_send(now=23)
-    b.on_success()
-    assert b.state == "closed" and b.failures == 0 and b.allows(now=23)
-
-
-def test_parse_vllm_metrics_sums_label_sets_and_ignores_the_rest():
-    text = """# HELP vllm:num_requests_running Number of requests
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="tiny"} 2.0
-vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
-vllm:num_requests_waiting{engine="0",model_name="tiny"} 4.0
-vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.375
-vllm:num_requests_running_total 99
-vllm:time_to_first_token_seconds_bucket{le="0.1"} 7.0
-vllm:num_requests_waiting{engine="0"} NaN-garbage
-"""
-    assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.375}
-
-
-def test_parse_vllm_metrics_takes_the_host_tier_shares_largest_over_engines():
-    from engine_patches.offload import HOST_OCCUPANCY, HOST_RETAINED, PENDING_PREFILL
-
-    text = f"""# TYPE {HOST_OCCUPANCY} gauge
-{HOST_OCCUPANCY}{{engine="0",model_name="tiny"}} 0.98
-{HOST_OCCUPANCY}{{engine="1",model_name="tiny"}} 0.5
-# TYPE {HOST_RETAINED} gauge
-{HOST_RETAINED}{{engine="0",model_name="tiny"}} 0.25
-# TYPE {PENDING_PREFILL} gauge
-{PENDING_PREFILL}{{engine="0",model_name="tiny"}} 3000
-{PENDING_PREFILL}{{engine="1",model_name="tiny"}} 500
-"""
-    # shares: the largest engine's; pending prefill tokens: the replica's total
-    assert parse_vllm_metrics(text) == {
-        "host_occupancy": 0.98, "host_retained": 0.25, "pending_prefill": 3500.0,
-    }  # fmt: skip
-
-
-# Recorded shape of `GET /apis/discovery.k8s.io/v1/namespaces/llm/endpointslices
-# ?labelSelector=kubernetes.io/service-name=vllm` (two slices, one IPv6).
-SLICES = json.loads("""
-{"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
- "metadata": {"resourceVersion": "48211"},
- "items": [
-  {"metadata": {"name": "vllm-abc12", "namespace": "llm",
-                "labels": {"kubernetes.io/service-name": "vllm"}},
-   "addressType": "IPv4",
-   "endpoints": [
-     {"addresses": ["10.1.0.5"], "conditions": {"ready": true, "serving": true,
-      "terminating": false}, "targetRef": {"kind": "Pod", "name": "vllm-0"}},
-     {"addresses": ["10.1.0.6"], "conditions": {"ready": false, "serving": false,
-      "terminating": false}, "targetRef": {"kind": "Pod", "name": "vllm-1"}},
-     {"addresses": ["10.1.0.7"], "conditions": {"ready": true, "serving": true,
-      "terminating": true}, "targetRef": {"kind": "Pod", "name": "vllm-2"}},
-     {"addresses": ["10.1.0.8"], "conditions": {}, "targetRef": {"kind": "Pod",
-      "name": "vllm-3"}}],
-   "ports": [{"name": "metrics", "port": 9100, "protocol": "TCP"},
-             {"name": "http", "port": 8000, "protocol": "TCP"}]},
-  {"metadata": {"name": "vllm-def34", "namespace": "llm"},
-   "addressType": "IPv6",
-   "endpoints": [{"addresses": ["fd00::9"], "conditions": {"ready": true}}],
-   "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}]}]}
-""")
-
-
-def test_endpoint_slices_parse_ready_endpoints_on_the_named_port():
-    assert endpoints_from_slices(SLICES, "http") == {
-        "http://10.1.0.5:8000",
-        "http://10.1.0.8:8000",
-        "http://[fd00::9]:8000",
-    }
-    assert "http://10.1.0.5:9100" in endpoints_from_slices(SLICES["items"])  # first port
-    assert endpoints_from_slices({"items": []}) == set()
-
-
-def test_discovery_diff_and_replica_set_sources():
-    old = endpoints_from_slices(SLICES, "http")
-    SLICES["items"][0]["endpoints"][1]["conditions"]["ready"] = True  # vllm-1 became ready
-    new = endpoints_from_slices(SLICES, "http") - {"http://[fd00::9]:8000"}
-    assert diff(old, new) == ({"http://10.1.0.6:8000"}, {"http://[fd00::9]:8000"})
-    rs = ReplicaSet()
-    rs.set_source("static", ["http://s:1/"])
-    assert rs.set_source("k8s", old) == (old, set())
-    added, removed = rs.set_source("k8s", new)
-    assert (added, removed) == ({"http://10.1.0.6:8000"}, {"http://[fd00::9]:8000"})
-    assert {r.url for r in rs} == new | {"http://s:1"}  # other sources untouched
-
-
-def test_breaker_probe_abandoned_by_the_client_frees_the_slot():
-    b = CircuitBreaker(failures=1, cooldown_s=10)
-    b.on_failure(now=0)
-    b.on_send(now=11)
-    assert not b.allows(now=11)
-    b.on_abandon()  # the probing client disconnected: no verdict
-    assert b.state == "half_open" and b.allows(now=12)
-
-
-def test_calls_finished_after_a_scrape_leave_the_engine_count():
-    """A stale scrape must not make a finished call look like load, or bounded-load affinity
-    places a session away from its home (where its prefix may already be)."""
-    from router.replicas import Replica
-    from router.scheduling.session_affinity import ring_scores
-
-    reps = [Replica(f"http://r{i}") for i in range(4)]
-    for r in reps:
-        r.running, r.waiting = 0.0, 0.0
-    idle = ring_scores("sess", [r.view() for r in reps], 1.25)
-    home = next(r for r in reps if idle.get(r.name) == 1.0)  # where the session is placed
-    home.running = 1.0  # scraped while a previous call was running there
-    stale = ring_scores("sess", [r.view() for r in reps], 1.25)
-    assert stale.get(home.name, 0.0) < 1.0  # the stale count pushes the placement away
-
-    home.finished += 1  # the router saw that call end after the scrape
-    assert home.view().running == 0.0 and home.view().load == 0.0
-    fresh = ring_scores("sess", [r.view() for r in reps], 1.25)
-    assert fresh[home.name] == 1.0
-
-    home.finished_at_scrape = home.finished  # a new scrape starts from the engine's own count
-    home.running = 3.0
-    assert home.view().running == 3.0
-
-
-def test_malformed_metrics_never_raise_and_timestamps_are_not_values():
-    text = (
-        "vllm:num_requests_running 2 1700000000000\n"  # a sample with a timestamp
-        'vllm:num_requests_waiting{engine="0"} 1\n'
-        "vllm:broken_line_without_value\n"
-    )
-    got = parse_vllm_metrics(text)  # must not raise
-    assert got.get("running") in (2.0, None) and got.get("running") != 1700000000000
+# --- more -------------------------------------------------------------------------------
 
 
 def test_redis_password_is_masked_in_repr():
@@ -395,33 +196,6 @@ def test_redis_password_is_masked_in_repr():
         }
     )
     assert "hunter2" not in repr(cfg) and "redis://app:***@redis:6379/0" in repr(cfg)
-
-
-def test_only_the_half_open_probe_is_marked_as_the_probe():
-    from router.replicas import CircuitBreaker
-
-    b = CircuitBreaker(failures=1, cooldown_s=5.0)
-    assert b.on_send(now=0.0) is False  # closed: an ordinary call
-    b.on_failure(now=0.0)  # opens
-    assert not b.allows(now=1.0)
-    assert b.allows(now=6.0) and b.on_send(now=6.0) is True  # the one probe
-    assert not b.allows(now=6.1)  # a second call must wait for the probe's verdict
-
-
-def test_session_record_copy_keeps_every_field_and_owns_its_lists():
-    import dataclasses
-
-    from router.state import SessionRecord
-
-    values = {
-        "key": "t\x1fs", "tenant": "t", "parent": "p", "agent": "a", "replica": "r",
-        "created": 1.0, "last_seen": 2.0, "last_call_end": 3.0, "gaps": [0.5],
-        "calls": 4, "inflight": 1, "final": True, "children": {"c"}, "service": 7,
-    }  # fmt: skip
-    assert set(values) == {f.name for f in dataclasses.fields(SessionRecord)}  # a new field
-    rec = SessionRecord(**values)  # must be added to SessionRecord.copy too
-    dup = rec.copy()
-    assert dup == rec and dup.gaps is not rec.gaps and dup.children is not rec.children
 
 
 @pytest.mark.parametrize("limit", [0, 1, 4, 5, 6, 4096])

@@ -25,9 +25,9 @@ import pytest
 from engine_patches import pool
 from loadtest.vllmbed import EventCollector
 from router.kv.index import BlockIndex, is_pool_event
-from router.replicas import cached_by_source
 from router.vllm.hashing import BlockHasher, to_key
 from router.vllm.kvevents import BlockRemoved, BlockStored
+from router.vllm.metrics import cached_by_source
 from tests.vllm.conftest import BLOCK_SIZE, POOL_BLOCKS, unique_text
 
 pytestmark = pytest.mark.timeout(300)

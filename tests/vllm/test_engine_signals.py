@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from router.replicas import parse_vllm_metrics
+from router.vllm.metrics import parse_vllm_metrics
 from tests.vllm.conftest import BLOCK_SIZE, SIGNALS_BUDGET, unique_text
 
 pytestmark = pytest.mark.timeout(300)

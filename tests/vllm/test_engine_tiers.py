@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from router.kv.index import BlockIndex
-from router.replicas import cached_by_source
 from router.vllm.hashing import BlockHasher
 from router.vllm.kvevents import BlockStored
+from router.vllm.metrics import cached_by_source
 from tests.vllm.conftest import BLOCK_SIZE, unique_text
 
 pytestmark = pytest.mark.timeout(300)

@@ -33,9 +33,9 @@ import pytest
 
 from costmodel.profiles import load_profile
 from router.kv.index import BlockIndex
-from router.replicas import cached_by_source
 from router.vllm.hashing import BlockHasher
 from router.vllm.kvevents import BlockStored
+from router.vllm.metrics import cached_by_source
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES, unique_text
 from tests.vllm.test_twin_fidelity import TwinThread
 

@@ -39,8 +39,8 @@ import pytest
 from costmodel.profiles import load_profile
 from engine_patches.retention_rule import RetentionConfig
 from loadtest.twin.engine import EnginePlugin
-from router.replicas import cached_by_source
 from router.vllm.kvevents import BlockRemoved, BlockStored
+from router.vllm.metrics import cached_by_source
 from tests.vllm.conftest import RETENTION_SHARE, TIERS_HOST_BLOCKS
 from tests.vllm.test_twin_fidelity import TwinThread, _run, _session_sequence
 

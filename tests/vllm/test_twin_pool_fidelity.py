@@ -22,8 +22,8 @@ import pytest
 from loadtest.twin.cluster import start_cluster
 from loadtest.vllmbed import EventCollector
 from router.kv.index import is_pool_event
-from router.replicas import cached_by_source
 from router.vllm.kvevents import BlockStored
+from router.vllm.metrics import cached_by_source
 from tests.integration.test_twin_pool import HOST_BLOCKS, POOL_BLOCKS, PROFILE, pool_sequence
 from tests.vllm import conftest
 from tests.vllm.conftest import BLOCK_SIZE, KV_BYTES
