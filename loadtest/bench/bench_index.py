@@ -15,7 +15,8 @@ import subprocess
 import sys
 import time
 
-from router.kv.index import BlockIndex, NaiveBlockIndex
+from router.kv.index import BlockIndex
+from router.kv.index_ref import NaiveBlockIndex
 from router.vllm.kvevents import decode_message, encode_block_stored, encode_message
 
 

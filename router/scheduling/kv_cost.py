@@ -75,6 +75,7 @@ from typing import Any
 
 from costmodel.placement import CostTerms, placement_cost, queue_time, segment_costs
 from costmodel.steptime import decode_step_time
+from router.kv.view import KVView
 from router.replicas import EndpointView
 from router.scheduling import RequestContext, Scores, Snapshot
 from router.scheduling.registry import register, register_policy
@@ -122,7 +123,7 @@ class KVCost:
         self, ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView]
     ) -> dict[str, tuple[CostTerms, dict[str, Any]]]:
         """Per replica: the cost terms and the facts they came from (pure)."""
-        view = snap.state("kv")
+        view: KVView | None = snap.state("kv")
         if view is None:
             return {}
         keys = ctx.block_keys or []

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from router.kv.index import TierDepth
+from router.kv.view import KVView
 from router.replicas import EndpointView
 from router.scheduling import RequestContext, Snapshot
 from router.scheduling.registry import register
@@ -38,7 +39,7 @@ def prefix_matches(
     ctx: RequestContext, snap: Snapshot, endpoints: list[EndpointView], approx_only: bool = False
 ) -> dict[str, TierDepth]:
     """The prompt's matched prefix on each candidate (only those that hold any of it)."""
-    view = snap.state("kv")
+    view: KVView | None = snap.state("kv")
     keys = ctx.block_keys or []
     if view is None or not keys:
         return {}

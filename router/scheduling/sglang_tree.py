@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from router.kv.view import KVView
 from router.replicas import EndpointView
 from router.scheduling import RequestContext, Snapshot
 from router.scheduling.kv_prefix import match_fraction
@@ -87,7 +88,7 @@ class SGLangTree:
             return {n: 1.0 if n == winner else 0.5 * rate.get(n, 0.0) for n in load}
         if self.miss == "min_load":
             return _first_min(load)
-        view = snap.state("kv")
+        view: KVView | None = snap.state("kv")
         return _first_min(
             {n: float(view.approx_blocks(n)) if view is not None else 0.0 for n in load}
         )

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.kv.index import BlockIndex, BlockIndexError, NaiveBlockIndex, TierDepth
+from router.kv.index import BlockIndex, BlockIndexError, TierDepth
+from router.kv.index_ref import NaiveBlockIndex
 from router.vllm.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
 
 REPLICAS = ["a", "b", "c"]
