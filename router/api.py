@@ -357,6 +357,7 @@ async def admin_route(request: web.Request) -> web.Response:
     ident = ctx.identity
     out: dict[str, Any] = {
         "winner": d.endpoint.name,
+        "worker": app[RUNTIME].worker,  # which process decided (kvroute serve --workers N)
         "identity": {
             "tenant": ident.tenant,
             "session": ident.session,

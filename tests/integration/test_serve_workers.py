@@ -197,3 +197,67 @@ async def test_one_process_freezes_its_startup_heap_and_runs_the_stall_watch(rep
     assert len(frozen) == 1, err
     assert int(frozen[0].split("frozen:")[1].split()[0]) > 10_000
     assert "Traceback" not in err and "sampling failed" not in err
+
+
+async def test_two_workers_see_the_same_kv_placements(serve, tmp_path: Path) -> None:
+    """Each worker subscribes to every replica's KV events and builds its own index: blocks
+    that one replica reports stored are matched there by both workers, so both place a call
+    with that prompt on it (kv_cost, two replicas, events for one; the publisher keeps a
+    replay buffer as vLLM's does, so a worker that joins after its first batches catches
+    up from seq 0 instead of going stale)."""
+    import zmq
+    import zmq.asyncio
+
+    from loadtest import tinymodel
+    from router.kv.tokens import SessionTokenizer
+    from router.vllm.chat_template import request_prompt
+    from router.vllm.hashing import BlockHasher
+    from router.vllm.kvevents import encode_block_stored
+    from router.vllm.tokenizer import ModelTokenizer
+    from tests.integration.test_kv_events import Publisher
+    from tests.integration.test_router_proxy import FakeReplica
+
+    r0, r1 = await FakeReplica("r0").start(), await FakeReplica("r1").start()
+    zctx = zmq.asyncio.Context()
+    pub = Publisher(zctx, "kv@r1", replay=True)
+    port = pub.pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        model = tinymodel.ensure()
+        text = " ".join(["agents share this long prompt"] * 60)
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+        tok = ModelTokenizer.from_dir(model)
+        prompt = request_prompt(tok, "/v1/chat/completions", body)
+        assert prompt is not None
+        keys = (
+            SessionTokenizer(tok, BlockHasher(16))
+            .prompt(prompt.text, add_special_tokens=prompt.add_special_tokens)
+            .keys
+        )
+        assert len(keys) >= 8
+        extra = tmp_path / "kv.yaml"
+        extra.write_text(
+            f"kv:\n  tokenizer: {model}\n  block_size: 16\n"
+            f"  events_connect: {{'{r1.url}': 'tcp://127.0.0.1:{port}'}}\n"
+            f"  replay: {{'{r1.url}': '{pub.replay_endpoint}'}}\n"
+        )
+        s = await serve(r0.url, "--workers", "2", "--replica", r1.url, "--policy", "kv_cost",
+                        "--config", str(extra))  # fmt: skip
+        seen: dict[int, tuple[str, int]] = {}
+        for _ in range(400):  # PUB/SUB joins asynchronously: publish until both have it
+            await pub.send(encode_block_stored(keys, None, [], 16))
+            status, doc = await fresh(s.url, "/admin/route?explain=1", json=body,
+                                      headers={"X-Admin-Key": ADMIN})  # fmt: skip
+            assert status == 200, doc
+            cand = {c["replica"]: c for c in doc["explain"]["candidates"]}
+            matched = cand[r1.url]["terms"]["kv_cost"]["match_blocks"]
+            if matched == len(keys):
+                seen[doc["worker"]] = (doc["winner"], matched)
+            if len(seen) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert seen == {0: (r1.url, len(keys)), 1: (r1.url, len(keys))}
+    finally:
+        await pub.close()
+        zctx.term()
+        await r0.stop()
+        await r1.stop()
