@@ -193,6 +193,14 @@ def config_from_args(args: argparse.Namespace, env: Any = None) -> Any:
             cfg.kv = dataclasses.replace(cfg.kv or KVConfig(), events_port=port)
         except ValueError as e:
             raise _config_error(f"--kv-events-port: {e}") from None
+    if cfg.workers > 1 and cfg.kv is not None and cfg.kv.events_bind:
+        # one SUB socket binds the address: the second worker's bind would fail, and it would
+        # be started again and again
+        raise _config_error(
+            f"kv.events_bind ({cfg.kv.events_bind}) with workers {cfg.workers}: only one process "
+            "can bind it; with --workers let each worker subscribe to the replicas' publishers "
+            "(--kv-events-port or kv.events_connect)"
+        )
     return cfg
 
 

@@ -211,6 +211,17 @@ def test_kv_events_port_flag_and_the_layer_it_builds():
                          env={})  # fmt: skip
 
 
+def test_workers_refuse_a_bound_events_socket():
+    """Only one process can bind ``kv.events_bind``: with ``--workers 2`` the second worker's
+    bind failed and it was restarted for ever; refused at start-up with what to use instead."""
+    env = {"KVROUTE_KV_EVENTS_BIND": "tcp://127.0.0.1:5599"}
+    args = ["--replica=http://a:1", "--workers=2"]
+    with pytest.raises(ValueError, match="only one process can bind it"):
+        config_from_args(parser().parse_args(args), env=env)
+    assert config_from_args(parser().parse_args(args[:1]), env=env).kv.events_bind
+    assert config_from_args(parser().parse_args([*args, "--kv-events-port=5557"]), env={})
+
+
 def test_boolean_flags_parse_false():
     """``--engine-hints false`` (and KVROUTE_ENGINE_HINTS=false) used to be the truthy string."""
     for argv, env, want in (
