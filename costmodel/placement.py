@@ -64,9 +64,11 @@ Calibration (:mod:`costmodel.calibration`) scales the prefill and decode terms p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, overload
+
+import numpy as np
 
 from costmodel.profiles import ReplicaProfile
 from costmodel.steptime import (
@@ -135,6 +137,129 @@ class Reservation:
     next_tokens: int
     context_tokens: int
     p_return: float = 1.0
+
+
+class WarmColumns(Sequence[WarmSession]):
+    """Warm sessions as numpy columns (see :class:`ReservationColumns`): read as a sequence
+    of :class:`WarmSession` (made on first read), and :meth:`lru_first` gives
+    :func:`eviction_harm` the few sessions a call evicts without making the others."""
+
+    __slots__ = ("_list", "hold_s", "idle_s", "keys", "mean_gap_s", "p_return", "pinned",
+                 "tokens")  # fmt: skip
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        tokens: np.ndarray,
+        idle_s: np.ndarray,
+        p_return: np.ndarray,
+        pinned: np.ndarray,
+        mean_gap_s: np.ndarray,
+        hold_s: np.ndarray,
+    ):
+        self.keys, self.tokens, self.idle_s, self.p_return = keys, tokens, idle_s, p_return
+        self.pinned, self.mean_gap_s, self.hold_s = pinned, mean_gap_s, hold_s
+        self._list: list[WarmSession] | None = None
+
+    def _one(self, i: int) -> WarmSession:
+        return WarmSession(self.keys[i], int(self.tokens[i]), float(self.idle_s[i]),
+                           float(self.p_return[i]), bool(self.pinned[i]),
+                           float(self.mean_gap_s[i]), float(self.hold_s[i]))  # fmt: skip
+
+    def _items(self) -> list[WarmSession]:
+        if self._list is None:
+            self._list = [self._one(i) for i in range(len(self.keys))]
+        return self._list
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[WarmSession]:
+        return iter(self._items())
+
+    @overload
+    def __getitem__(self, i: int) -> WarmSession: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WarmSession]: ...
+    def __getitem__(self, i: Any) -> Any:
+        return self._items()[i]
+
+    def __eq__(self, other: object) -> bool:  # equal to a list of the same items
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def lru_first(self, blocks: int, block_size: int) -> list[WarmSession]:
+        """The unpinned sessions, least recently used (longest idle) first — in the order
+        ``sorted(..., key=-idle_s)`` gives — up to the first whose blocks, with those before
+        it, cover ``blocks``."""
+        free = np.flatnonzero(~self.pinned)
+        if not len(free) or blocks <= 0:
+            return []
+        order = free[np.argsort(-self.idle_s[free], kind="stable")]
+        have = np.ceil(self.tokens[order] / block_size)
+        k = int(np.searchsorted(np.cumsum(have), blocks)) + 1
+        return [self._one(i) for i in order[:k].tolist()]
+
+
+class ReservationColumns(Sequence[Reservation]):
+    """Reservations as numpy columns, for :func:`reserved_cost`'s vector path (a caller with
+    thousands of paced agents per decision: the KV layer's footprint table). Reads as a
+    sequence of :class:`Reservation` too. ``prefill``: optionally, ``(profile, seconds)`` —
+    each one's :func:`request_prefill_time` on that profile, already computed."""
+
+    __slots__ = ("_prefill", "context_tokens", "expected_return_s", "keys", "next_tokens",
+                 "p_return")  # fmt: skip
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        expected_return_s: np.ndarray,
+        next_tokens: np.ndarray,
+        context_tokens: np.ndarray,
+        p_return: np.ndarray,
+        prefill: tuple[ReplicaProfile, np.ndarray] | None = None,
+    ):
+        self.keys = keys
+        self.expected_return_s = expected_return_s
+        self.next_tokens = next_tokens
+        self.context_tokens = context_tokens
+        self.p_return = p_return
+        self._prefill = prefill
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, i: int) -> Reservation: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Reservation]: ...
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return Reservation(self.keys[i], float(self.expected_return_s[i]),
+                           int(self.next_tokens[i]), int(self.context_tokens[i]),
+                           float(self.p_return[i]))  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:  # equal to a list of the same items
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def prefill_s(self, profile: ReplicaProfile) -> np.ndarray:
+        """Each one's next prefill alone on an idle replica of ``profile`` (seconds)."""
+        if self._prefill is not None and self._prefill[0] is profile:
+            return self._prefill[1]
+        pairs = zip(self.next_tokens.tolist(), self.context_tokens.tolist(), strict=True)
+        arr = np.fromiter(
+            (request_prefill_time(profile, int(n), int(c)) for n, c in pairs), np.float64, len(self)
+        )
+        self._prefill = (profile, arr)
+        return arr
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,7 +453,11 @@ def eviction_harm(
     bs = profile.block_size
     harm = 0.0
     evicted: dict[str, int] = {}
-    for s in sorted((w for w in load.warm if not w.pinned), key=lambda w: -w.idle_s):
+    if isinstance(load.warm, WarmColumns):  # the same order, made only as far as it is read
+        lru: Iterable[WarmSession] = load.warm.lru_first(short, bs)
+    else:
+        lru = sorted((w for w in load.warm if not w.pinned), key=lambda w: -w.idle_s)
+    for s in lru:
         if short <= 0:
             break
         have = math.ceil(s.tokens / bs)
@@ -378,6 +507,20 @@ def reserved_cost(
     total = 0.0
     t_win = max(prefill_window_s, compute_s, 0.0)
     c = max(compute_s, 0.0)
+    if isinstance(load.reserved, ReservationColumns):  # the same sums, over columns
+        cols = load.reserved
+        if not len(cols):
+            return 0.0
+        pv = np.clip(cols.p_return, 0.0, 1.0)
+        ev = cols.expected_return_s
+        pos = ev > 0
+        safe = np.where(pos, ev, 1.0)
+        p_inv = np.where(pos, 1.0 - np.exp(-max(call_duration_s, 0.0) / safe), 1.0)
+        total = float(np.sum(pv * p_inv * scale * cols.prefill_s(profile)))
+        if c > 0:
+            heldv = np.where(pos, c - safe * np.exp(-(t_win - c) / safe) * -np.expm1(-c / safe), c)
+            total += float(np.sum(pv * np.maximum(heldv, 0.0)))
+        return total
     for r in load.reserved:
         p = max(0.0, min(1.0, r.p_return))
         if p == 0.0:

@@ -12,10 +12,15 @@ and in wall time by the service. Pure data: no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class SessionFootprint:
+    """One session's footprint. In a :class:`router.kv.footprints.FootprintTable` (the KV
+    state's session table), setting a field tells the table (which keeps per-replica columns
+    of its footprints); replace the lists, do not change them in place."""
+
     key: str
     replica: str | None = None
     tokens: int = 0  # cached context after its last call (prompt + output)
@@ -30,6 +35,14 @@ class SessionFootprint:
     # how long after ``last_end`` the host tier holds its chunks: the retention hint its last
     # call carried (tool-pause / waiting-on-children), as the engine plugin bounds it; 0: none
     hold_s: float = 0.0
+    # the FootprintTable holding it (told of every field set), None outside one
+    _table: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        table = self._table
+        if table is not None and name != "_table":
+            table.changed(self)
 
     def mean_gap(self) -> float | None:
         return sum(self.gaps) / len(self.gaps) if self.gaps else None

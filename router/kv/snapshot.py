@@ -14,22 +14,26 @@ imports this module; :class:`ViewSource` names what is read).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 from costmodel.calibration import Calibration
 from costmodel.placement import (
     CallShape,
     ReplicaLoad,
     Reservation,
+    ReservationColumns,
+    WarmColumns,
     WarmSession,
-    p_return_after,
     prefill_throughput,
 )
 from costmodel.profiles import ReplicaProfile
 from router.kv.approx import TEXT_CHUNK, ApproxCache
 from router.kv.churn import TierChurn
 from router.kv.config import KVConfig
+from router.kv.footprints import Bucket, FootprintTable, Picked
 from router.kv.index import BlockIndex, BlockIndexView, TierDepth
 from router.kv.sessions import ReplicaStat, SessionFootprint
 from router.replicas import EndpointView
@@ -43,7 +47,7 @@ class ViewSource(Protocol):
     index: BlockIndex
     approx: ApproxCache
     text_approx: ApproxCache
-    sessions: dict[str, SessionFootprint]
+    sessions: FootprintTable  # footprints by session key, and as columns by replica
     stats: dict[str, ReplicaStat]
     routed: dict[str, tuple[str, list[int], float]]
     host_churn: TierChurn
@@ -78,12 +82,15 @@ HOLD_CAP_MARGIN = 0.9
 GAUGE_MAX_AGE_S = 5.0
 
 
+_EMPTY = np.zeros(0)
+
+
 class StateView:
     """What KV-aware scorers may read (no mutation): matches, profiles, footprints; the
     :class:`router.kv.view.KVView` the KV state hands the scheduler."""
 
     __slots__ = (
-        "_by_replica",
+        "_cal",
         "_prefill",
         "_returned",
         "_st",
@@ -99,9 +106,7 @@ class StateView:
         self.now: float = st.clock()
         self.block_size: int = st.cfg.block_size
         self._prefill = st.pending_prefill()
-        # sessions with KV by replica, bucketed once per pass (warm_and_reserved): scanning
-        # every footprint once per candidate made a decision O(replicas x sessions)
-        self._by_replica: dict[str, list[SessionFootprint]] | None = None
+        self._cal: dict[str, Calibration] = {}
         self._returned: float | None = None  # share of known sessions that called again
         # a session that has shown no output yet is expected to write what the others write
         ewma = st.output_ewma
@@ -168,7 +173,10 @@ class StateView:
         return self._st.profile_of(replica)
 
     def calibration(self, replica: str) -> Calibration:
-        return self._st.calibration(replica)
+        c = self._cal.get(replica)  # read several times a decision; fixed within one view
+        if c is None:
+            c = self._cal[replica] = self._st.calibration(replica)
+        return c
 
     def gpu_blocks_used(self, replica: str) -> int | None:
         """GPU blocks in use, in the replica *profile's* block size (the index counts blocks
@@ -226,44 +234,58 @@ class StateView:
 
     def warm_and_reserved(
         self, replica: str, exclude: str | None, holds: bool = False
-    ) -> tuple[list[WarmSession], list[Reservation]]:
+    ) -> tuple[Sequence[WarmSession], Sequence[Reservation]]:
         """Sessions whose KV sits on ``replica`` (evictable or pinned) and paced agents
         between calls that will come back to it. ``holds``: the replica's host tier honours
         retention hints now (:meth:`holds_honoured`), so a session its last call hinted as
-        paused carries that hold (``WarmSession.hold_s``)."""
-        warm: list[WarmSession] = []
-        res: list[Reservation] = []
+        paused carries that hold (``WarmSession.hold_s``).
+
+        Computed over the replica's footprint columns (:class:`router.kv.footprints.Bucket`)
+        at once: the reservations come as :class:`costmodel.placement.ReservationColumns`
+        (the cost model sums them as columns), the warm sessions as a sequence built only
+        when read (the eviction-harm term reads them only when the call does not fit in the
+        free GPU blocks)."""
+        table = self._st.sessions
+        if isinstance(table, FootprintTable):
+            b = table.bucket(replica)
+            if b is None:
+                return [], ReservationColumns([], _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+        else:  # a plain dict of footprints: walked (tests that build the state by hand)
+            b = Bucket([s for s in table.values() if s.replica == replica and s.tokens])
         # a session that has not shown a gap yet is expected to behave like the others: with
         # no prior at all a one-call session (Mooncake-style traffic) would look certain to
         # return forever, and its KV could never be evicted without harm
         ewma = self._st.gap_ewma
         prior = self._st.cfg.default_gap_s if ewma is None else max(ewma, MIN_GAP_S)
-        if self._by_replica is None:
-            by: dict[str, list[SessionFootprint]] = {}
-            for s in self._st.sessions.values():
-                if s.replica is not None and s.tokens:
-                    by.setdefault(s.replica, []).append(s)
-            self._by_replica = by
-        for s in self._by_replica.get(replica, ()):
-            if s.key == exclude:
-                continue
-            idle = 0.0 if s.last_end is None else max(self.now - s.last_end, 0.0)
-            gap = s.mean_gap()
-            # a measured 0 is a real gap (back-to-back calls), not a missing one; but
-            # p_return_after reads a gap <= 0 as "unknown: P(return) = 1 forever"
-            gap = prior if gap is None else max(gap, MIN_GAP_S)
-            p = p_return_after(idle, gap, s.final)
-            pinned = s.inflight > 0 or s.children_inflight > 0
-            hold = s.hold_s if holds else 0.0
-            warm.append(WarmSession(s.key, s.tokens, idle, p, pinned, gap, hold))
-            if s.inflight == 0 and not s.final and p > P_NEGLIGIBLE:
-                # memoryless: the time to its return is exponential with the mean gap, however
-                # long it has been idle (agent gaps are heavy-tailed: AgentX median 3.84 s, p95
-                # 3 min). "gap - idle" read an agent past its mean gap as certain to return at
-                # once, which charged a call every overdue neighbour's next prefill in full and
-                # drove sessions off their cache (docs/benchmarks-log.md, "the move rule")
-                res.append(Reservation(s.key, gap, max(s.turn_tokens, 1), s.tokens, p))
-        return warm, res
+        idle = np.where(np.isnan(b.last_end), 0.0, np.maximum(self.now - b.last_end, 0.0))
+        # a measured 0 is a real gap (back-to-back calls), not a missing one; but
+        # p_return_after reads a gap <= 0 as "unknown: P(return) = 1 forever"
+        gap = np.where(np.isnan(b.gap), prior, np.maximum(b.gap, MIN_GAP_S))
+        # p_return_after, over the columns: 0 after a final call, else exp(-over / gap)
+        p = np.where(b.final, 0.0, np.exp(-np.maximum(0.0, idle - gap) / gap))
+        keep = np.ones(len(b), bool)
+        at = b.pos.get(exclude) if exclude is not None else None
+        if at is not None:
+            keep[at] = False
+        kept = np.flatnonzero(keep)
+        warm = WarmColumns(
+            Picked(b.keys, kept), b.tokens[kept], idle[kept], p[kept], b.pinned[kept],
+            gap[kept], b.hold[kept] if holds else np.zeros(len(kept)),
+        )  # fmt: skip
+        # memoryless: the time to its return is exponential with the mean gap, however long
+        # it has been idle (agent gaps are heavy-tailed: AgentX median 3.84 s, p95 3 min).
+        # "gap - idle" read an agent past its mean gap as certain to return at once, which
+        # charged a call every overdue neighbour's next prefill in full and drove sessions off
+        # their cache (docs/benchmarks-log.md, "the move rule")
+        idx = np.flatnonzero(keep & b.reservable & (p > P_NEGLIGIBLE))
+        prof = self.profile(replica)
+        pre = b.memo(f"prefill:{id(prof)}", lambda: ReservationColumns(
+            b.keys, gap, b.next_tokens, b.tokens, p).prefill_s(prof))  # fmt: skip
+        cols = ReservationColumns(
+            Picked(b.keys, idx), gap[idx], b.next_tokens[idx], b.tokens[idx], p[idx],
+            (prof, pre[idx]),
+        )  # fmt: skip
+        return warm, cols
 
     # ---- the cost model's inputs -------------------------------------------------------------
 

@@ -51,9 +51,10 @@ from router.kv.autoconf import ReplicaFacts
 from router.kv.churn import TierChurn
 from router.kv.config import KVConfig
 from router.kv.discovery import Discovery
+from router.kv.footprints import FootprintTable
 from router.kv.index import BlockIndex
 from router.kv.membership import MAX_GONE, Membership
-from router.kv.sessions import ReplicaStat, SessionFootprint
+from router.kv.sessions import ReplicaStat
 from router.kv.snapshot import StateView
 from router.kv.tokens import SessionTokenizer
 from router.kv.view import KVView
@@ -111,7 +112,7 @@ class KVState(Analyzer, Membership, Discovery):
         # ids for the prompt (its /tokenize), asked for a session's first call (router.app)
         self.remote_tokens: Callable[[str, Any], Awaitable[list[int] | None]] | None = None
         self.remote_stats = {"asked": 0, "tokenized": 0, "failed": 0}
-        self.sessions: dict[str, SessionFootprint] = {}
+        self.sessions: FootprintTable = FootprintTable()
         self.stats: dict[str, ReplicaStat] = {}
         self.calibrators: dict[str, Calibrator] = {}
         # This router's calls sent and not yet answered with a first byte: request id ->

@@ -14,6 +14,7 @@ aiohttp.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from costmodel.calibration import Calibration
@@ -76,7 +77,7 @@ class KVView(Protocol):
 
     def warm_and_reserved(
         self, replica: str, exclude: str | None, holds: bool = False
-    ) -> tuple[list[WarmSession], list[Reservation]]:
+    ) -> tuple[Sequence[WarmSession], Sequence[Reservation]]:
         """Sessions whose KV sits on ``replica``, and paced agents that will come back to it."""
         ...
 
