@@ -12,7 +12,8 @@ and removed — so a decision reads each replica's columns and computes P(return
 them at once.
 
 The same figures as the per-session loop, to the last bit of numpy's ``exp`` against
-``math.exp`` (random changes checked against that loop in tests/unit/test_kv_footprints.py). Pure: numpy, no I/O.
+``math.exp`` (random changes checked against that loop in tests/unit/test_kv_footprints.py).
+Pure: numpy, no I/O.
 """
 
 from __future__ import annotations
