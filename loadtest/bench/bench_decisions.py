@@ -161,7 +161,7 @@ def bench_decisions(n_calls: int, st: KVState, eps: list[EndpointView]) -> list[
         best = max(scores, key=scores.__getitem__)
         picks[best] = picks.get(best, 0) + 1
         ep = next(e for e in eps if e.name == best)
-        dec = Decision(ep, [(ep, 1.0)], terms={"kv_cost": scores.terms})
+        dec = Decision(ep, [(ep, 1.0)], terms={"kv_cost": getattr(scores, "terms", {})})
         b0 = time.process_time()
         st.decided(ctx, dec)
         st.observe(ctx, CallOutcome(best, "200", ttft_s=0.5, duration_s=2.0, decision=dec))
@@ -201,7 +201,7 @@ def bench_cold(st: KVState, reps: int) -> list[dict[str, Any]]:
     mtok = ModelTokenizer.from_dir(tinymodel.ensure())
     rng = random.Random(2)
     text = _words(rng, PROMPT_TOKENS)
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": text}], "max_tokens": 8}
     steps: dict[str, list[float]] = {"render": [], "tokenize": [], "hash": [], "match": []}
     n_tok = 0
     names = st.index.replicas()
@@ -218,7 +218,8 @@ def bench_cold(st: KVState, reps: int) -> list[dict[str, Any]]:
         c4 = time.process_time()
         n_tok = len(ids)
         for k, v in zip(steps, (c1 - c0, c2 - c1, c3 - c2, c4 - c3), strict=True):
-            v and steps[k].append(v)
+            if v:
+                steps[k].append(v)
     # the session's next call: its prompt one exchange (~1,000 words) longer; incremental
     # tokens and block hashes (only the new tail is tokenized and hashed)
     inc = SessionTokenizer(mtok, st.hasher)

@@ -376,9 +376,9 @@ async def test_without_a_local_tokenizer_a_sessions_first_call_is_tokenized_by_a
 ):
     """The model directory is not on the router's machine: a session's first call gets its
     tokens from a replica's /tokenize, so it is matched by KV events all the same."""
-    import router.kv.state as kvstate
+    import router.kv.discovery as discovery  # where KVState.autoconfigure looks it up
 
-    monkeypatch.setattr(kvstate, "find_tokenizer", lambda names: (None, "not here"))
+    monkeypatch.setattr(discovery, "find_tokenizer", lambda names: (None, "not here"))
     hosts = ["127.0.0.6", "127.0.0.7"]
     port = free_port(hosts)
     async with twins_on(hosts, port) as (urls, pubs), aiohttp.ClientSession() as http:
