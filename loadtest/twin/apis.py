@@ -232,9 +232,12 @@ async def _messages_stream(
 ) -> web.StreamResponse:
     resp = await _sse(request, twin)
     req = st.req
+    # as vLLM 0.32: message_start counts the whole prompt as input (no cache split yet);
+    # message_delta repeats the whole usage with the cache split (read = the prefix hit)
     start: dict[str, Any] = {
         "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": _anthropic_usage(req, output=0),
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": req.prompt_len, "output_tokens": 0},
     }  # fmt: skip
     call = turn.tool_call
     pieces = split_pieces(call.arguments_json, turn.tokens) if call else []
@@ -265,7 +268,7 @@ async def _messages_stream(
     await resp.write(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
     await resp.write(_event("message_delta", {
         "type": "message_delta", "delta": {"stop_reason": stop_reason(turn), "stop_sequence": None},
-        "usage": {"output_tokens": n},
+        "usage": _anthropic_usage(req, output=n),
     }))  # fmt: skip
     await resp.write(_event("message_stop", {"type": "message_stop"}))
     await resp.write_eof()

@@ -423,3 +423,19 @@ async def test_the_cli_defaults_serve_an_agent(http):
         j = await post(http, c.urls[0] + "/v1/chat/completions", body)
         assert j["usage"]["prompt_tokens"] > 11_520
         assert j["choices"][0]["finish_reason"] in ("stop", "tool_calls")
+
+
+async def test_streamed_messages_carry_the_cache_split_in_message_delta(twin, http) -> None:
+    """As vLLM 0.32: ``message_start`` counts the whole prompt as input, ``message_delta``
+    repeats the whole usage with the prefix hit as ``cache_read_input_tokens`` (Claude Code
+    streams every call: without it a client and the router's metrics saw no cache hit)."""
+    url = twin.urls[0] + "/v1/messages"
+    body = messages(text(400, 7), max_tokens=4)
+    await post(http, url, body)  # the prefix is cached now
+    events = await stream(http, url, body)
+    start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+    delta = next(e for e in events if e["type"] == "message_delta")["usage"]
+    assert start == {"input_tokens": start["input_tokens"], "output_tokens": 0}
+    assert delta["cache_read_input_tokens"] > 0
+    assert delta["input_tokens"] + delta["cache_read_input_tokens"] == start["input_tokens"]
+    assert 0 < delta["output_tokens"] <= 4
