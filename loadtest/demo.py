@@ -6,7 +6,9 @@ up 10×), kvroute's best available policy against round-robin and the real sglan
 (``make demo`` installs it; vllm-router too when ``make bench-peers`` has), on the bundled
 slice of real Claude Code sessions (``loadtest/data/weka-dev-slice.tar.gz``), then prints a
 table, the honest ratio against sglang-router and the HTML report's path. Takes 2-3 minutes
-on a warm 2-core machine.
+on a warm 2-core machine. ``--agent claude|codex|opencode`` first puts that agent CLI (installed
+from npm by ``make agents``) in front of the same cluster and kvroute for a short scripted task
+and prints, per call, the replica, cached tokens and TTFT (:mod:`loadtest.agents.demo`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--speedup", type=float, default=10.0)
     p.add_argument("--no-peers", action="store_true", help="skip installed peer routers")
+    p.add_argument(
+        "--agent",
+        choices=("claude", "codex", "opencode"),
+        default=None,
+        help="first run this agent CLI (Claude Code, Codex or OpenCode, pinned in "
+        "loadtest/agents/versions.txt; `make agents` installs them) through kvroute in front "
+        "of the demo's cluster for a short scripted task, printing per call the replica, "
+        "cached tokens and TTFT (docs/agents.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +66,19 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     t0 = time.monotonic()
     best = best_policy()
+    agent_ok = True
+    if args.agent:
+        from loadtest.agents.demo import TASK, print_agent_table, run_agent_leg
+
+        console.print(
+            f"[bold]kvroute demo --agent {args.agent}[/]: the real CLI, {len(TASK)} turns of one "
+            f"session, through kvroute:{best} in front of 4 replica twins (H200, 70B-class "
+            f"fp8, speedup {args.speedup:g}×)"
+        )
+        report, names = run_agent_leg(args.agent, policy=best, speedup=args.speedup,
+                                      workdir=Path(args.out) / f"agent-{args.agent}")  # fmt: skip
+        print_agent_table(report, args.speedup, names)
+        agent_ok = not report.problems(expect_turns=len(TASK))
     targets = ["kvroute:round_robin", f"kvroute:{best}"]
     if not args.no_peers:
         targets += [p for p in DEMO_PEERS if peer_python(PEERS[p][0]) is not None]
@@ -103,4 +127,4 @@ def run(args: argparse.Namespace) -> int:
             " — one short run, one seed: a demo, not a benchmark"
         )
     console.print(f"report: {Path(res['report']).resolve()}  ({time.monotonic() - t0:.0f} s)")
-    return 0 if all(p.get("summary") for p in res["points"][:2]) else 1
+    return 0 if agent_ok and all(p.get("summary") for p in res["points"][:2]) else 1

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "integration", "vllm", "kernels")
+TIERS = ("unit", "integration", "vllm", "kernels", "agents")
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -29,3 +29,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(scope="session")
+def agent_bin() -> Path:
+    """The agent CLIs' bin folder (the agents tier); the test skips, saying why, when they are
+    not installed (`make agents`: needs npm)."""
+    from loadtest.agents import install
+
+    found = install.installed()
+    if found is None:
+        pytest.skip(
+            f"agents tier skipped: the agent CLIs ({', '.join(install.pins())}) are not "
+            f"installed in {install.install_dir()}: run `make agents` (needs npm)"
+        )
+    return found

@@ -213,6 +213,25 @@ def _tiers_fidelity(mode: str):
     return build
 
 
+# the agents tier's leg on vLLM (test_agents_vllm.py): one replica with room for an agent's
+# prompt (Claude Code's first is ~22k tokens here, its tools rendered) and an uncapped random
+# reply (the tiny model ends one with EOS after ~2k tokens on average)
+AGENTS_MAX_MODEL_LEN = 65536  # past the model's 16,384 positions: VLLM_ALLOW_LONG_MAX_MODEL_LEN
+# fp32 KV: 2 KiB a token, and vLLM wants room past one full-length request
+AGENTS_KV_BYTES = (AGENTS_MAX_MODEL_LEN + 1024) * 2048
+
+
+def _agents(ctx: BedContext):
+    # agents send tools with tool_choice "auto": vLLM refuses it without a tool parser; the
+    # pythonic parser is one that the tiny tokenizer supports (llama3_json wants <|python_tag|>)
+    words = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+    cfg = ReplicaConfig(name="agents", model_dir=ctx.model, block_size=BLOCK_SIZE,
+                        kv_cache_bytes=AGENTS_KV_BYTES, max_model_len=AGENTS_MAX_MODEL_LEN,
+                        cpu=1, extra_args=words,
+                        extra_env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})  # fmt: skip
+    return [cfg], {}
+
+
 # every flag set of the tier, by key; whether its replicas load the engine plugin
 BEDS: dict[str, tuple[Callable[[BedContext], tuple[list[ReplicaConfig], dict]], bool]] = {
     "plain": (_plain, False),
@@ -227,6 +246,7 @@ BEDS: dict[str, tuple[Callable[[BedContext], tuple[list[ReplicaConfig], dict]], 
     "pool-fidelity": (lambda ctx: _pool(ctx, ("f1", "f2")), True),
     "replay": (_replay, False),
     "pd": (_pd, False),
+    "agents": (_agents, False),
     **{f"ft-{m}": (_tiers_fidelity(m), True) for m in TIERS_MODES},
 }
 # the session fixture that serves each key (``tiered_bed`` is parametrized by mode)
@@ -234,7 +254,8 @@ FIXTURE_KEYS = {"vllm_bed": "plain", "cadence_bed": "cadence", "signals_bed": "s
                 "retention_bed": "retention", "tiers_bed": "tiers",
                 "writeback_bed": "writeback", "pool_bed": "pool",
                 "pool_fidelity_bed": "pool-fidelity",
-                "replay_bed": "replay", "pd_bed": "pd"}  # fmt: skip
+                "replay_bed": "replay", "pd_bed": "pd",
+                "agents_bed": "agents"}  # fmt: skip
 
 
 def item_keys(item: pytest.Item) -> list[str]:
@@ -406,6 +427,11 @@ def replay_bed(beds) -> Bed:
 @pytest.fixture(scope="session")
 def pd_bed(beds) -> Bed:
     return beds.get("pd")
+
+
+@pytest.fixture(scope="session")
+def agents_bed(beds) -> Bed:
+    return beds.get("agents")
 
 
 @pytest.fixture(scope="module", params=TIERS_MODES)  # module: pytest keeps the module order

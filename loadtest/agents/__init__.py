@@ -1,0 +1,1 @@
+"""Real agent CLIs against kvroute."""
