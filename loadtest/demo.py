@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         report, names = run_agent_leg(args.agent, policy=best, speedup=args.speedup,
                                       workdir=Path(args.out) / f"agent-{args.agent}")  # fmt: skip
         print_agent_table(report, args.speedup, names)
-        agent_ok = not report.problems(expect_turns=len(TASK))
+        agent_ok = not report.problems(expect_turns=len(TASK), cost_moves=True)
     targets = ["kvroute:round_robin", f"kvroute:{best}"]
     if not args.no_peers:
         targets += [p for p in DEMO_PEERS if peer_python(PEERS[p][0]) is not None]

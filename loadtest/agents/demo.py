@@ -86,10 +86,13 @@ def print_agent_table(report: SessionReport, speedup: float, names: dict[str, st
     for turn in report.turns:
         state = "completed" if turn.ok else f"NOT completed: {turn.why[:300]}"
         console.print(f"turn {turn.index + 1} ({turn.elapsed_s:.1f} s): {state}")
-    problems = report.problems(expect_turns=len(report.turns))
+    for src, dst, why in report.moves():
+        console.print(f"the session moved {names.get(src, src)} → {names.get(dst, dst)} "
+                      f"(move_reason {why}: kvroute's decision log)")  # fmt: skip
+    problems = report.problems(expect_turns=len(report.turns), cost_moves=True)
     if problems:
         console.print("[red]" + "\n".join(problems) + "[/]")
     else:
-        reps = sorted(report.replicas())
-        console.print(f"all {len(report.inference)} calls on {names.get(reps[0], reps[0])}; "
+        reps = sorted(names.get(r, r) for r in report.replicas())
+        console.print(f"all {len(report.inference)} calls on {', '.join(reps)}; "
                       "kvroute's token counts equal what the agent was told")  # fmt: skip

@@ -38,3 +38,20 @@ async def test_two_turns_of_one_session_on_twins(name: str, agent_bin: Path,
     assert report.inference and all(c.path == AGENTS[name].api for c in report.inference)
     assert len(report.decisions) == len(report.inference)  # every call was placed, and logged
     assert not report.problems(expect_turns=len(PROMPTS)), report.problems(expect_turns=2)
+
+
+@pytest.mark.timeout(400)
+def test_demo_agent_leg_prints_every_call(agent_bin: Path, tmp_path: Path, capsys) -> None:
+    """`kvroute demo --agent claude`'s leg: the demo's cluster (4 twins, KV events) and kvroute
+    as processes, the CLI's three-turn task, one printed row per call with its replica."""
+    from loadtest.agents.demo import TASK, print_agent_table, run_agent_leg
+
+    report, names = run_agent_leg("claude", policy="kv_cost", workdir=tmp_path)
+    print_agent_table(report, 10.0, names)
+    out = capsys.readouterr().out
+    assert not report.problems(expect_turns=len(TASK)), report.problems(expect_turns=3)
+    (replica,) = report.replicas()
+    assert len(report.rows()) == len(report.inference) >= len(TASK)
+    assert out.count(f"│ {names[replica]} ") == len(report.inference)  # one row per call
+    assert out.count("completed") == len(TASK)
+    assert "kvroute's token counts equal what the agent was told" in out

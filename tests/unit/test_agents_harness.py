@@ -142,3 +142,23 @@ def test_every_agent_builds_a_private_environment(tmp_path: Path):
         blob = repr(env) + "".join(p.read_text() for p in (tmp_path / cls.name).rglob("*")
                                    if p.is_file())  # fmt: skip
         assert "http://127.0.0.1:9" in blob  # the base URL is kvroute's (the tap's)
+
+
+def test_a_move_passes_the_demo_only_when_the_policy_cost_decided_it():
+    u = {"prompt": 150, "cached": 48, "output": 5}
+    calls = [_call("/v1/messages", u, "a"), _call("/v1/messages", u, "b")]
+    text = METRICS.replace('replica="r0",route="/v1/messages",status="200"} 2.0',
+                           'replica="r0",route="/v1/messages",status="200"} 1.0\n'
+                           'kvroute_requests_total{replica="r1",route="/v1/messages",'
+                           'status="200"} 1.0')  # fmt: skip
+    cost = {"a": {"winner": "r0"}, "b": {"winner": "r1", "session_replica": "r0",
+                                         "move_reason": "cost"}}  # fmt: skip
+    r = _report(calls, text, cost)
+    assert r.moves() == [("r0", "r1", "cost")]
+    assert any("2 replicas" in p for p in r.problems(expect_turns=2))  # the tier: one replica
+    assert r.problems(expect_turns=2, cost_moves=True) == []  # the demo: a priced move is fine
+    churn = {**cost, "b": {**cost["b"], "move_reason": "other"}}
+    assert any(
+        "2 replicas" in p
+        for p in _report(calls, text, churn).problems(expect_turns=2, cost_moves=True)
+    )
