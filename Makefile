@@ -51,12 +51,13 @@ peers:
 
 # The agent CLIs of the agents tier and `kvroute demo --agent` (Claude Code, Codex, OpenCode;
 # pinned in loadtest/agents/versions.txt) from npm, into $(KVROUTE_CACHE)/agents-<hash of the
-# pins>, outside the clone (~10 s from npm's cache, ~1 GB). Without npm: says so, and the
-# agents tier skips.
+# pins>, outside the clone (~10 s from npm's cache, ~1 GB). Without npm, or when the install
+# fails (no registry): says so, and the agents tier's tests skip, each saying why.
 AGENT_PINS := $(shell grep -v '^\#' loadtest/agents/versions.txt | tr ' ' @ | tr '\n' ' ')
 agents: $(STAMP)
 	@if command -v npm >/dev/null 2>&1; then \
-	  $(BIN)/python -m loadtest.agents.install >/dev/null || exit 1; \
+	  $(BIN)/python -m loadtest.agents.install >/dev/null || \
+	    echo "kvroute: the agent CLIs did not install (see above): the agents tier is SKIPPED"; \
 	else \
 	  echo "kvroute: npm not found: the agents tier (tests/agents, $(AGENT_PINS)) is SKIPPED"; \
 	fi
