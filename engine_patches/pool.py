@@ -180,7 +180,8 @@ def _build() -> type:
     ) -> None:
         kwargs.setdefault("locality", "REMOTE")
         base.__init__(self, *args, **kwargs)
-        view = kwargs.get("primary_kv_view", args[1] if len(args) > 1 else None)
+        # the base takes it (required) by keyword or as its second positional argument
+        view = kwargs["primary_kv_view"] if "primary_kv_view" in kwargs else args[1]
         self.block_bytes = int(view.strides[0])  # one chunk of the host tier = one file
         self.pool_bytes = int(pool_bytes)
         self.sweep_interval_s = float(sweep_interval_s)
@@ -189,9 +190,9 @@ def _build() -> type:
         self.pool_root = os.path.dirname(self.file_mapper.get_config_file_path()) + "_r0"
         self.retention = RetentionConfig.from_dict(retention)
         self._lock = threading.Lock()
-        self._removed: list[Any] = []  # OffloadKeys a sweep deleted, not yet published
-        self._stores: dict[Any, list[Any]] = {}  # store job -> its keys
-        self._kvroute_pending_holds: dict[Any, float] = {}  # key being written -> hold end
+        self._removed = []  # list of OffloadKeys a sweep deleted, not yet published
+        self._stores = {}  # store job -> list of its keys
+        self._kvroute_pending_holds = {}  # key being written -> hold end (epoch s, a file mtime)
         self._sweeping = False
         self._last_sweep = 0.0
         self.estimate = 0  # bytes in the pool: the last scan's total + this replica's writes

@@ -316,15 +316,16 @@ async def admin_sessions(request: web.Request) -> web.Response:
 async def admin_config(request: web.Request) -> web.Response:
     app = request.app
     calls = app[CALLS]
+    kv = app[KV]
     return web.json_response({
         "config": repr(app[CONFIG]),  # secrets masked
         "policy": app[PIPELINE].name,
         "worker": app[RUNTIME].worker,
-        "kv_layer": app[KV] is not None,
+        "kv_layer": kv is not None,
         "kv_status": app[KV_STATUS]().as_dict(),  # full / approximate / affinity / off, why
         "kv_pool": None
-        if app[KV] is None
-        else {"blocks": app[KV].index.pool_blocks(), "members": app[KV].index.pool_members()},
+        if kv is None
+        else {"blocks": kv.index.pool_blocks(), "members": kv.index.pool_members()},
         "prompt_analyzer": calls.analyzer is not None,
         "state_providers": sorted(calls.state_providers),
         "observers": [getattr(fn, "__qualname__", repr(fn)) for fn in calls.observers],

@@ -104,11 +104,9 @@ def replica_error_body(route: str, status: int, body: bytes) -> bytes | None:
         obj = orjson.loads(body) if body.strip() else None
     except orjson.JSONDecodeError:
         obj = None
+    message = _error_message(obj)
+    if message is None:  # not JSON, or JSON without a message we know: keep the whole text
         message = body.decode("utf-8", "replace").strip()
-    else:
-        message = _error_message(obj)
-        if message is None:  # JSON without a message we know: keep the whole text
-            message = body.decode("utf-8", "replace").strip()
     anthropic = is_anthropic(route)
     if isinstance(obj, dict):
         err = obj.get("error")

@@ -8,14 +8,17 @@ module imports none of those, so the three never import each other in a loop.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
+from router.admission import AdmissionGate
 from router.call import CallSequence
 from router.config import RouterConfig
+from router.kv.autoconf import LayerStatus
 from router.metrics import RouterMetrics
 from router.monitor import ReplicaMonitor
 from router.priority import PriorityConfig
@@ -25,8 +28,8 @@ from router.scheduling.pipeline import Pipeline
 from router.state import SessionStore
 from router.upstream import Upstream
 
-if TYPE_CHECKING:
-    pass
+if TYPE_CHECKING:  # typing only: the KV layer (and its tokenizer stack) loads only when installed
+    from router.kv.state import KVState
 
 
 @dataclass
@@ -60,7 +63,7 @@ UPSTREAM = web.AppKey("upstream", Upstream)  # proxied calls
 RUNTIME = web.AppKey("runtime", Runtime)
 RESPONSES = web.AppKey("responses", ResponseOwners)  # Responses API id -> its replica
 PRIORITY = web.AppKey("priority", PriorityConfig)  # the priority rule's constants
-ADMISSION = web.AppKey("admission", object)  # AdmissionGate | None (admission: on)
-KV = web.AppKey("kv", object)  # KVState | None: the KV layer, when installed
-# () -> router.kv.autoconf.LayerStatus: how fully the KV layer runs (/ready, /metrics, logs)
-KV_STATUS = web.AppKey("kv_status", object)
+ADMISSION = web.AppKey[AdmissionGate | None]("admission")  # a gate under admission: on, else None
+KV: web.AppKey[KVState | None] = web.AppKey("kv")  # the KV layer, when installed
+# how fully the KV layer runs (/ready, /metrics, logs)
+KV_STATUS = web.AppKey[Callable[[], LayerStatus]]("kv_status")

@@ -33,6 +33,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, cast
 
 import orjson
@@ -297,7 +298,7 @@ class RedisStore:
     def list(self, limit: int = 100) -> list[SessionRecord]:
         return self.local.list(limit)
 
-    async def _write_back(self, keys: list[str], moved: set[str]) -> None:
+    async def _write_back(self, keys: Sequence[str], moved: set[str]) -> None:
         """Write the sessions ``keys`` back in one pipeline: their fields, and their binding
         — as a move when the outage rule changed it (``moved``), else placed only if Redis
         has none (an owner already there wins and is adopted)."""

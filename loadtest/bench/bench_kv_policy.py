@@ -266,10 +266,10 @@ def line_row(
     figs = {pol: figure_of(pts) for pol, pts in medians.items()}
     slo: dict[str, float | None] = {}
     for pol, pts in medians.items():
-        slo[pol] = with_slo(pts)
+        held = slo[pol] = with_slo(pts)
         out[pol] = {
             **figs[pol].as_dict(),
-            f"measured_ttft_p90_le_{TTFT_SLO_S:g}s": None if slo[pol] is None else round(slo[pol]),
+            f"measured_ttft_p90_le_{TTFT_SLO_S:g}s": None if held is None else round(held),
         }
     out.update(compare_at_line(figs, [p for p in ours if p in figs]))
     peers = {p: v for p, v in slo.items() if p not in ours and v is not None}

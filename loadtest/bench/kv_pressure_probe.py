@@ -23,6 +23,7 @@ from loadtest.sim.router_policy import RouterPolicy
 from loadtest.sim.trace import simulate_trace
 from loadtest.traces import load_trace
 from loadtest.twin import engine as twin_engine
+from loadtest.twin.engine_tiers import EngineTiers
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> int:
     peak = {"blocks": 0}
     settle = twin_engine.Engine._settle
 
-    def counting(self: twin_engine.Engine) -> None:
+    def counting(self: EngineTiers) -> None:  # the signature of the _settle it wraps
         settle(self)
         if self.cpu is not None:
             peak["blocks"] = max(peak["blocks"], len(self.cpu))

@@ -178,9 +178,9 @@ def hit_sources(metrics_texts: Sequence[str]) -> dict[str, float] | None:
             if m[1] in tot:
                 tot[m[1]] += float(m[2])
                 seen = True
-        m = re.search(rf"^{QUERIES}{{[^}}]*}} (\S+)$", text, re.M)
-        if m:
-            queries += float(m[1])
+        q = re.search(rf"^{QUERIES}{{[^}}]*}} (\S+)$", text, re.M)
+        if q:
+            queries += float(q[1])
     if not seen or queries <= 0:
         return None
     out = {k: v / queries for k, v in tot.items()}

@@ -219,12 +219,15 @@ async def test_errors_are_json_of_the_route_family(fakes, router, http):
         is_json_error(await r.read())
 
 
-async def test_slow_and_silent_clients_are_cut(fakes, router, http):
+async def test_slow_and_silent_clients_are_cut(fakes, router, http, caplog):
+    """Every connection that never completes a request head is closed by the router, each
+    by the head deadline (its log line), long before the client would give up. No wall-clock
+    bound near the 0.5 s deadline: on a loaded machine the closes come late, not never."""
+    caplog.set_level(logging.INFO, logger="kvroute.frontdoor")
     (f,) = await fakes(1)
     url, _ = await router([f.url], header_timeout_s=0.5, idle_timeout_s=1.0)
     host, port = url.removeprefix("http://").split(":")
     n = 200
-    t0 = time.monotonic()
     conns = [await asyncio.open_connection(host, int(port)) for _ in range(n)]
     for _, w in conns[: n // 2]:  # slowloris: a request head that never ends
         w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
@@ -237,16 +240,26 @@ async def test_slow_and_silent_clients_are_cut(fakes, router, http):
     async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 200
 
-    async def closed(reader: asyncio.StreamReader) -> float:
-        with contextlib.suppress(ConnectionError):
-            await asyncio.wait_for(reader.read(), 5)
-        return time.monotonic() - t0
+    async def closed(reader: asyncio.StreamReader) -> bool:
+        """True when the router closed the connection (EOF or reset), False when the client
+        gave up first: 20 s, 40 times the head deadline."""
+        try:
+            await asyncio.wait_for(reader.read(), 20)
+        except ConnectionError:
+            pass
+        except TimeoutError:
+            return False
+        return True
 
-    times = await asyncio.gather(*(closed(r) for r, _ in conns))
+    cut = await asyncio.gather(*(closed(r) for r, _ in conns))
     for _, w in conns:
         w.close()
-    assert max(times[: n // 2]) < 2.5, max(times[: n // 2])  # header_timeout_s 0.5 (+ load)
-    assert max(times[n // 2 :]) < 3.0, max(times[n // 2 :])  # idle/head deadline
+    assert cut[: n // 2].count(False) == 0, cut[: n // 2].count(False)  # slowloris
+    assert cut[n // 2 :].count(False) == 0, cut[n // 2 :].count(False)  # silent
+    # closed by the request-head deadline (armed at connection start, so the silent half
+    # meets it too, before idle_timeout_s), not by anything else
+    by_head = [r for r in caplog.records if "no complete request head" in r.getMessage()]
+    assert len(by_head) == n, len(by_head)
 
 
 async def test_a_replica_that_never_answers_loses_no_call(fakes, router, http):
@@ -257,7 +270,9 @@ async def test_a_replica_that_never_answers_loses_no_call(fakes, router, http):
     for _ in range(4):
         async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
             assert r.status == 200 and await r.read() == b"".join(SSE_CHUNKS)
-    assert time.monotonic() - t0 < 6
+    # no call waited for the stuck replica's 30 s: each moved on after the 0.5 s first-byte
+    # timeout (a generous bound, for a loaded machine), and the retries say why
+    assert time.monotonic() - t0 < 20
     assert good.completed == 4 and len(stuck.seen) >= 1
     async with http.get(url + "/metrics") as r:
         assert 'kvroute_retries_total{reason="no_response"}' in await r.text()
@@ -288,7 +303,8 @@ async def test_a_frozen_replica_moves_a_non_streamed_call_once_then_504(fakes, r
         async with http.post(url + route, json={**plain, "max_tokens": 4}) as r:
             assert r.status == 504 and r.headers["Content-Type"].startswith("application/json")
             doc = is_json_error(await r.read(), anthropic=anthropic)
-        assert 0.5 < time.monotonic() - t0 < 3
+        # two 0.3 s waits, not one 30 s one (generous upper bound for a loaded machine)
+        assert 0.5 < time.monotonic() - t0 < 20
         assert doc["error"]["type"] == ("timeout_error" if anthropic else "timeout")
         assert sum(len(f.seen) for f in frozen) - before == 2
 
@@ -309,7 +325,7 @@ async def test_a_replica_frozen_mid_stream_ends_the_stream_with_an_sse_error(fak
     t0 = time.monotonic()
     async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
         got = await r.read()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 15  # cut after 0.3 s of silence, not at the 20 s chunk
     assert got.startswith(SSE_CHUNKS[0])
     tail = got[len(SSE_CHUNKS[0]) :]
     assert orjson.loads(tail.removeprefix(b"data: "))["error"]["type"] == "upstream_error"

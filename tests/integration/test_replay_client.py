@@ -58,12 +58,12 @@ async def test_only_a_stream_that_finished_counts_as_ok(body, ok, error):
 
 
 def _paced_server() -> web.Application:
-    """Streams 2 tokens 20 ms apart; a call asking for 7 tokens hangs for 2.5 s first."""
+    """Streams 2 tokens 20 ms apart; a call asking for 7 tokens hangs for 10 s first."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if body["vllm_xargs"]["kvroute_twin_output_tokens"] == 7:  # the recorded length
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(10.0)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for _ in range(2):
@@ -94,9 +94,9 @@ async def test_bounded_replay_marks_cut_sessions_and_honours_absolute_turn_times
         64,
         [
             Session("done", [call("done/0"), call("done/1", deps=(Dep("done/0"),))]),
-            # an absolute turn time (aiperf timestamp): 0.4 s after the session start
-            Session("abs", [call("abs/0"), call("abs/1", deps=(Dep("abs/0"),), not_before_s=0.4)]),
-            # the second call is due long after the 1 s bound: never starts
+            # an absolute turn time (aiperf timestamp): 1 s after the session start
+            Session("abs", [call("abs/0"), call("abs/1", deps=(Dep("abs/0"),), not_before_s=1.0)]),
+            # the second call is due long after the 2 s bound: never starts
             Session("gap", [call("gap/0"), call("gap/1", deps=(Dep("gap/0", 30.0),))]),
             # in flight at the bound, cancelled after the grace
             Session("hang", [call("hang/0", out=7)]),
@@ -109,7 +109,7 @@ async def test_bounded_replay_marks_cut_sessions_and_honours_absolute_turn_times
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
         builder = PromptBuilder(tinymodel.ensure(), block_size=32, trace_block_size=64)
-        cfg = ReplayConfig(target=url, model="m", concurrency=4, duration_s=1.0, grace_s=0.3,
+        cfg = ReplayConfig(target=url, model="m", concurrency=4, duration_s=2.0, grace_s=0.3,
                            max_plays=4, convention="none", progress=False)  # fmt: skip
         summary = await replay(trace, builder, cfg, tmp_path)
     finally:
@@ -119,11 +119,14 @@ async def test_bounded_replay_marks_cut_sessions_and_honours_absolute_turn_times
     assert plays["gap"].cut and plays["hang"].cut
     assert not plays["done"].cut and not plays["abs"].cut
     calls = {c.call: c for c in read_jsonl(tmp_path / "calls.jsonl", CallRecord)}
-    assert calls["abs/1"].t_start >= plays["abs"].t_start + 0.4
-    assert calls["abs/0"].t_end < plays["abs"].t_start + 0.3  # the wait was the turn time's
+    assert calls["abs/1"].t_start >= plays["abs"].t_start + 1.0
+    # the wait was the turn time's: abs/0 (~40 ms) ended long before it (bounds with room for
+    # a loaded machine, far from the 1 s turn time and the 2 s bound)
+    assert calls["abs/0"].t_end < plays["abs"].t_start + 0.8
     assert "gap/1" not in calls and calls["hang/0"].error.startswith("cancelled")
     assert summary["sessions_completed"] == 2 and summary["sessions_unfinished"] == 2
     assert summary["sessions_failed"] == 0 and summary["requests_cancelled"] == 1
-    # the unfinished plays ran from their start until the bound (+ grace) stopped them
-    assert 0.9 < summary["session_unfinished_elapsed_max_s"] < 2.0
+    # the unfinished plays ran from their start until the bound (+ grace) stopped them: not
+    # before the 2 s bound, and long before the hanging call's 10 s would have ended them
+    assert 1.9 < summary["session_unfinished_elapsed_max_s"] < 8.0
     assert summary["session_completion_p90_lower_bound_s"] > summary["session_completion_p90_s"]

@@ -101,10 +101,12 @@ async def until(pred, sub: KVEventSubscriber, limit_s: float = 5.0):
 
 
 async def test_dead_replay_of_one_replica_does_not_stall_another(zctx):
-    """A's replay endpoint never answers (1 s timeout): B's batches are applied at once, A's
-    later batches wait and are applied in order after the replay has failed."""
+    """A's replay endpoint never answers (2 s timeout): B's batches are applied at once, A's
+    later batches wait and are applied in order after the replay has failed. Whether a step
+    waited for the replay is read from the replay still pending after it, not from the clock
+    (2 s: room for a loaded machine to run the steps before the replay fails)."""
     ix = BlockIndex()
-    timeout_s = 1.0
+    timeout_s = 2.0
     sub = KVEventSubscriber(ix, replay_timeout_s=timeout_s, ctx=zctx)
     silent = zctx.socket(zmq.ROUTER)  # swallows every request
     silent.setsockopt(zmq.LINGER, 0)
@@ -114,8 +116,8 @@ async def test_dead_replay_of_one_replica_does_not_stall_another(zctx):
     await sub.handle(msg("a", 0, stored(1)))
     t0 = time.monotonic()
     await sub.handle(msg("a", 2, stored(3)))  # seq 1 lost: gap, replay asked for
-    assert time.monotonic() - t0 < timeout_s / 2, "handle() waited for the replay"
-    assert ix.state("a").stale and sub.resyncing("a")
+    # handle() did not wait for the replay: it is still pending
+    assert ix.state("a").stale and sub.resyncing("a"), "handle() waited for the replay"
     # A's later batches are held back, in order: store 5 then remove it
     await sub.handle(msg("a", 3, stored(5)))
     await sub.handle(msg("a", 4, removed(5), stored(6)))
@@ -126,7 +128,6 @@ async def test_dead_replay_of_one_replica_does_not_stall_another(zctx):
     await sub.handle(msg("b", 1, stored(12)))
     assert ix.holds("b", 10) and ix.holds("b", 12)
     assert sub.resyncing("a"), "A's replay should still be pending"
-    assert time.monotonic() - t0 < timeout_s
     assert not ix.state("b").stale
 
     await until(lambda: not sub.resyncing("a"), sub)
@@ -220,7 +221,8 @@ async def test_close_and_removal_cancel_replays_in_flight(zctx):
     assert "a" not in ix.replicas() and ra.asked == [0]
     t0 = time.monotonic()
     await sub.close()
-    assert time.monotonic() - t0 < 1.0 and task_b.cancelled() and dealer_b.closed
+    # cancelled, not waited for (its 30 s timeout; the bound has room for a loaded machine)
+    assert time.monotonic() - t0 < 10.0 and task_b.cancelled() and dealer_b.closed
     rb.release.set()  # b's answer after close() applies nothing either
     await asyncio.sleep(0.1)
     assert not ix.snapshot()["b"]["GPU"]  # neither the replay nor the batch held for it
