@@ -7,9 +7,9 @@ Replays the same weka-dev Claude Code sessions through
     with its defaults), run in the Dynamo venv by subprocess (the main venv has no dynamo), its
     engine set from the twin's profile as far as its knobs go: ``block_size``,
     ``num_gpu_blocks`` (the profile's HBM pool per replica), ``max_num_seqs``,
-    ``max_num_batched_tokens``, one worker per replica; its timing model is its built-in
-    ``polynomial`` (the wheel has no ``aisimulate`` perf database, so no per-GPU model can be
-    named: the figures are the mocker's own physics, not H200 ones);
+    ``max_num_batched_tokens``, ``max_model_len``, one worker per replica; its timing model
+    is its built-in ``polynomial`` (the wheel has no ``aisimulate`` perf database, so no
+    per-GPU model can be named: the figures are the mocker's own physics, not H200 ones);
 (b) the project's simulator (``loadtest.sim.trace.simulate_trace``: the twin's engine model)
     with the same profile and replicas and kvroute's ``kv_cost``, closer to Dynamo's KV router
     (prefix overlap against load) than any other policy here.
@@ -96,6 +96,8 @@ def mocker_engine_args(profile: Any) -> dict[str, Any]:
             "num_gpu_blocks": int(profile.gpu_kv_blocks),
             "max_num_seqs": int(profile.max_num_seqs),
             "max_num_batched_tokens": int(profile.max_num_batched_tokens),
+            # the twin refuses a call whose prompt + output exceeds it (165 weka-dev calls)
+            "max_model_len": int(profile.model.max_model_len),
             "enable_prefix_caching": True,
             "enable_chunked_prefill": True,
         }

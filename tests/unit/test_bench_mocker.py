@@ -75,6 +75,7 @@ def test_engine_args_carry_the_profile_figures() -> None:
     assert eng["num_gpu_blocks"] == prof.gpu_kv_blocks
     assert eng["max_num_seqs"] == prof.max_num_seqs
     assert eng["max_num_batched_tokens"] == prof.max_num_batched_tokens
+    assert eng["max_model_len"] == prof.model.max_model_len
 
 
 def test_prepare_widens_each_files_models_to_what_its_requests_use(tmp_path: Path) -> None:
