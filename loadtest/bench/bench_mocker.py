@@ -81,6 +81,24 @@ json.dump({"summary": summ, "per_request": per, "wall_s": time.perf_counter() - 
 """
 
 
+# Runs inside the Dynamo venv: the mocker's timing model alone, one worker, ``b`` requests of
+# ``isl`` prompt tokens (no cache) arriving at once, 1025 output tokens: median TTFT and ITL (ms)
+PROBE_SCRIPT = r"""
+import json, sys
+from dynamo._core import run_mocker_synthetic_trace_replay as replay
+a = json.load(open(sys.argv[1]))
+out = []
+for isl, b in a["points"]:
+    s = replay(isl, 1025, b, extra_engine_args=a["engine"], num_workers=1,
+               arrival_interval_ms=0.0).summary
+    out.append({"isl": isl, "batch": b, "ttft_ms": s["median_ttft_ms"],
+                "itl_ms": s["median_itl_ms"]})
+json.dump(out, open(sys.argv[2], "w"))
+"""
+PROBE_POINTS = ((1024, 1), (8192, 1), (32768, 1), (131072, 1), (8192, 16), (8192, 64),
+                (32768, 16), (32768, 64))  # fmt: skip
+
+
 def dynamo_python(venv: Path = DYNAMO_VENV) -> Path | None:
     """The Dynamo venv's interpreter, or None where it is not installed."""
     py = venv / "bin" / "python"
@@ -237,22 +255,53 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def run_mocker(trace_dir: Path, engine: dict[str, Any], workers: int, lanes: int,
-               py: Path, timeout_s: float = 540.0) -> dict[str, Any]:  # fmt: skip
-    """Dynamo's mocker over ``trace_dir`` in the Dynamo venv; its parsed output."""
+def _in_dynamo(script: str, args: dict[str, Any], py: Path, timeout_s: float) -> Any:
     with tempfile.TemporaryDirectory() as td:
-        args, out = Path(td) / "args.json", Path(td) / "out.json"
-        args.write_text(json.dumps({
-            "trace_dir": str(trace_dir), "engine": engine, "workers": workers,
-            "lanes": lanes, "model": MOCKER_MODEL,
-        }))  # fmt: skip
+        a, out = Path(td) / "args.json", Path(td) / "out.json"
+        a.write_text(json.dumps(args))
         proc = subprocess.run(
-            [str(py), "-c", MOCKER_SCRIPT, str(args), str(out)],
+            [str(py), "-c", script, str(a), str(out)],
             capture_output=True, text=True, timeout=timeout_s, check=False,
         )  # fmt: skip
         if proc.returncode != 0:
             raise RuntimeError(f"mocker failed ({proc.returncode}): {proc.stderr[-2000:]}")
         return json.loads(out.read_text())
+
+
+def timing_probe(profile: Any, py: Path) -> list[dict[str, Any]]:
+    """The two timing models on the same points: the mocker's median TTFT (one request: its
+    prefill; a batch: the batch's prefills queue) and median ITL, beside the twin's
+    ``costmodel.steptime`` request prefill time and decode step at the batch's mean context
+    (prompt + half the output)."""
+    from costmodel import steptime
+
+    got = _in_dynamo(PROBE_SCRIPT, {"engine": mocker_engine_args(profile),
+                                    "points": PROBE_POINTS}, py, 300.0)  # fmt: skip
+    for g in got:
+        isl, b = g["isl"], g["batch"]
+        g["twin_prefill_ms"] = 1000 * steptime.request_prefill_time(profile, isl, 0)
+        g["twin_decode_step_ms"] = 1000 * steptime.decode_step_time(profile, b, b * (isl + 512))
+    return got
+
+
+def run_mocker(trace_dir: Path, engine: dict[str, Any], workers: int, lanes: int,
+               py: Path, timeout_s: float = 540.0) -> dict[str, Any]:  # fmt: skip
+    """Dynamo's mocker over ``trace_dir`` in the Dynamo venv; its parsed output."""
+    args = {"trace_dir": str(trace_dir), "engine": engine, "workers": workers,
+            "lanes": lanes, "model": MOCKER_MODEL}  # fmt: skip
+    return _in_dynamo(MOCKER_SCRIPT, args, py, timeout_s)
+
+
+def hit_decomposition(trace_dir: Path, engine: dict[str, Any], py: Path) -> dict[str, float]:
+    """The mocker's hit ratio with KV made unlimited (4M blocks): on one worker (its own
+    trace bound: no routing, no eviction) and on ``REPLICAS`` workers behind its KV router (the
+    routing loss alone); the main run's is the routing and eviction loss together."""
+    big = {"engine": {**engine["engine"], "num_gpu_blocks": 4_000_000}}
+    out = {}
+    for name, workers in (("one_worker_unlimited_kv", 1), ("kv_router_unlimited_kv", REPLICAS)):
+        calls, _ = mocker_calls(run_mocker(trace_dir, big, workers, LANES, py)["per_request"])
+        out[name] = summarize(calls, 1.0, 1)["hit_ratio"]
+    return out
 
 
 def run_twin(trace_dir: Path, sessions: int, seed: int) -> tuple[dict[str, Any], float]:
@@ -296,6 +345,14 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         m_wall = time.perf_counter() - t0
         m_calls, m_span = mocker_calls(mo["per_request"])
         mock = summarize(m_calls, m_span, REPLICAS * prof.gpus)
+        extra: dict[str, Any] = {}
+        from loadtest.bench.bench_kv_policy import trace_bound
+        from loadtest.traces import load_trace
+
+        extra["twin_hit_bound"] = trace_bound(load_trace(tdir, max_gap_s=math.inf), prof.block_size)
+        if not quick:
+            extra["mocker_hit_decomposition"] = hit_decomposition(tdir, engine, py)
+            extra["timing_probe"] = timing_probe(prof, py)
         twins, walls = [], []
         for s in SEEDS[:1] if quick else SEEDS:
             tw, w = run_twin(tdir, len(names), s)
@@ -310,6 +367,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                    "summary_hit": mo["summary"].get("prefix_cache_reused_ratio"),
                    "summary_duration_s": (mo["summary"].get("duration_ms") or 0) / 1000},
         "twin_seeds": list(SEEDS[:1] if quick else SEEDS), "twin": twins, "twin_wall_s": walls,
+        **extra,
     }  # fmt: skip
     return [head, *({"name": f"mocker_vs_twin:{r['metric']}", **r} for r in rows)]
 
