@@ -52,16 +52,16 @@ def test_side_by_side_reports_the_twin_spread_and_ratio() -> None:
         ]  # fmt: skip
         return bm.summarize(calls, 10.0, 1)
 
-    mocker = side([1.0] * 4, 50)
+    mockers = [side([1.0] * 4, 50), side([0.5] * 4, 40)]
     twins = [side([2.0] * 4, 80), side([3.0] * 4, 90), side([4.0] * 4, 70)]
-    rows = {r["metric"]: r for r in bm.side_by_side(mocker, twins)}
-    assert rows["hit_ratio"]["mocker"] == pytest.approx(0.5)
+    rows = {r["metric"]: r for r in bm.side_by_side(mockers, twins)}
+    assert rows["hit_ratio"]["mocker"] == {"min": 0.4, "median": 0.45, "max": 0.5}
     assert rows["hit_ratio"]["twin"] == {"min": 0.7, "median": 0.8, "max": 0.9}
     assert rows["ttft_p50_s"]["twin"]["median"] == pytest.approx(3.0)
-    assert rows["ttft_p50_s"]["twin_over_mocker"] == pytest.approx(3.0)
+    assert rows["ttft_p50_s"]["twin_over_mocker"] == pytest.approx(3.0 / 0.75)
     assert set(rows) >= {"ttft_p10_s", "ttft_p99_s", "tpot_p90_s", "out_tok_per_gpu_s"}
     text = bm.table(list(rows.values()))
-    assert "| ttft_p50_s | 1 | 3 [2–4] | 3 |" in text
+    assert "| ttft_p50_s | 0.75 [0.5–1] | 3 [2–4] | 4 |" in text
 
 
 def test_quantiles_of_nothing_are_nan() -> None:
