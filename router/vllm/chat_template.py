@@ -165,7 +165,30 @@ def normalize_messages(
             else:
                 msg["role"] = "system"
         conv.append(msg)
+    if not developer_ok and any(m.get("role") == "developer" for m in messages):
+        return _consolidate_system_messages(conv)
     return conv
+
+
+def _consolidate_system_messages(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's ``_consolidate_system_messages`` (``vllm/renderers/hf.py``), applied after a
+    ``developer`` message became ``system`` for a template without that role: all system
+    messages' text (parts joined by ``\n``) merged into one string message at position 0,
+    joined by a blank line — when one is not first or there are several."""
+    texts: list[str] = []
+    rest: list[dict[str, Any]] = []
+    merge = False
+    for i, m in enumerate(conv):
+        if m["role"] != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        c = m.get("content", "")
+        if isinstance(c, list):
+            c = "\n".join(p["text"] for p in c)  # normalized: text parts only
+        if c:
+            texts.append(c)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else conv
 
 
 def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -356,7 +379,7 @@ def _anthropic_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     """``tools`` as OpenAI function tools after the messages' ``tool_addition`` /
     ``tool_removal`` blocks (vLLM's ``_resolve_tools`` + ``_convert_tools``)."""
     tools = body.get("tools")
-    if tools is None:
+    if not isinstance(tools, list):
         return None
     by_name = {t["name"]: dict(t) for t in tools if isinstance(t, Mapping) and "name" in t}
     removed: set[str] = set()
@@ -505,6 +528,19 @@ def _responses_tools(tools: Any) -> list[dict[str, Any]] | None:
     ]
 
 
+def _chat_parts(content: Any) -> Any:
+    """Responses ``input_text`` / ``output_text`` parts as chat ``text`` parts: vLLM's chat
+    parser reads them alike, and a chat request (``/tokenize``) accepts only the latter."""
+    if not isinstance(content, list):
+        return content
+    return [
+        {"type": "text", "text": p.get("text", "")}
+        if isinstance(p, Mapping) and p.get("type") in ("input_text", "output_text")
+        else p
+        for p in content
+    ]
+
+
 def _responses_item(item: Any, prev: dict[str, Any] | None) -> dict[str, Any] | None:
     """vLLM's ``_construct_message_from_response_item``: a new chat message, or ``None`` when
     the item was folded into ``prev`` (an assistant message: consecutive function calls,
@@ -535,7 +571,8 @@ def _responses_item(item: Any, prev: dict[str, Any] | None) -> dict[str, Any] | 
             return None
         return {"role": "assistant", "reasoning": reasoning}
     if kind in ("function_call_output", "custom_tool_call_output"):
-        return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
+        out = _chat_parts(item.get("output"))
+        return {"role": "tool", "content": out, "tool_call_id": item.get("call_id")}
     if item.get("role") == "assistant":  # an output message or an assistant input message
         content = item.get("content")
         text = content if isinstance(content, str) else None
@@ -547,7 +584,8 @@ def _responses_item(item: Any, prev: dict[str, Any] | None) -> dict[str, Any] | 
                 return None
             return {"role": "assistant", "content": text}
     if "role" in item:
-        return {k: v for k, v in item.items() if k not in ("type", "status", "id")}
+        msg = {k: v for k, v in item.items() if k not in ("type", "status", "id")}
+        return {**msg, "content": _chat_parts(item.get("content"))}
     raise ChatTemplateError(f"Unsupported input item type: {kind}")
 
 
@@ -557,7 +595,8 @@ def responses_chat_request(body: Mapping[str, Any]) -> tuple[dict[str, Any], boo
     ``vllm/entrypoints/openai/responses/utils.py`` ``construct_input_messages`` and
     ``construct_tool_dicts``), and whether that is approximate: ``instructions`` as the system
     message, a string ``input`` as one user message, input items through
-    :func:`_responses_item`, function tools (:func:`_responses_tools`), ``reasoning.effort``.
+    :func:`_responses_item`, function tools (:func:`_responses_tools`), ``reasoning.effort``;
+    tokenized with ``add_special_tokens`` (unlike chat completions).
     Approximate when the body has a ``previous_response_id``: vLLM prepends that stored
     response's conversation (with ``VLLM_ENABLE_RESPONSES_API_STORE``), which the router
     cannot see. Harmony models (gpt-oss) render Responses differently and are not modelled."""
@@ -576,7 +615,11 @@ def responses_chat_request(body: Mapping[str, Any]) -> tuple[dict[str, Any], boo
         raise ChatTemplateError("input must be a string or a list of items")
     reasoning = body.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
-    req: dict[str, Any] = {"messages": msgs, "add_generation_prompt": True}
+    # vLLM tokenizes a Responses prompt with the tokenizer's special tokens (``TokenizeParams``'
+    # default; ``ResponsesRequest.build_tok_params`` leaves it): a BOS-adding tokenizer puts a
+    # second BOS before the template's
+    req: dict[str, Any] = {"messages": msgs, "add_generation_prompt": True,
+                           "add_special_tokens": True}  # fmt: skip
     kwargs = _reasoning_kwargs(effort, body.get("chat_template_kwargs"))
     if kwargs:
         req["chat_template_kwargs"] = kwargs

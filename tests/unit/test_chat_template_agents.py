@@ -42,7 +42,8 @@ def echo(tiny: ModelTokenizer, template: str = ECHO) -> ModelTokenizer:
 
 def seen(tok: ModelTokenizer, route: str, body: dict) -> dict:
     p = request_prompt(tok, route, body)
-    assert p is not None and not p.add_special_tokens
+    # vLLM tokenizes Responses prompts with special tokens, chat and Anthropic ones without
+    assert p is not None and p.add_special_tokens == (route == "/v1/responses")
     return json.loads(p.text)
 
 
@@ -211,8 +212,9 @@ def test_codex_body_renders_as_vllm_converts_it(tiny):
     on this body (run once in the vLLM venv)."""
     got = seen(echo(tiny), "/v1/responses", CODEX)
     assert got["m"] == [
-        {"role": "system", "content": "You are Codex."},
-        {"role": "system", "content": "<permissions>"},  # no developer role in the template
+        # no developer role in the template: vLLM makes it system and merges the system
+        # messages into the first (vllm/renderers/hf.py _consolidate_system_messages)
+        {"role": "system", "content": "You are Codex.\n\n<permissions>"},
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "", "reasoning": "plan", "reasoning_content": "plan",
          "tool_calls": [call("c1", "shell", {"command": ["ls"]}),
@@ -241,6 +243,17 @@ def test_responses_previous_response_id_is_approximate_and_bad_items_fail(tiny):
         chat_request(tiny, "/v1/responses", {"input": [item]})
 
 
+def test_developer_message_is_merged_into_the_system_message_on_chat_too(tiny):
+    """vLLM's consolidation applies to chat completions as well (it happens in rendering)."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    msgs = [{"role": "system", "content": parts}, {"role": "user", "content": "u"},
+            {"role": "developer", "content": "d"}]  # fmt: skip
+    text = tiny.render(msgs)
+    assert "<|start_header_id|>system<|end_header_id|>a\nb\n\nd<|eot_id|>" in text
+    assert text.count("<|start_header_id|>system") == 1
+    assert tiny.render(msgs[:2]).count("<|start_header_id|>system") == 1
+
+
 def test_tokenize_request_sends_the_converted_chat_body():
     body = tokenize_request("/v1/messages", {**CLAUDE_CODE, "model": "tiny"})
     assert body["model"] == "tiny" and body["add_generation_prompt"] is True
@@ -249,4 +262,5 @@ def test_tokenize_request_sends_the_converted_chat_body():
                                                      "tool", "user"]  # fmt: skip
     body = tokenize_request("/v1/responses", {**CODEX, "model": "tiny"})
     assert body["chat_template_kwargs"] == {"reasoning_effort": "medium", "enable_thinking": True}
+    assert body["add_special_tokens"] is True
     assert tokenize_request("/v1/responses", {"input": [{"type": "bogus"}]}) is None

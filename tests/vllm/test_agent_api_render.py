@@ -42,6 +42,7 @@ def codex() -> dict:
     body["tools"][0]["description"] = unique_text(150, seed=42)
     body["input"][5]["output"] = unique_text(80, seed=43)
     del body["reasoning"]  # the tiny model has no reasoning parser
+    body["tools"] = [t for t in body["tools"] if t["type"] != "namespace"]  # vLLM 0.32: a 400
     return body
 
 
