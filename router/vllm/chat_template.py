@@ -433,11 +433,22 @@ def _renders(tokenizer: Any, messages: list[dict[str, Any]], **kw: Any) -> str |
         return None
 
 
+_PROBED: dict[tuple[str, str | None], Any] = {}  # (probe, template source) → its answer
+
+
+def _probed(name: str, tokenizer: Any, probe: Any) -> Any:
+    """A template probe's answer, once per template (vLLM probes once per server)."""
+    key = (name, getattr(tokenizer, "chat_template", None))
+    if key not in _PROBED:
+        _PROBED[key] = probe(tokenizer)
+    return _PROBED[key]
+
+
 def merges_inline_system(tokenizer: Any) -> bool:
     """Whether vLLM merges a ``/v1/messages`` request's inline system messages into the leading
     one: when the template rejects a non-leading system message
     (``AnthropicServingMessages._detect_merge_inline_system``)."""
-    return _renders(tokenizer, _INLINE_SYSTEM_PROBE) is None
+    return _probed("merge", tokenizer, lambda t: _renders(t, _INLINE_SYSTEM_PROBE) is None)
 
 
 def disabled_thinking_effort(tokenizer: Any) -> str:
@@ -449,10 +460,13 @@ def disabled_thinking_effort(tokenizer: Any) -> str:
         kw = _reasoning_kwargs(e, None)
         return _renders(tokenizer, _REASONING_PROBE, chat_template_kwargs=kw)
 
-    none = probe("none")
-    if none is None or any(probe(e) == none for e in ANTHROPIC_EFFORTS):
-        return "low"
-    return "none"
+    def effort(_: Any) -> str:
+        none = probe("none")
+        if none is None or any(probe(e) == none for e in ANTHROPIC_EFFORTS):
+            return "low"
+        return "none"
+
+    return _probed("effort", tokenizer, effort)
 
 
 def anthropic_chat_request(
