@@ -4,9 +4,11 @@ Owns: compiling a model's chat template as transformers compiles it for vLLM (sa
 environment, ``raise_exception``, ``tojson``, ``strftime_now``, the ``{% generation %}`` tag),
 detecting the template's content format (string or OpenAI parts), normalizing chat messages
 and tools as vLLM 0.32 does before it renders them, and :func:`request_prompt`: the prompt text
-and special-token flag vLLM builds from a request body on each route — shared by the router's
-KV layer and the replica twin, so both render exactly what a replica would. Checked against
-real vLLM's ``/tokenize`` in the vllm tier. Must not import transformers, torch or vllm.
+and special-token flag vLLM builds from a request body on each route (``/v1/messages`` and
+``/v1/responses`` first converted to the chat request vLLM's Anthropic and Responses adapters
+build: :func:`chat_request`) — shared by the router's KV layer and the replica twin, so both
+render exactly what a replica would. Checked against real vLLM's ``/tokenize`` and agent-API
+usage in the vllm tier. Must not import transformers, torch or vllm (ported by hand).
 """
 
 from __future__ import annotations
