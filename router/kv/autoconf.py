@@ -151,20 +151,22 @@ def find_tokenizer(
 def tokenize_request(route: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
     """The body of a vLLM ``POST /tokenize`` that gives the token ids a call on ``route``
     prompts (chat fields as vLLM takes them; ``/v1/messages`` and ``/v1/responses`` as the chat
-    messages :mod:`router.vllm.chat_template` renders them from, approximate as there), or
-    None (token-id prompts)."""
-    from router.vllm.chat_template import anthropic_as_chat, responses_as_chat
+    body vLLM converts them to, :func:`router.vllm.chat_template.chat_request` — without a
+    local template, inline Anthropic system messages are sent unmerged and ``thinking:
+    disabled`` as ``reasoning_effort: none``), or None (token-id prompts)."""
+    from router.vllm.chat_template import ChatTemplateError, chat_request
 
     model = body.get("model")
     out: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
-    if route in ("/v1/messages", "/v1/messages/count_tokens"):
-        return {**out, "messages": anthropic_as_chat(body), "add_generation_prompt": True}
-    if route == "/v1/responses":
-        return {**out, "messages": responses_as_chat(body), "add_generation_prompt": True}
+    if route in ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses"):
+        try:
+            body = chat_request(None, route, body)[0]
+        except ChatTemplateError:
+            return None  # an input vLLM rejects too
     if isinstance(body.get("messages"), list):
         out["messages"] = body["messages"]
         for k in ("tools", "add_generation_prompt", "continue_final_message",
-                  "chat_template_kwargs", "add_special_tokens"):  # fmt: skip
+                  "chat_template_kwargs", "reasoning_effort", "add_special_tokens"):  # fmt: skip
             if body.get(k) is not None:
                 out[k] = body[k]
         return out
