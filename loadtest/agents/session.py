@@ -109,6 +109,21 @@ class SessionReport:
                     if c.request_id in self.decisions}  # fmt: skip
         return set(self.metrics["by_replica"])
 
+    def replicas_by_conversation(self) -> dict[str, set[str]]:
+        """The replicas each of kvroute's conversations landed on, by its session key in the
+        decision log: the agent's own conversation, and one per subagent it spawned (Claude
+        Code's Task / Explore agents: kvroute keys a subagent ``<session>#<head>`` and
+        places it by its own prefix, which is not its parent's). Without a decision log: the
+        whole session as one."""
+        if not self.decisions:
+            return {"": self.replicas()}
+        out: dict[str, set[str]] = {}
+        for c in self.inference:
+            d = self.decisions.get(c.request_id or "")
+            if d:
+                out.setdefault(str(d.get("session")), set()).add(str(d["winner"]))
+        return out
+
     def moves(self) -> list[tuple[str, str, str]]:
         """The session's moves in kvroute's decision log: (from, to, reason) per call that
         left the replica holding the session."""
@@ -147,10 +162,11 @@ class SessionReport:
         heads = {c.headers.get(h) for c in calls for h in SESSION_HEADERS[:4] if h in c.headers}
         if len(heads) != 1:
             bad.append(f"the calls carry {len(heads)} session ids: {heads}")
-        reps = self.replicas()
         justified = cost_moves and self.moves() and all(r == "cost" for *_, r in self.moves())
-        if len(reps) != 1 and not justified:
-            bad.append(f"the session's calls landed on {len(reps)} replicas: {sorted(reps)}")
+        for conv, reps in self.replicas_by_conversation().items():
+            if len(reps) != 1 and not justified:
+                bad.append(f"the calls of conversation {conv!r} landed on {len(reps)} "
+                           f"replicas: {sorted(reps)}")  # fmt: skip
         n_ok = sum(1 for c in calls if c.status == 200)
         counted = sum(self.metrics["by_replica"].values())
         if counted != n_ok:

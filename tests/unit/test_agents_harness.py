@@ -162,3 +162,24 @@ def test_a_move_passes_the_demo_only_when_the_policy_cost_decided_it():
         "2 replicas" in p
         for p in _report(calls, text, churn).problems(expect_turns=2, cost_moves=True)
     )
+
+
+def test_a_subagent_may_run_elsewhere_but_each_conversation_stays_on_one_replica():
+    u = {"prompt": 150, "cached": 48, "output": 5}
+    calls = [_call("/v1/messages", u, i) for i in "abc"]
+    text = METRICS.replace('replica="r0",route="/v1/messages",status="200"} 2.0',
+                           'replica="r0",route="/v1/messages",status="200"} 2.0\n'
+                           'kvroute_requests_total{replica="r1",route="/v1/messages",'
+                           'status="200"} 1.0')  # fmt: skip
+    text = text.replace('source="claude-code"} 2.0', 'source="claude-code"} 3.0')
+    text = text.replace("300.0", "450.0").replace("96.0", "144.0")
+    # the parent on r0; its subagent (kvroute's "<session>#<head>" key) on r1
+    sub = {"a": {"winner": "r0", "session": "s"}, "b": {"winner": "r1", "session": "s#h"},
+           "c": {"winner": "r0", "session": "s"}}  # fmt: skip
+    r = _report(calls, text, sub)
+    assert r.replicas_by_conversation() == {"s": {"r0"}, "s#h": {"r1"}}
+    assert not [p for p in r.problems(expect_turns=2) if "replicas" in p]
+    # the parent split over two replicas is still a problem
+    split = {**sub, "c": {"winner": "r1", "session": "s"}}
+    assert any("conversation 's' landed on 2 replicas" in p
+               for p in _report(calls, text, split).problems(expect_turns=2))  # fmt: skip
