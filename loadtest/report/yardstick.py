@@ -40,7 +40,8 @@ def load_runs(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
         res = json.loads(f.read_text())
         truth = res.get("config", {}).get("truth") or "nominal"
         by_truth.setdefault(truth, []).extend(res.get("points", []))
-    return by_truth
+    # the nominal truth first, then the perturbed ones by name
+    return dict(sorted(by_truth.items(), key=lambda kv: (kv[0] != "nominal", kv[0])))
 
 
 def _used(p: dict[str, Any]) -> bool:
