@@ -50,8 +50,9 @@ def test_demo_agent_leg_prints_every_call(agent_bin: Path, tmp_path: Path, capsy
     print_agent_table(report, 10.0, names)
     out = capsys.readouterr().out
     assert not report.problems(expect_turns=len(TASK)), report.problems(expect_turns=3)
-    (replica,) = report.replicas()
     assert len(report.rows()) == len(report.inference) >= len(TASK)
-    assert out.count(f"│ {names[replica]} ") == len(report.inference)  # one row per call
+    # one row per call, naming its replica (a subagent Claude spawns may run on another one)
+    rows = sum(out.count(f"│ {names[r]} ") for r in report.replicas())
+    assert rows == len(report.inference)
     assert out.count("completed") == len(TASK)
     assert "kvroute's token counts equal what the agent was told" in out
