@@ -47,6 +47,7 @@ KV_BYTES = 16 << 20  # 8192 tokens = 256 blocks of 32 with the tiny fp32 model
 ROOT = Path(__file__).resolve().parents[2]
 BATCH_REPLICAS = 4  # replicas started together (~2 GB of memory each while they run)
 LIVE_REPLICAS = 6  # ... and alive at once
+LEAK_GRACE_S = 15.0  # how long a stopped bed's processes may take to be gone
 
 # test_engine_plugin's cadence: held prefill, bounded per request
 CADENCE = presets.CadenceOptions(interval=4, max_defer_steps=6, max_defer_ms=2000.0,
@@ -314,7 +315,13 @@ class BedPool:
             return
         self.done.add(key)
         b.bed.stop()
+        # a group member SIGKILLed by stop() can still be exiting when /proc is read (seen on
+        # a loaded machine): a leak is a process still there after LEAK_GRACE_S
         left = processes_with_marker(b.bed.bed_id)
+        deadline = time.monotonic() + LEAK_GRACE_S
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = processes_with_marker(b.bed.bed_id)
         if left:
             self.leaks[key] = left
 
