@@ -25,6 +25,7 @@ from importlib import resources
 from typing import Any
 
 from loadtest import tinymodel
+from loadtest.bench.looplag import LoopLag
 from router.kv.config import KVConfig
 from router.kv.state import KVState
 from router.scheduling import RequestContext
@@ -56,16 +57,6 @@ def _ctx(i: int, text: str) -> RequestContext:
 
 
 async def _replay(st: KVState, texts: list[str], off_loop: bool, gap_s: float) -> dict[str, Any]:
-    lateness: list[float] = []
-    stop = False
-
-    async def tick() -> None:
-        last = time.perf_counter()
-        while not stop:
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            lateness.append(max(0.0, now - last - 0.001))
-            last = now
 
     waits: list[float] = []
     keyed = 0
@@ -94,7 +85,8 @@ async def _replay(st: KVState, texts: list[str], off_loop: bool, gap_s: float) -
             if st.tokens is None or st.tokens.knows("t/mc-1"):
                 break
             await asyncio.sleep(0.01)
-    ticker = asyncio.create_task(tick())
+    lag = LoopLag()
+    lag.start()
     tasks = []
     t0 = time.perf_counter()
     for i, text in enumerate(texts):
@@ -102,8 +94,8 @@ async def _replay(st: KVState, texts: list[str], off_loop: bool, gap_s: float) -
         await asyncio.sleep(gap_s)
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
-    stop = True
-    await ticker
+    await lag.stop()
+    lateness = lag.lateness
     return {
         "path": "off the loop" if off_loop else "on the loop",
         "gap_s": gap_s,

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.bench.looplag import LoopLag
 from router.kv.config import KVConfig
 from router.kv.index import BlockIndex
 from router.kv.sessions import ReplicaStat, SessionFootprint
@@ -254,23 +255,14 @@ def bench_cold(st: KVState, reps: int) -> list[dict[str, Any]]:
 
 
 async def _cold_on_loop(st: KVState, text: str, reps: int) -> list[dict[str, Any]]:
-    lateness: list[float] = []
-    stop = False
-
-    async def tick() -> None:
-        last = time.perf_counter()
-        while not stop:
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            lateness.append(max(0.0, now - last - 0.001))
-            last = now
 
     # start the analysis lane (and its worker process) before measuring
     warm = st.analyze(_cold_ctx(-1, "warm " * 30_000))
     if warm is not None:
         await warm
     await asyncio.sleep(0.5)
-    ticker = asyncio.create_task(tick())
+    lag = LoopLag()
+    lag.start()
     done_s: list[float] = []
     loop_cpu: list[float] = []
     assert st.tokens is not None
@@ -286,8 +278,8 @@ async def _cold_on_loop(st: KVState, text: str, reps: int) -> list[dict[str, Any
             await asyncio.sleep(0.005)
         done_s.append(time.perf_counter() - t0)
         await asyncio.sleep(0.2)
-    stop = True
-    await ticker
+    await lag.stop()
+    lateness = lag.lateness
     await st.close()
     return [
         {

@@ -160,9 +160,12 @@ def tokenize_request(route: str, body: Mapping[str, Any]) -> dict[str, Any] | No
     out: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
     if route in ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses"):
         try:
-            body = chat_request(None, route, body)[0]
+            converted = chat_request(None, route, body)
         except ChatTemplateError:
             return None  # an input vLLM rejects too
+        if converted is None:
+            return None
+        body = converted[0]
     if isinstance(body.get("messages"), list):
         out["messages"] = body["messages"]
         for k in ("tools", "add_generation_prompt", "continue_final_message",

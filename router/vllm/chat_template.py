@@ -389,7 +389,8 @@ def _anthropic_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         for b in _blocks(m.get("content") if isinstance(m, Mapping) else None):
             if b.get("type") not in ("tool_addition", "tool_removal"):
                 continue
-            change = b.get("tool") if isinstance(b.get("tool"), Mapping) else {}
+            tool = b.get("tool")
+            change: Mapping[str, Any] = tool if isinstance(tool, Mapping) else {}
             if isinstance(change.get("definition"), Mapping):
                 name = change["definition"].get("name")
                 by_name[name] = dict(change["definition"])
