@@ -1,7 +1,7 @@
-"""Discovery: which replicas exist — DNS names (one replica per address) and Kubernetes
+"""Replica discovery: which replicas exist — DNS names (one replica per address) and Kubernetes
 EndpointSlices (list, then watch from the list's resourceVersion).
 
-Owns: :class:`Discovery` (the DNS and EndpointSlice loops, writing the ``dns:<i>`` and
+Owns: :class:`ReplicaDiscovery` (the DNS and EndpointSlice loops, writing the ``dns:<i>`` and
 ``k8s`` sources of a :class:`router.replicas.ReplicaSet`), :func:`endpoints_from_slices` (ready
 endpoint URLs from an EndpointSlice list) and :func:`diff`. With ``k8s_service`` set, the
 DNS names are its fallback, resolved only while the watch is not live. Must not import
@@ -90,7 +90,7 @@ def diff(old: set[str], new: set[str]) -> tuple[set[str], set[str]]:
     return new - old, old - new
 
 
-class Discovery:
+class ReplicaDiscovery:
     """The DNS and EndpointSlice discovery loops of one :class:`ReplicaSet`: each source
     replaces only its own list there; replicas a round adds are health-checked at once
     (``check``, the monitor's :meth:`router.monitor.ReplicaMonitor.check_one`)."""

@@ -4,7 +4,7 @@ loop started by the app's cleanup context, with discovery's loops beside them.
 Owns: :class:`ReplicaMonitor` (``GET /health`` and ``GET /v1/models`` per replica, with
 ``health_failures`` timeouts in a row before a slow replica counts as down; ``GET /metrics``
 at a fixed rate, :func:`next_scrape_at`, parsed by :mod:`router.vllm.metrics`), its
-:class:`router.discovery.Discovery` and :func:`cancel_all`. One slow replica never blocks
+:class:`router.discovery.ReplicaDiscovery` and :func:`cancel_all`. One slow replica never blocks
 another (every probe has its own timeout). Must not import scheduling, handlers, torch or vllm.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from router.discovery import Discovery
+from router.discovery import ReplicaDiscovery
 from router.kv.autoconf import CACHE_INFO, cache_config_labels
 from router.replicas import Replica, ReplicaSet
 from router.vllm.metrics import by_source, parse_vllm_metrics
@@ -47,7 +47,7 @@ class ReplicaMonitor:
         self._headers = (
             {"Authorization": f"Bearer {cfg.upstream_api_key}"} if cfg.upstream_api_key else {}
         )
-        self.discovery = Discovery(replicas, session, cfg, self.check_one)
+        self.discovery = ReplicaDiscovery(replicas, session, cfg, self.check_one)
 
     def headers_for(self, r: Replica) -> dict[str, str]:
         """Probe headers: the replica's own URL credentials, else the upstream key."""

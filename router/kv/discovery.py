@@ -1,8 +1,9 @@
-"""Zero-config for the KV layer: :class:`Discovery`, the part of
-:class:`router.kv.state.KVState` that completes a ``discover`` layer from what the replicas
-report (:meth:`Discovery.autoconfigure`) and says how fully the layer runs
-(:meth:`Discovery.status`). Finding the tokenizer and reading the replicas' facts live in
-:mod:`router.kv.autoconf`. Must not import aiohttp, the proxy, torch or vllm.
+"""Zero-config for the KV layer: :class:`KVSettingsDiscovery`, the part of
+:class:`router.kv.state.KVState` that discovers the layer's settings (block size, hash
+algorithm, tokenizer, KV capacity) from what the replicas report
+(:meth:`KVSettingsDiscovery.autoconfigure`) and says how fully the layer runs
+(:meth:`KVSettingsDiscovery.status`). Finding the tokenizer and reading the replicas' facts
+live in :mod:`router.kv.autoconf`. Must not import aiohttp, the proxy, torch or vllm.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from router.vllm.hashing import BlockHasher
 from router.vllm.tokenizer import ModelTokenizer
 
 
-class Discovery:
-    """Zero-config (a mixin of :class:`router.kv.state.KVState`, whose ``__init__`` sets the
-    attributes declared here)."""
+class KVSettingsDiscovery:
+    """Zero-config: the KV layer's settings discovered from the replicas' reports (a mixin of
+    :class:`router.kv.state.KVState`, whose ``__init__`` sets the attributes declared here)."""
 
     cfg: KVConfig
     index: BlockIndex

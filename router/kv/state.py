@@ -50,7 +50,7 @@ from router.kv.approx import TEXT_CHUNK, ApproxCache
 from router.kv.autoconf import ReplicaFacts
 from router.kv.churn import TierChurn
 from router.kv.config import KVConfig
-from router.kv.discovery import Discovery
+from router.kv.discovery import KVSettingsDiscovery
 from router.kv.footprints import FootprintTable
 from router.kv.index import BlockIndex
 from router.kv.membership import MAX_GONE, Membership
@@ -73,7 +73,7 @@ PREFILLING_MAX_AGE_S = 900.0  # past the longest upstream wait (read_timeout_s 6
 __all__ = ["BURST_MIN_CHUNKS", "HOLDING", "MAX_GONE", "KVCall", "KVState", "TierChurn"]
 
 
-class KVState(Analyzer, Membership, Discovery):
+class KVState(Analyzer, Membership, KVSettingsDiscovery):
     """See the module docstring. One per router process: the analyzer (:mod:`.analysis`),
     membership (:mod:`.membership`) and zero-config (:mod:`.discovery`) are its parts."""
 

@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from router.config import RouterConfig
-from router.discovery import Discovery
+from router.discovery import ReplicaDiscovery
 from router.monitor import ReplicaMonitor, cancel_all
 from router.replicas import ReplicaSet
 
@@ -159,7 +159,7 @@ async def monitor(api, tmp_path) -> AsyncIterator[Callable[..., Any]]:
     _fake, url = api
     started: list[tuple[aiohttp.ClientSession, list[asyncio.Task[None]]]] = []
 
-    async def start(**kw: Any) -> tuple[Discovery, ReplicaSet]:
+    async def start(**kw: Any) -> tuple[ReplicaDiscovery, ReplicaSet]:
         cfg = RouterConfig(
             k8s_service="vllm", k8s_namespace="llm", k8s_port_name="http", k8s_api_url=url,
             k8s_sa_dir=str(tmp_path), health_timeout_s=0.5, k8s_interval_s=0.4, **kw,

@@ -60,12 +60,12 @@ def test_discovery_diff_and_replica_set_sources():
 
 
 async def test_dns_discovery_writes_its_own_source_and_checks_what_it_added():
-    """Discovery replaces only its ``dns:<i>`` source and hands each replica it added (and only
-    those) to the monitor's health check."""
+    """ReplicaDiscovery replaces only its ``dns:<i>`` source and hands each replica it added
+    (and only those) to the monitor's health check."""
     import aiohttp
 
     from router.config import RouterConfig
-    from router.discovery import Discovery
+    from router.discovery import ReplicaDiscovery
 
     cfg = RouterConfig(replica_dns=["http://localhost:1"], health_timeout_s=0.2)
     rs = ReplicaSet()
@@ -76,7 +76,7 @@ async def test_dns_discovery_writes_its_own_source_and_checks_what_it_added():
         checked.append(r.name)
 
     async with aiohttp.ClientSession() as http:
-        disc = Discovery(rs, http, cfg, check)
+        disc = ReplicaDiscovery(rs, http, cfg, check)
         await disc.resolve_dns()
         found = {r.name for r in rs if "dns:0" in rs.sources(r.name)}
         assert found and all(n.endswith(":1") for n in found)
