@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import Protocol
 
 import numpy as np
 
@@ -61,6 +62,40 @@ def is_pool_event(ev: KVEvent) -> bool:
         and ev.locality == POOL_LOCALITY
         and ev.medium.upper() == "STORAGE"
     )
+
+
+class EventTarget(Protocol):
+    """What :func:`apply_event` writes to: :class:`BlockIndex` and the reference
+    :class:`router.kv.index_ref.NaiveBlockIndex`."""
+
+    def store(self, replica: str, keys: Iterable[int], medium: str = "GPU") -> object: ...
+
+    def remove(self, replica: str, keys: Iterable[int], medium: str = "GPU") -> object: ...
+
+    def clear(self, replica: str, medium: str | None = None) -> None: ...
+
+    def pool_store(self, replica: str, keys: Iterable[int]) -> object: ...
+
+    def pool_remove(self, keys: Iterable[int]) -> object: ...
+
+
+def apply_event(target: EventTarget, replica: str, ev: KVEvent) -> None:
+    """One decoded KV event of ``replica`` as an index operation on ``target`` — the one
+    dispatch both indexes use: a pool event (:func:`is_pool_event`) stores to or removes
+    from the cluster pool, other stores and removals go to the event's tier,
+    ``AllBlocksCleared`` (no medium on the event) forgets all of the replica's tiers (an
+    underestimate at worst; the pool stays)."""
+    if is_pool_event(ev):
+        if isinstance(ev, BlockStored):
+            target.pool_store(replica, ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            target.pool_remove(ev.block_hashes)
+    elif isinstance(ev, BlockStored):
+        target.store(replica, ev.block_hashes, ev.medium)
+    elif isinstance(ev, BlockRemoved):
+        target.remove(replica, ev.block_hashes, ev.medium)
+    elif isinstance(ev, AllBlocksCleared):
+        target.clear(replica)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,22 +350,11 @@ class BlockIndex:
         return [n for s, n in self._slots.items() if self._pool_members & (1 << s)]
 
     def apply(self, replica: str, events: Iterable[KVEvent]) -> None:
-        """Apply decoded KV events of one replica, in order."""
+        """Apply decoded KV events of one replica, in order (:func:`apply_event`)."""
         st = self.add_replica(replica)
         for ev in events:
             st.events += 1
-            if is_pool_event(ev):
-                if isinstance(ev, BlockStored):
-                    self.pool_store(replica, ev.block_hashes)
-                elif isinstance(ev, BlockRemoved):
-                    self.pool_remove(ev.block_hashes)
-            elif isinstance(ev, BlockStored):
-                self.store(replica, ev.block_hashes, ev.medium)
-            elif isinstance(ev, BlockRemoved):
-                self.remove(replica, ev.block_hashes, ev.medium)
-            elif isinstance(ev, AllBlocksCleared):
-                # No medium on the event: forget all tiers (an underestimate at worst).
-                self.clear(replica)
+            apply_event(self, replica, ev)
 
     # ---- queries -------------------------------------------------------------------------
 

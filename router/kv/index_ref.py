@@ -1,14 +1,16 @@
 """The reference block index: :class:`NaiveBlockIndex`, a set per (replica, tier) and a plain
 loop in ``match`` — what the property tests check :class:`router.kv.index.BlockIndex` against
-(and what ``bench_index`` times it against). Not used by the router. Pure Python.
+(and what ``bench_index`` times it against). Not used by the router. Pure Python. Both take
+events through the one dispatch, :func:`router.kv.index.apply_event` (its own test in
+tests/unit/test_index.py), so the property tests compare what they store and match.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from router.kv.index import POOL, TIERS, TierDepth, is_pool_event
-from router.vllm.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from router.kv.index import POOL, TIERS, TierDepth, apply_event
+from router.vllm.kvevents import KVEvent
 
 
 class NaiveBlockIndex:
@@ -38,21 +40,19 @@ class NaiveBlockIndex:
         self.sets.pop(replica, None)
         self.pool_members.discard(replica)
 
+    def pool_store(self, replica: str, keys: Iterable[int]) -> None:
+        self.pool_members.add(replica)
+        self.pool.update(keys)
+
+    def pool_remove(self, keys: Iterable[int]) -> None:
+        self.pool.difference_update(keys)
+
     def apply(self, replica: str, events: Iterable[KVEvent]) -> None:
+        """The same event dispatch as :meth:`router.kv.index.BlockIndex.apply`
+        (:func:`router.kv.index.apply_event`), onto the sets."""
         self._r(replica)
         for ev in events:
-            if is_pool_event(ev):
-                if isinstance(ev, BlockStored):
-                    self.pool_members.add(replica)
-                    self.pool.update(ev.block_hashes)
-                elif isinstance(ev, BlockRemoved):
-                    self.pool.difference_update(ev.block_hashes)
-            elif isinstance(ev, BlockStored):
-                self.store(replica, ev.block_hashes, ev.medium)
-            elif isinstance(ev, BlockRemoved):
-                self.remove(replica, ev.block_hashes, ev.medium)
-            elif isinstance(ev, AllBlocksCleared):
-                self.clear(replica)
+            apply_event(self, replica, ev)
 
     def match(
         self, keys: Sequence[int], replicas: Iterable[str] | None = None

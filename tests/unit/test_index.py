@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.kv.index import BlockIndex, BlockIndexError, TierDepth
+from router.kv.index import BlockIndex, BlockIndexError, TierDepth, apply_event
 from router.kv.index_ref import NaiveBlockIndex
 from router.vllm.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -65,6 +65,69 @@ def test_index_matches_naive_reference(ops, prompts):
     for r in snap:
         assert snap[r] == rsnap[r]
         assert ix.state(r).blocks == {t: len(k) for t, k in snap[r].items()}
+
+
+def test_apply_event_maps_each_event_to_one_index_operation():
+    """The one dispatch: a pool event goes to the pool, others to the event's tier."""
+    calls: list[tuple] = []
+
+    class Recorder:
+        def store(self, replica, keys, medium="GPU"):
+            calls.append(("store", replica, list(keys), medium))
+
+        def remove(self, replica, keys, medium="GPU"):
+            calls.append(("remove", replica, list(keys), medium))
+
+        def clear(self, replica, medium=None):
+            calls.append(("clear", replica, medium))
+
+        def pool_store(self, replica, keys):
+            calls.append(("pool_store", replica, list(keys)))
+
+        def pool_remove(self, keys):
+            calls.append(("pool_remove", list(keys)))
+
+    rec = Recorder()
+    for ev in [
+        BlockStored([1], None, [], 32, medium="cpu"),
+        BlockStored([2], None, [], 0, medium="STORAGE", locality="REMOTE"),
+        BlockStored([3], None, [], 0, medium="STORAGE"),  # a local disk tier, not the pool
+        BlockStored([4], None, [], 32, locality="REMOTE"),  # REMOTE but GPU: not the pool
+        BlockRemoved([2], medium="storage", locality="REMOTE"),
+        BlockRemoved([1], medium="CPU"),
+        AllBlocksCleared(),
+    ]:
+        apply_event(rec, "a", ev)
+    assert calls == [
+        ("store", "a", [1], "cpu"),
+        ("pool_store", "a", [2]),
+        ("store", "a", [3], "STORAGE"),
+        ("store", "a", [4], "GPU"),
+        ("pool_remove", [2]),
+        ("remove", "a", [1], "CPU"),
+        ("clear", "a", None),
+    ]
+
+
+@pytest.mark.parametrize("make", [BlockIndex, NaiveBlockIndex], ids=["fast", "reference"])
+def test_both_indexes_apply_events_through_the_one_dispatch(make):
+    """Each index's ``apply`` path, against fixed answers (the property test only compares
+    the two): tiers, the pool, a removal from another replica, a cache reset."""
+    ix = make()
+    ix.apply("a", [BlockStored([1, 2], None, [], 32), BlockStored([3], None, [], 32, medium="CPU")])
+    assert ix.match([1, 2, 3]) == {"a": TierDepth(3, gpu=2, cpu=1)}
+    ix.apply("a", [BlockStored([4, 5], None, [], 0, medium="STORAGE", locality="REMOTE")])
+    assert ix.match([1, 2, 3, 4]) == {"a": TierDepth(4, gpu=2, cpu=1, pool=1)}
+    assert ix.snapshot()["a"]["STORAGE"] == frozenset()  # the pool is not a's own tier
+    ix.apply("b", [BlockRemoved([4], medium="STORAGE", locality="REMOTE")])  # shared files
+    assert ix.match([1, 2, 3, 4]) == {"a": TierDepth(3, gpu=2, cpu=1)}
+    ix.apply("b", [BlockStored([4], None, [], 0, medium="STORAGE")])  # b's own disk tier
+    assert ix.match([4]) == {"b": TierDepth(1, storage=1)}
+    ix.apply("a", [BlockRemoved([2])])
+    assert ix.match([1, 2, 3]) == {"a": TierDepth(1, gpu=1)}
+    ix.apply("a", [AllBlocksCleared()])  # a's tiers go, the pool stays
+    assert ix.match([1, 5]) == {}
+    assert ix.match([5]) == {"a": TierDepth(1, pool=1)}
 
 
 @settings(max_examples=50, deadline=None)
