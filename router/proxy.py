@@ -44,7 +44,7 @@ from router.priority import (
     client_hint,
 )
 from router.proxy_pd import forward_pd
-from router.relay import RetryElsewhere, pool_full, stream_from
+from router.relay import ProxiedCall, RetryElsewhere, pool_full, stream_from
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import NoCandidates
 from router.state import SessionRecord
@@ -84,20 +84,15 @@ async def handle_call(
     calls, store = request.app[CALLS], request.app[STORE]
     record = await calls.begin(ctx, store)
     try:
-        return await forward(request, ctx, raw, record, t0, route_label)
+        return await forward(ProxiedCall(request, ctx, record, t0, route_label), raw)
     finally:
         await calls.end(ctx, store)
 
 
-async def forward(
-    request: web.Request,
-    ctx: RequestContext,
-    raw: bytes,
-    record: SessionRecord | None,
-    t0: float,
-    route_label: str,
-) -> web.StreamResponse:
-    """Proxy one call; returns the (already streamed) response."""
+async def forward(call: ProxiedCall, raw: bytes) -> web.StreamResponse:
+    """Proxy one call whose body is ``raw``; returns the (already streamed) response."""
+    request, ctx, record = call.request, call.ctx, call.record
+    t0, route_label = call.t0, call.route_label
     app = request.app
     cfg = app[CONFIG]
     metrics = app[METRICS]
@@ -123,7 +118,7 @@ async def forward(
     exclude: frozenset[str] = frozenset()
     if disagg.pd_enabled(replicas):  # a P/D set: split the call, or run it decode-side
         if route in disagg.PD_ROUTES and ctx.session_call and cfg.pd_mode != "never":
-            done = await forward_pd(request, ctx, raw, record, t0, route_label, headers, path)
+            done = await forward_pd(call, raw, headers, path)
             if done is not None:
                 return done
         # colocated (priced so, pd_mode never, another API route): never on a prefill-only
@@ -151,8 +146,8 @@ async def forward(
         is_probe = replica.breaker.on_send()
         replica.inflight += 1  # exported as kvroute_inflight at scrape time
         try:
-            return await stream_from(request, ctx, raw, headers, path, replica, t0, route_label,
-                                      decision, last_attempt=attempt == cfg.retries)  # fmt: skip
+            return await stream_from(call, raw, headers, path, replica, decision,
+                                     last_attempt=attempt == cfg.retries)  # fmt: skip
         except PoolTimeout as e:  # the router's own limit: no retry, the replica not blamed
             return pool_full(ctx, route_label, cfg.health_interval_s, e, metrics)
         except RetryElsewhere as e:

@@ -24,10 +24,9 @@ from router.errors import error_response, replica_error_body
 from router.keys import CALLS, CONFIG, METRICS, REPLICAS, UPSTREAM
 from router.outcome import CallOutcome
 from router.placement import place_session
-from router.relay import UPSTREAM_ERRORS, RetryElsewhere, pool_full, stream_from
+from router.relay import UPSTREAM_ERRORS, ProxiedCall, RetryElsewhere, pool_full, stream_from
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
-from router.state import SessionRecord
 from router.upstream import PoolTimeout
 
 log = logging.getLogger("kvroute.proxy_pd")
@@ -43,14 +42,7 @@ class _PrefillRefused(Exception):
 
 
 async def forward_pd(
-    request: web.Request,
-    ctx: RequestContext,
-    raw: bytes,
-    record: SessionRecord | None,
-    t0: float,
-    route_label: str,
-    headers: CIMultiDict[str],
-    path: str,
+    call: ProxiedCall, raw: bytes, headers: CIMultiDict[str], path: str
 ) -> web.StreamResponse | None:
     """One call over a disaggregated set (:mod:`router.disagg`): a prefill leg on the replica
     the policy picks among the prefill-capable ones (``kv_cost``'s fetch-or-recompute cost,
@@ -60,8 +52,10 @@ async def forward_pd(
     the per-call price says so (``pd_mode: auto``), the body is not JSON, or every prefill
     leg failed before answering — and the caller then runs it as one call on the decode
     side. A prefill leg that fails (no answer, a 5xx, a timeout) is retried on another
-    prefill replica; one answered with a 4xx is the client's answer."""
-    app = request.app
+    prefill replica; one answered with a 4xx is the client's answer. ``raw``, ``headers`` and
+    ``path``: what the colocated call would send (:func:`router.proxy.forward`)."""
+    ctx, record, t0, route_label = call.ctx, call.record, call.t0, call.route_label
+    app = call.request.app
     cfg = app[CONFIG]
     replicas = app[REPLICAS]
     calls = app[CALLS]
@@ -159,9 +153,8 @@ async def forward_pd(
         is_probe = dreplica.breaker.on_send()
         dreplica.inflight += 1
         try:
-            return await stream_from(request, ctx, dbody, headers, path, dreplica, t0,
-                                      route_label, decision,
-                                      last_attempt=attempt == cfg.retries)  # fmt: skip
+            return await stream_from(call, dbody, headers, path, dreplica, decision,
+                                     last_attempt=attempt == cfg.retries)  # fmt: skip
         except PoolTimeout as e:
             return pool_full(ctx, route_label, cfg.health_interval_s, e, metrics)
         except RetryElsewhere as e:

@@ -9,7 +9,8 @@ away (the upstream connection is closed, so vLLM frees the KV), a sized answer r
 replica's error answer put in the route's API shape), the per-call metrics, the first-byte
 hook and :meth:`router.call.CallSequence.finish` with the call's outcome (its usage from the
 first and last bytes), and which replica holds a Responses answer (:mod:`router.responses`).
-Must not import torch, vllm or loadtest.
+Also :class:`ProxiedCall`, what the proxy's steps (:mod:`router.proxy`, :mod:`router.proxy_pd`
+and this module) pass along for one call. Must not import torch, vllm or loadtest.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -31,6 +33,7 @@ from router.outcome import ITL_SAMPLES, CallOutcome, usage_from_body, usage_from
 from router.responses import RESPONSES_ROUTE
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision
+from router.state import SessionRecord
 from router.upstream import FirstByteTimeout, PoolTimeout, UpstreamResponse
 
 log = logging.getLogger("kvroute.relay")
@@ -70,6 +73,21 @@ def pool_full(
     )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class ProxiedCall:
+    """One call as the proxy carries it through its attempts (:func:`router.proxy.forward`,
+    :func:`router.proxy_pd.forward_pd`, :func:`stream_from`): the client's request, the
+    call's scheduling context, its session record (None outside the session table), when it
+    arrived (``time.perf_counter()``) and its route's metrics label. The body, headers and
+    path sent upstream travel apart: they change on the way (engine hints, the P/D legs)."""
+
+    request: web.Request
+    ctx: RequestContext
+    record: SessionRecord | None
+    t0: float
+    route_label: str
+
+
 class RetryElsewhere(Exception):
     def __init__(self, kind: str, reason: str, first_byte: bool = False):
         super().__init__(reason)
@@ -77,17 +95,17 @@ class RetryElsewhere(Exception):
 
 
 async def stream_from(
-    request: web.Request,
-    ctx: RequestContext,
+    call: ProxiedCall,
     raw: bytes,
     headers: CIMultiDict[str],
     path: str,
     replica: Any,
-    t0: float,
-    route_label: str,
     decision: Decision,
     last_attempt: bool,
 ) -> web.StreamResponse:
+    """Send ``raw`` to ``path`` on ``replica`` and relay the answer to the client (see the
+    module docstring); raises :class:`RetryElsewhere` before the first byte."""
+    request, ctx, t0, route_label = call.request, call.ctx, call.t0, call.route_label
     app = request.app
     metrics = app[METRICS]
     name = replica.name
@@ -125,7 +143,7 @@ async def stream_from(
             resp.status >= 400 and not sse  # an error answer: read whole, put in API shape
         ):
             # a sized, non-streaming body: one read, one write (cheaper than chunk streaming)
-            return await _buffered(request, ctx, resp, replica.name, t0, route_label, decision)
+            return await _buffered(call, resp, replica.name, decision)
         out = web.StreamResponse(
             status=resp.status,
             reason=resp.reason,
@@ -217,15 +235,10 @@ def _gone(watch: SendWatch | None) -> str:
 
 
 async def _buffered(
-    request: web.Request,
-    ctx: RequestContext,
-    resp: UpstreamResponse,
-    name: str,
-    t0: float,
-    route_label: str,
-    decision: Decision,
+    call: ProxiedCall, resp: UpstreamResponse, name: str, decision: Decision
 ) -> web.StreamResponse:
-    app = request.app
+    ctx, t0, route_label = call.ctx, call.t0, call.route_label
+    app = call.request.app
     metrics = app[METRICS]
     try:
         body = await resp.read()
