@@ -66,8 +66,9 @@ setup: venv redis vllm-env model peers agents
 
 # Everything but the agents tier's leg on real vLLM-CPU (tests/vllm/test_agents_vllm.py, ~3.5 min:
 # `make test-agents` runs it); the agents tier's twin leg runs here when the CLIs are installed.
+# --durations=30: every log (CI's included) ends with the 30 slowest set-ups, calls and teardowns.
 test: setup
-	$(PYTEST) -m "not (agents and vllm)" tests
+	$(PYTEST) -m "not (agents and vllm)" --durations=30 tests
 
 # The agents tier, both legs: each agent CLI for two turns of one session through kvroute in
 # front of replica twins, then in front of one real vLLM-CPU replica.
