@@ -158,7 +158,14 @@ async def test_sessions_one_router_moved_or_placed_alone_do_not_bounce_through_o
     assert all(binding(a, sid) != before[sid] for sid in moved)
     for sid in alone:  # placed and called through router A only
         assert (await call(http, a_url, sid))[0] == 200
-    await asyncio.sleep(0.3)  # (binding changes reach the other router in milliseconds)
+    # the bindings reach router B through Redis in milliseconds; wait for them, not a fixed
+    # time (a loaded machine once took longer than 0.3 s)
+    heard = b[STORE].bindings  # every binding router B has heard, its own and A's
+
+    def b_heard_all() -> bool:
+        return all(heard.get(f"-/{sid}", ("",))[0] == binding(a, sid) for sid in moved + alone)
+
+    await until(b_heard_all)
     assert redis_server.proc is not None
 
     async def rounds(sids: list[str], k: int, together: bool = True) -> dict[str, set[str]]:
