@@ -30,7 +30,7 @@ from router.kv.config import KVConfig
 from router.kv.state import KVState
 from router.scheduling import RequestContext
 from router.sessions import SessionIdentity
-from router.vllm.chat_template import request_prompt
+from router.vllm.prompt import request_prompt
 from router.vllm.tokenizer import ModelTokenizer
 
 GAPS_S = (0.05, 0.5)  # between arrivals: an overload (cold work outruns the CPU) and not

@@ -196,7 +196,7 @@ def bench_cold(st: KVState, reps: int) -> list[dict[str, Any]]:
     """One cold 144k-token prompt's analysis, step by step, then through the analyzer."""
     from loadtest import tinymodel
     from router.kv.tokens import SessionTokenizer
-    from router.vllm.chat_template import request_prompt
+    from router.vllm.prompt import request_prompt
     from router.vllm.tokenizer import ModelTokenizer
 
     mtok = ModelTokenizer.from_dir(tinymodel.ensure())

@@ -9,7 +9,7 @@ Responses events ``response.created`` … ``response.output_text.delta`` (or
 ``response.function_call_arguments.delta`` for a ``function_call`` item) …
 ``response.completed`` / ``response.incomplete``, each with its ``sequence_number``) — what
 Claude Code, Codex and the Anthropic and OpenAI SDKs send. Prompts are rendered the way the
-router renders them (:func:`router.vllm.chat_template.request_prompt` on the route), so the
+router renders them (:func:`router.vllm.prompt.request_prompt` on the route), so the
 twin's blocks and the router's block keys agree. How a reply ends — its length (the replay's
 override counts here as on chat), ``end_turn`` / ``max_tokens`` / ``tool_use`` and
 ``completed`` / ``incomplete``, and whether it calls one of the offered function tools — is

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from router.kv.tokens import SessionTokenizer
-from router.vllm.chat_template import ChatTemplateError, request_prompt
+from router.vllm.chat_template import ChatTemplateError
 from router.vllm.hashing import BlockHasher
+from router.vllm.prompt import request_prompt
 from router.vllm.tokenizer import ModelTokenizer as RouterTokenizer
 from router.vllm.tokenizer import TokenizerLoadError
 
@@ -85,7 +86,7 @@ class ModelTokenizer:
         route: str = "/v1/chat/completions",
     ) -> list[int]:
         """A chat (``/v1/messages``, ``/v1/responses``) request body's prompt tokens, rendered
-        as the router renders it (:func:`router.vllm.chat_template.request_prompt`: the same
+        as the router renders it (:func:`router.vllm.prompt.request_prompt`: the same
         fields, the same template, the same special-token rule)."""
         try:
             prompt = request_prompt(self.inner, route, body)

@@ -22,8 +22,9 @@ from router.kv.config import KVConfig
 from router.kv.sessions import SessionFootprint
 from router.kv.tokens import ProcessEncoder, SessionTokenizer
 from router.sessions import prompt_prefix_text
-from router.vllm.chat_template import ChatTemplateError, request_prompt
+from router.vllm.chat_template import ChatTemplateError
 from router.vllm.hashing import BlockHasher
+from router.vllm.prompt import request_prompt
 from router.vllm.tokenizer import ModelTokenizer
 
 log = logging.getLogger("kvroute.kv")

@@ -151,10 +151,11 @@ def find_tokenizer(
 def tokenize_request(route: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
     """The body of a vLLM ``POST /tokenize`` that gives the token ids a call on ``route``
     prompts (chat fields as vLLM takes them; ``/v1/messages`` and ``/v1/responses`` as the chat
-    body vLLM converts them to, :func:`router.vllm.chat_template.chat_request` — without a
+    body vLLM converts them to, :func:`router.vllm.prompt.chat_request` — without a
     local template, inline Anthropic system messages are sent unmerged and ``thinking:
     disabled`` as ``reasoning_effort: none``), or None (token-id prompts)."""
-    from router.vllm.chat_template import ChatTemplateError, chat_request
+    from router.vllm.chat_template import ChatTemplateError
+    from router.vllm.prompt import chat_request
 
     model = body.get("model")
     out: dict[str, Any] = {"model": model} if isinstance(model, str) else {}

@@ -3,7 +3,8 @@
 Owns: a per-session cache (:class:`SessionTokenizer`) that, for a session's next call,
 reuses the tokens and chained block hashes of the longest text prefix shared with its
 previous call and tokenizes only the new tail. Loading the tokenizer and rendering the chat
-template as vLLM does live in :mod:`router.vllm.tokenizer` and :mod:`router.vllm.chat_template`.
+template as vLLM does live in :mod:`router.vllm.tokenizer`, :mod:`router.vllm.chat_template` and
+:mod:`router.vllm.prompt`.
 
 Must not import transformers, torch or vllm (only ``tokenizers`` and ``jinja2``).
 

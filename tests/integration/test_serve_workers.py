@@ -210,9 +210,9 @@ async def test_two_workers_see_the_same_kv_placements(serve, tmp_path: Path) -> 
 
     from loadtest import tinymodel
     from router.kv.tokens import SessionTokenizer
-    from router.vllm.chat_template import request_prompt
     from router.vllm.hashing import BlockHasher
     from router.vllm.kvevents import encode_block_stored
+    from router.vllm.prompt import request_prompt
     from router.vllm.tokenizer import ModelTokenizer
     from tests.integration.test_kv_events import Publisher
     from tests.integration.test_router_proxy import FakeReplica

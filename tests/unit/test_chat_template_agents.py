@@ -1,5 +1,6 @@
 """``/v1/messages`` and ``/v1/responses`` bodies become the chat request vLLM 0.32 renders
-(router.vllm.chat_template.chat_request): tools, tool calls and results, reasoning, system
+(router.vllm.prompt.chat_request, through router.vllm.anthropic_messages and
+router.vllm.openai_responses): tools, tool calls and results, reasoning, system
 blocks — checked here through a template that prints what it is handed; byte parity with
 real vLLM is in tests/vllm/test_agent_api_render.py."""
 
@@ -11,13 +12,10 @@ import pytest
 
 from loadtest import tinymodel
 from router.kv.autoconf import tokenize_request
-from router.vllm.chat_template import (
-    CUSTOM_TOOL_PARAMETERS,
-    ChatTemplateError,
-    chat_request,
-    disabled_thinking_effort,
-    request_prompt,
-)
+from router.vllm.anthropic_messages import disabled_thinking_effort
+from router.vllm.chat_template import ChatTemplateError
+from router.vllm.openai_responses import CUSTOM_TOOL_PARAMETERS
+from router.vllm.prompt import chat_request, request_prompt
 from router.vllm.tokenizer import ModelTokenizer
 
 # prints exactly what vLLM hands a template (string content format: no part iteration)

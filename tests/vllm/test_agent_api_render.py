@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from router.vllm.chat_template import chat_request, request_prompt
+from router.vllm.prompt import chat_request, request_prompt
 from router.vllm.tokenizer import ModelTokenizer
 from tests.unit.test_chat_template_agents import CLAUDE_CODE, CODEX
 from tests.vllm.conftest import unique_text
