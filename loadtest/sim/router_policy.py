@@ -17,6 +17,10 @@ after each call it reports a :class:`router.outcome.CallOutcome` (replica, TTFT,
 usage, the decision) to the call sequence's observers, as the proxy does. Must not import
 aiohttp, zmq, torch or vllm.
 
+P/D: :class:`PDRouterPolicy` runs the proxy's disaggregated path
+(:func:`router.proxy_pd.forward_pd`: prefill pick, decode pick, the per-call verdict) for
+:class:`loadtest.sim.pd.PDSimulator`.
+
 Engine hints: with ``engine_hints`` (the router's ``engine_hints`` option) each routed call's
 body gets the ``kvroute`` retention hint exactly as the proxy sets it
 (:func:`router.hints.hinted_body` over the session's record), and
@@ -53,7 +57,9 @@ from typing import Any
 import orjson
 
 from costmodel.profiles import ReplicaProfile
+from loadtest.sim.pd import ROLES
 from loadtest.sim.simulator import CallRecord, CallView, ReplicaView
+from router import disagg
 from router.call import CallSequence
 from router.hints import call_hint, hinted_body
 from router.kv.config import KVConfig
@@ -62,10 +68,10 @@ from router.outcome import CallOutcome, Usage
 from router.priority import PriorityConfig, call_priority, served_tokens
 from router.replicas import EndpointView
 from router.scheduling import RequestContext
-from router.scheduling.pipeline import Decision
+from router.scheduling.pipeline import Decision, NoCandidates
 from router.scheduling.registry import build_pipeline
 from router.sessions import SEP, SessionIdentity
-from router.state import MemoryStore
+from router.state import MemoryStore, SessionRecord
 from router.vllm.kvevents import decode_event
 
 MODEL = "tiny"
@@ -128,6 +134,14 @@ class RouterPolicy:
         return self.names[i]
 
     def __call__(self, call: CallView, replicas: Sequence[ReplicaView]) -> int:
+        ctx, rec, endpoints = self._prepare(call, replicas)
+        return self._decided(call, ctx, rec, self.calls.decide(ctx, endpoints, rec.copy()))
+
+    def _prepare(
+        self, call: CallView, replicas: Sequence[ReplicaView]
+    ) -> tuple[RequestContext, SessionRecord, tuple[EndpointView, ...]]:
+        """What the service builds for a call before deciding: its context (analysed), the
+        session's record (touched) and the endpoint views (with each replica's role)."""
         self.now = call.now
         for r in replicas:
             self._name(r.index)
@@ -161,10 +175,22 @@ class RouterPolicy:
                          kv_usage=load[r.index][2], host_retained=load[r.index][3],
                          pending_prefill=load[r.index][4],
                          pending_prefill_age_s=None if load[r.index][4] is None else age,
-                         breaker="closed")
+                         breaker="closed", role=self.role(r.index))
             for r in replicas
         )  # fmt: skip
-        decision = self.calls.decide(ctx, endpoints, rec.copy())
+        return ctx, rec, endpoints
+
+    def role(self, i: int) -> str:
+        """Replica ``i``'s P/D role as the router is configured with it (here: ``both``)."""
+        return "both"
+
+    def _decided(
+        self, call: CallView, ctx: RequestContext, rec: SessionRecord, decision: Decision
+    ) -> int:
+        """The proxy's bookkeeping for a committed decision: the session placed there, the
+        replica's in-flight count, the hint and priority the body carries. Returns its index."""
+        ident = ctx.identity
+        assert ident is not None
         self.decisions += 1
         rec.replica = decision.endpoint.name  # the proxy's placement, uncontended
         i = self.names.index(decision.endpoint.name)
@@ -242,3 +268,62 @@ class RouterPolicy:
         self.store.add_service(ctx.identity.key, served_tokens(
             record.prompt_tokens, record.cached_tokens, record.output_tokens))  # fmt: skip
         self.store.finish(ctx.identity.key, record.finish)
+
+
+class PDRouterPolicy(RouterPolicy):
+    """The router's P/D path in simulated time: the prefill leg on the replica the policy
+    picks among the prefill-capable ones (``ctx.excluded`` = the decode-only ones; the session
+    is placed there), the decode replica by :func:`router.disagg.pick_decode` (fewest requests,
+    then KV room), and the per-call verdict of :func:`router.disagg.plan` (``pd_mode``
+    ``auto``: priced by :func:`costmodel.disagg.disagg_cost` from the KV layer's view;
+    ``always``; ``never``). A call kept colocated is decided again among the decode-capable
+    replicas, as the proxy's colocated path does."""
+
+    def __init__(
+        self, policy: str, profile: ReplicaProfile, roles: Sequence[str], *,
+        pd_mode: str = "auto", pd_min_prompt_tokens: int = 0, **kw: Any,
+    ):  # fmt: skip
+        if pd_mode not in ("auto", "always", "never"):
+            raise ValueError(f"pd_mode must be auto, always or never, not {pd_mode!r}")
+        bad = [r for r in roles if r not in ROLES]
+        if bad:
+            raise ValueError(f"roles must be prefill, decode or both, not {bad}")
+        super().__init__(policy, profile, **kw)
+        self.roles = list(roles)
+        self.pd_mode = pd_mode
+        self.pd_min_prompt_tokens = pd_min_prompt_tokens
+        self.verdicts: dict[str, int] = {}  # reason -> calls (split and colocated)
+
+    def role(self, i: int) -> str:
+        return self.roles[i]
+
+    def route_pd(self, call: CallView, replicas: Sequence[ReplicaView]) -> tuple[int | None, int]:
+        """(prefill replica, decode replica) for a split call; (None, replica) colocated."""
+        ctx, rec, views = self._prepare(call, replicas)
+        ctx.excluded = disagg.not_prefill(views)
+        decision = None
+        if self.pd_mode != "never":
+            try:
+                decision = self.calls.decide(ctx, views, rec.copy(), dry_run=True)
+            except NoCandidates:
+                decision = None
+        dview = disagg.pick_decode(ctx, views) if decision is not None else None
+        reason = "never" if self.pd_mode == "never" else "no_replica"
+        if decision is not None and dview is not None:
+            kv = self.calls.snapshot(views, rec.copy()).state("kv")
+            terms = disagg.plan(ctx, decision.endpoint, dview, kv, mode=self.pd_mode,
+                                min_prompt_tokens=self.pd_min_prompt_tokens)  # fmt: skip
+            reason = self.pd_mode if terms is None else terms.reason
+            if terms is None or terms.disaggregate:
+                self.verdicts[reason] = self.verdicts.get(reason, 0) + 1
+                self.calls.commit(ctx, decision)
+                p = self._decided(call, ctx, rec, decision)
+                return p, self.names.index(dview.name)
+        self.verdicts[reason] = self.verdicts.get(reason, 0) + 1
+        ctx.excluded = disagg.not_decode(views)
+        return None, self._decided(call, ctx, rec, self.calls.decide(ctx, views, rec.copy()))
+
+    def on_leg(self, request_id: str, prefill: int, decode: int) -> None:
+        """The prefill leg answered: the call is in flight on the decode replica now."""
+        self.inflight[prefill] = max(self.inflight.get(prefill, 1) - 1, 0)
+        self.inflight[decode] = self.inflight.get(decode, 0) + 1

@@ -240,6 +240,14 @@ class Simulator:
         """The ``kvroute`` hint the router attached to the call it just routed, if any."""
         return parse_hint(self._params(call)) if self._params is not None else None
 
+    def _place(self, call: CallView) -> int:
+        """The replica a call arriving now goes to (:mod:`loadtest.sim.pd` adds the legs)."""
+        return self.route(call, self.views)
+
+    def _leg_done(self, req: Request, now: float) -> bool:
+        """Whether ``req`` was a leg before its call's last (no record): never, here."""
+        return False
+
     def _enqueue(self, i: int, req: Request, now: float) -> None:
         rep = self.replicas[i]
         if rep.burst is not None:
@@ -355,7 +363,7 @@ class Simulator:
                     now,
                     final=st["k"] == len(s.calls) - 1,
                 )
-                i = self.route(view, self.views)
+                i = self._place(view)
                 req = Request(f"{s.id}/{st['k']}", ctx, call.output_tokens,
                               block_keys=keys[: ctx // bs], arrival=now, session_id=s.id,
                               tag=i, hint=self._hint(view),
@@ -384,7 +392,7 @@ class Simulator:
                 view = CallView(sid, idx, n_tok, keys, tc.output_tokens, now,
                                 final=run.final[k], agent_id=agent_id,
                                 parent_session=parent)  # fmt: skip
-                i = self.route(view, self.views)
+                i = self._place(view)
                 req = Request(f"{sid}/{idx}", n_tok, tc.output_tokens, block_keys=keys,
                               arrival=now, session_id=sid, tag=i, hint=self._hint(view),
                               priority=self._prio(view) if self._prio else 0)  # fmt: skip
@@ -426,6 +434,8 @@ class Simulator:
                         for req in res.first_tokens:
                             first(req.id, now)
                 for req in res.finished:
+                    if self._leg_done(req, now):
+                        continue  # a P/D prefill leg: its call goes on decode-side
                     if dag_reqs:
                         got = dag_reqs.pop(req.id, None)
                         if got is not None:

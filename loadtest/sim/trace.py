@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from costmodel.profiles import ReplicaProfile
+from loadtest.sim.pd import PDSimulator
 from loadtest.sim.simulator import (
     ROUTERS,
     DagSession,
@@ -289,12 +290,18 @@ def simulate_trace(
 ) -> SimResult:
     """Replay ``trace`` on ``n_replicas`` simulated replicas of ``profile``: closed loop at
     ``concurrency`` lanes (or open loop at the trace's arrival times), bounded by
-    ``duration_s`` of simulated time. ``route``: a function or a built-in policy name.
+    ``duration_s`` of simulated time. ``route``: a function or a built-in policy name;
+    with ``roles`` (one per replica) a P/D run (:class:`loadtest.sim.pd.PDSimulator`, ``route``
+    answering ``route_pd``).
 
     The summary's ``throughput_tok_per_gpu_s`` divides by the bound (``duration_s``) when the
     run was cut by it; ``hit_bound`` is the unlimited-cache hit ratio over the same calls."""
     fn = ROUTERS[route]() if isinstance(route, str) else route
-    sim = Simulator(profile, n_replicas, fn, **sim_kw)
+    roles = sim_kw.pop("roles", None)  # P/D: one role per replica (loadtest.sim.pd)
+    if roles is not None and len(roles) != n_replicas:
+        raise ValueError("roles: one per replica")
+    sim = (PDSimulator(profile, roles, fn, **sim_kw) if roles
+           else Simulator(profile, n_replicas, fn, **sim_kw))  # fmt: skip
     bs = profile.block_size
     if open_loop:
         sessions = open_loop_sessions(trace, bs, shared_prefix=shared_prefix, max_gap_s=max_gap_s)
