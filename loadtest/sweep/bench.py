@@ -328,11 +328,13 @@ def router_state(url: str) -> dict[str, Any]:
 def run_sweep(cfg: SweepConfig, out: str | Path, command: str | None = None) -> dict[str, Any]:
     from loadtest import tinymodel
     from loadtest.report.html import build_report
+    from loadtest.sweep.stack import pd_capable
 
     out = Path(out)
     roles = cfg.pd_roles()  # a bad --pd fails before any point runs (and sets replicas)
-    if roles and any(not t.startswith("kvroute:") for t in cfg.targets):
-        raise ValueError("--pd runs kvroute targets only (peers' P/D modes are not wired)")
+    no_pd = {t: why for t in cfg.targets if roles and (why := pd_capable(t)) is not None}
+    if no_pd:
+        raise ValueError(f"--pd: {'; '.join(f'{t}: {w}' for t, w in no_pd.items())}")
     if roles and cfg.disrupt:
         raise ValueError("--pd with --disrupt is not wired (which role would a new replica get?)")
     out.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="P:D",
         help="P/D disaggregation: P prefill twins and D decode twins (replicas = P + D); "
-        "kvroute targets only (docs/router.md, Disaggregation)",
+        "kvroute targets (docs/router.md, Disaggregation) and vllm-router's P/D mode "
+        "(vllm-router:<policy> but kv_aware; docs/peers.md)",
     )
     p.add_argument(
         "--pd-mode",

@@ -170,6 +170,22 @@ DYNAMO_AFFINITY_TTL_S = 3600.0
 KV_POLICIES = {"kv_cost", "llmd", "sglang_tree"}
 
 
+def pd_capable(name: str) -> str | None:
+    """Why ``name`` cannot route a P/D set (``--pd``), or None when it can: kvroute (roles
+    in ``URL#role=``) and vllm-router's P/D mode (``--vllm-pd-disaggregation --prefill URL
+    --decode URL``, vLLM's ``kv_transfer_params`` legs, which the twins answer). Its
+    ``kv_aware`` prefill policy reads ``--pd-kv-events`` at a fixed block size of 16, which
+    no twin profile has; sglang-router's P/D mode speaks SGLang's bootstrap protocol and
+    Dynamo's front has no P/D path."""
+    if name.startswith("kvroute:"):
+        return None
+    if name == "vllm-router:kv_aware":
+        return "vllm-router's kv_aware P/D prefill policy takes events at block size 16 only"
+    if name.startswith("vllm-router:") and name in PEERS:
+        return None
+    return "its P/D mode is not wired (kvroute and vllm-router only)"
+
+
 def needs_events(name: str) -> bool:
     """Whether a router is fed by the twins' KV events (one bound endpoint per twin)."""
     if name.startswith("kvroute:"):
@@ -204,7 +220,8 @@ class Router:
     extra_args: list[str] = field(default_factory=list)  # appended to the router's argv
     # added to the router's environment; KVROUTE_KV_* here replace what kv_env derives
     extra_env: dict[str, str] = field(default_factory=dict)
-    # P/D role per replica URL (kvroute only: ``--replica URL#role=...``)
+    # P/D role per replica URL (kvroute: ``--replica URL#role=...``; vllm-router: its P/D
+    # mode's ``--prefill URL`` / ``--decode URL``; see :func:`pd_capable`)
     roles: dict[str, str] = field(default_factory=dict)
     _proc: ManagedProcess | None = None
 
@@ -235,8 +252,8 @@ class Router:
             return argv, "/ready"
         if self.name not in PEERS:
             raise StackError(f"unknown router {self.name!r}: kvroute:<policy> or {sorted(PEERS)}")
-        if self.roles:
-            raise StackError(f"{self.name}: the bench runs P/D (--pd) with kvroute targets only")
+        if self.roles and (why := pd_capable(self.name)) is not None:
+            raise StackError(f"{self.name} cannot run P/D (--pd): {why}")
         kind, policy, _ = PEERS[self.name]
         py = peer_python(kind)
         if py is None:
@@ -247,8 +264,16 @@ class Router:
         # both peers bind a Prometheus exporter on 29000 by default: a second instance (or the
         # other peer still stopping) panics with "Address already in use"; give each its own
         argv = [str(py), "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-port", str(free_port()),
-                "--policy", policy, "--worker-urls", *self.replicas]  # fmt: skip
+                "--prometheus-port", str(free_port()), "--policy", policy]  # fmt: skip
+        if self.roles:  # vllm-router's P/D mode: --policy for both stages, NIXL's protocol
+            argv.append("--vllm-pd-disaggregation")
+            for r in self.replicas:
+                role = self.roles.get(r, "both")
+                if role == "both":
+                    raise StackError(f"{self.name}: P/D mode takes prefill or decode roles only")
+                argv += [f"--{role}", r]
+            return argv, "/health"
+        argv += ["--worker-urls", *self.replicas]
         if needs_events(self.name):
             if not self.event_endpoints:
                 raise StackError(f"{self.name} needs the twins' KV event endpoints")

@@ -207,5 +207,7 @@ def test_pd_sweep_point_runs_split_calls(tmp_path):
     assert pd.get("mode=split,reason=always", 0) >= pt["summary"]["requests_ok"]
     with pytest.raises(ValueError, match="P:D"):
         run_sweep(SweepConfig(trace=TRACE, pd="2"), tmp_path / "x")
-    with pytest.raises(ValueError, match="kvroute targets only"):
+    with pytest.raises(ValueError, match="sglang:cache_aware: its P/D mode is not wired"):
         run_sweep(SweepConfig(trace=TRACE, pd="1:1", targets=["sglang:cache_aware"]), tmp_path)
+    with pytest.raises(ValueError, match=r"vllm-router:kv_aware: .*block size 16"):
+        run_sweep(SweepConfig(trace=TRACE, pd="1:1", targets=["vllm-router:kv_aware"]), tmp_path)
