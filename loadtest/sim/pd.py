@@ -83,6 +83,7 @@ class PDSimulator(Simulator):
         if not hasattr(route, "route_pd"):
             raise ValueError("a P/D simulation needs a routing function with route_pd")
         super().__init__(profile, len(roles), route, **kw)
+        self.route_pd = route.route_pd
         self.roles = list(roles)
         self._split: dict[str, tuple[int, int]] = {}  # request id -> (prefill, decode)
         self._legs: dict[str, int] = {}  # prefill legs in flight: id -> the call's max_tokens
@@ -90,7 +91,7 @@ class PDSimulator(Simulator):
         self.colocated_calls = 0
 
     def _place(self, call: CallView) -> int:
-        p, d = self.route.route_pd(call, self.views)
+        p, d = self.route_pd(call, self.views)
         rid = f"{call.session_id}/{call.call_index}"
         if p is None:
             if self.roles[d] == "prefill":
