@@ -3,7 +3,8 @@
 Runs the in-process discrete-event simulator (no HTTP): synthetic AgentX-like sessions, the
 engine model of every replica, and a routing policy — a built-in one (``round_robin``,
 ``fewest_requests``, ``sticky_spill``, ``exact_cache``) or any of the router's own
-pipelines as ``router:<policy>`` (e.g. ``router:kv_cost``). Prints the AgentX summary.
+pipelines as ``router:<policy>`` (e.g. ``router:kv_cost``). Prints the AgentX summary. With
+``--pd P:D`` the replicas are P prefill-only and D decode-only ones (:mod:`loadtest.sim.pd`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engines schedule by request priority (priority_scheduling=1) and router:<policy> "
         "sends its session-level priority (the router's priority: session)",
     )
+    p.add_argument(
+        "--pd",
+        default=None,
+        metavar="P:D",
+        help="P/D disaggregation: P prefill-only then D decode-only replicas (replaces "
+        "--replicas); router:<policy> runs the router's P/D path, round_robin splits every call "
+        "round robin (loadtest/sim/pd.py)",
+    )
+    p.add_argument(
+        "--pd-mode",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="with --pd: router:<policy>'s per-call split decision (auto: priced)",
+    )
     cli_args.add_router_profile_arg(p, "router:<policy>")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summaries")
 
@@ -51,9 +66,17 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from costmodel.profiles import ProfileError, router_profile
-    from loadtest.sim.router_policy import RouterPolicy
+    from loadtest.sim.pd import PDSimulator, RoundRobinPD, pd_roles
+    from loadtest.sim.router_policy import PDRouterPolicy, RouterPolicy
     from loadtest.sim.simulator import ROUTERS, RouteFn, Simulator, synthetic_agentx
 
+    try:
+        roles = pd_roles(args.pd) if args.pd else None
+    except ValueError as e:
+        print(f"kvroute sim: {e}")
+        return 2
+    if roles:
+        args.replicas = len(roles)
     if args.replicas < 1 or args.hours <= 0:
         print("kvroute sim: --replicas must be >= 1 and --hours > 0")
         return 2
@@ -77,7 +100,17 @@ def run(args: argparse.Namespace) -> int:
     for policy in args.policy or ["router:kv_cost"]:
         route: RouteFn
         try:
-            if policy.startswith("router:"):
+            if roles and policy.startswith("router:"):
+                route = PDRouterPolicy(policy.removeprefix("router:"), router_prof, roles,
+                                       pd_mode=args.pd_mode, seed=args.seed,
+                                       engine_hints=args.engine_hints,
+                                       priority=args.priority)  # fmt: skip
+            elif roles and policy == "round_robin":
+                route = RoundRobinPD(roles)
+            elif roles:
+                print(f"kvroute sim: --pd runs router:<policy> or round_robin, not {policy!r}")
+                return 2
+            elif policy.startswith("router:"):
                 route = RouterPolicy(policy.removeprefix("router:"), router_prof, seed=args.seed,
                                      engine_hints=args.engine_hints,
                                      priority=args.priority)  # fmt: skip
@@ -93,7 +126,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvroute sim: {e}")
             return 2
         try:
-            sim = Simulator(prof, args.replicas, route, plugin=plugin, truth=args.truth)
+            sim = (
+                PDSimulator(prof, roles, route, plugin=plugin, truth=args.truth)
+                if roles
+                else Simulator(prof, args.replicas, route, plugin=plugin, truth=args.truth)
+            )
         except ValueError as e:  # e.g. retention without a host tier
             print(f"kvroute sim: {e}")
             return 2
@@ -108,6 +145,12 @@ def run(args: argparse.Namespace) -> int:
             f"{s['preemptions']}",
             flush=True,
         )
+        if roles:
+            assert isinstance(sim, PDSimulator)
+            s["pd"] = {"split": sim.split_calls, "colocated": sim.colocated_calls,
+                       "verdicts": dict(getattr(route, "verdicts", {}))}  # fmt: skip
+            print(f"  P/D {args.pd}: {sim.split_calls} split, {sim.colocated_calls} colocated; "
+                  f"{s['pd']['verdicts'] or 'every call split'}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -116,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
                     "truth": args.truth,
                     "router_profile": router_prof.name,
                     "replicas": args.replicas,
+                    "pd": args.pd,
+                    "pd_mode": args.pd_mode if args.pd else None,
                     "sessions": n_sessions,
                     "hours": args.hours,
                     "seed": args.seed,

@@ -4,7 +4,9 @@ router's own P/D path (prefill pick, decode pick, the per-call verdict)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -125,3 +127,26 @@ def test_a_router_without_route_pd_is_refused():
         PDSimulator(P70, ["prefill", "decode"], lambda call, reps: 0)
     with pytest.raises(ValueError, match="pd_mode"):
         PDRouterPolicy("kv_cost", P70, ["prefill", "decode"], pd_mode="sometimes")
+
+
+def test_kvroute_sim_pd_flag(tmp_path, capsys):
+    from loadtest.sim import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    out = tmp_path / "s.json"
+    argv = ["--pd", "1:1", "--hours", "0.05", "--sessions", "4", "--pd-mode", "always",
+            "--policy", "router:kv_cost", "--policy", "round_robin",
+            "--json", str(out)]  # fmt: skip
+    assert cli.run(p.parse_args(argv)) == 0
+    got = json.loads(out.read_text())
+    assert got["replicas"] == 2 and got["pd"] == "1:1"
+    for name in ("router:kv_cost", "round_robin"):
+        pd = got["results"][name]["pd"]
+        assert pd["split"] > 0 and pd["colocated"] == 0
+    assert got["results"]["router:kv_cost"]["pd"]["verdicts"] == {
+        "always": got["results"]["router:kv_cost"]["pd"]["split"]
+    }
+    assert "split, 0 colocated" in capsys.readouterr().out
+    assert cli.run(p.parse_args(["--pd", "1:1", "--policy", "sticky_spill"])) == 2
+    assert cli.run(p.parse_args(["--pd", "0:1"])) == 2
