@@ -20,17 +20,15 @@ import orjson
 import pytest
 
 from loadtest import tinymodel
+from loadtest.sweep import stack
 from loadtest.sweep.stack import Router, StackError, cleanup, pd_capable, peer_python
 from loadtest.twin.cluster import start_cluster
 
-pytestmark = [
-    pytest.mark.timeout(180),
-    pytest.mark.skipif(
-        peer_python("vllm-router") is None,
-        reason="vllm-router venv absent: run `make bench-peers` (scripts/setup_peers.sh "
-        "vllm-router)",
-    ),
-]
+pytestmark = pytest.mark.timeout(180)
+LIVE = pytest.mark.skipif(
+    peer_python("vllm-router") is None,
+    reason="vllm-router venv absent: run `make bench-peers` (scripts/setup_peers.sh vllm-router)",
+)
 WORDS = tinymodel._WORDS
 
 
@@ -43,6 +41,7 @@ def chat(n_words: int, seed: int, stream: bool = False) -> dict:
     return body
 
 
+@LIVE
 async def test_vllm_router_pd_call_runs_both_legs_through_the_twins():
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-vrpd-"))
     try:
@@ -50,10 +49,6 @@ async def test_vllm_router_pd_call_runs_both_legs_through_the_twins():
             pre, dec = c.replicas
             roles = {c.urls[0]: "prefill", c.urls[1]: "decode"}
             router = Router("vllm-router:round_robin", c.urls, workdir, roles=roles)
-            argv, _ = router.argv()
-            assert "--vllm-pd-disaggregation" in argv and "--worker-urls" not in argv
-            assert argv[argv.index("--prefill") + 1] == c.urls[0]
-            assert argv[argv.index("--decode") + 1] == c.urls[1]
             await asyncio.to_thread(router.start)  # health polls off the twins' loop
             try:
                 async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as h:
@@ -90,7 +85,24 @@ async def test_vllm_router_pd_call_runs_both_legs_through_the_twins():
         cleanup(workdir)
 
 
-def test_peers_without_a_wired_pd_mode_are_refused(tmp_path):
+def test_pd_argv_names_each_replica_by_role(tmp_path, monkeypatch):
+    monkeypatch.setattr(stack, "peer_python", lambda kind: Path("/venv/bin/python"))
+    urls = ["http://p0", "http://p1", "http://d0"]
+    roles = {"http://p0": "prefill", "http://p1": "prefill", "http://d0": "decode"}
+    argv, health = Router("vllm-router:cache_aware", urls, tmp_path, roles=roles).argv()
+    assert health == "/health" and "--worker-urls" not in argv
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert "--vllm-pd-disaggregation" in argv
+    pairs = [(argv[i], argv[i + 1]) for i, a in enumerate(argv) if a in ("--prefill", "--decode")]
+    assert pairs == [("--prefill", "http://p0"), ("--prefill", "http://p1"),
+                     ("--decode", "http://d0")]  # fmt: skip
+    plain, _ = Router("vllm-router:cache_aware", urls, tmp_path).argv()  # no roles: as before
+    assert "--vllm-pd-disaggregation" not in plain
+    assert plain[plain.index("--worker-urls") + 1 :][:3] == urls
+
+
+def test_peers_without_a_wired_pd_mode_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(stack, "peer_python", lambda kind: Path("/venv/bin/python"))
     assert pd_capable("vllm-router:cache_aware") is None and pd_capable("kvroute:kv_cost") is None
     assert "block size 16" in (pd_capable("vllm-router:kv_aware") or "")
     assert pd_capable("sglang:cache_aware") is not None
