@@ -166,7 +166,7 @@ class Replica:
             "waiting": self.waiting, "kv_usage": self.kv_usage, "breaker": self.breaker.state,
             "host_occupancy": self.host_occupancy, "host_retained": self.host_retained,
             "pending_prefill": self.pending_prefill, "last_error": self.last_error,
-            "role": self.role,
+            "role": self.role, "cached_by_source": dict(self.cached_by_source),
         }  # fmt: skip
 
 

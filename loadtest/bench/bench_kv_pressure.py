@@ -33,6 +33,12 @@ Workloads (weka-dev's real Claude Code sessions, tool pauses up to 180 s,
   KV pressure at the scale where placement also decides interactivity;
 - ``weka-dev-squeezed-host-writeback-8x``: ``weka-dev-squeezed-host-8x`` with the write-back
   host tier (96 and 128 lanes);
+- ``weka-dev-squeezed-host-pool`` and ``weka-dev-squeezed-host-pool-8x`` (issue 43):
+  ``weka-dev-squeezed-host``'s engines (and ``-8x``'s) sharing one cluster KV pool
+  (``pool_kv_blocks``, :class:`loadtest.twin.tiers.ClusterPool`: written through from every
+  host tier, read by every engine at the hardware's pool link) as large as the cluster's host
+  tiers together (12,000 blocks per replica): every policy, ports included, on the same
+  pool-enabled engines; compare with the workload without ``-pool`` for the stock engines;
 - ``weka-dev-unlimited-kv`` and ``weka-dev-unlimited-kv-8x``: **the ceilings**, not pressure
   workloads — the same trace, profile and replicas with a KV cache that never evicts (and no
   tier below it, so nothing is ever fetched), run with ``CEILING_POLICIES``. No router, tier
@@ -52,6 +58,8 @@ POLICIES = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence", "sglang_tree", 
 OURS = ("kv_cost", "kv_cost+hints", "kv_cost+hints+cadence")
 _WB = "weka-dev-squeezed-host-writeback"
 _WB8 = "weka-dev-squeezed-host-writeback-8x"
+_POOL = "weka-dev-squeezed-host-pool"
+_POOL8 = "weka-dev-squeezed-host-pool-8x"
 # each ceiling and the workloads it bounds (same trace, profile, replicas and gap cap)
 CEILINGS: dict[str, tuple[str, ...]] = {
     "weka-dev-unlimited-kv": (
@@ -60,8 +68,9 @@ CEILINGS: dict[str, tuple[str, ...]] = {
         "weka-dev-squeezed-host",
         "weka-dev-squeezed-hbm",
         _WB,
+        _POOL,
     ),
-    "weka-dev-unlimited-kv-8x": ("weka-dev-scarce-8x", "weka-dev-squeezed-host-8x", _WB8),
+    "weka-dev-unlimited-kv-8x": ("weka-dev-scarce-8x", "weka-dev-squeezed-host-8x", _WB8, _POOL8),
 }
 CEILING_POLICIES = ("kv_cost", "sglang_tree")
 _OFF = "h200-70b-fp8-tp4-offload"
@@ -76,6 +85,8 @@ WORKLOADS: dict[str, _W] = {
     "agentx-long-hi": (AGENTX_LONG, "h200-70b-fp8-tp4-1m-offload", 4, None, (16, 24, 32), (24,)),
     "weka-dev-squeezed-host-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (64, 96, 128), (96,)),
     _WB8: ("weka-dev.tar.gz", _OFF, 8, 180.0, (96, 128), (96,)),
+    _POOL: ("weka-dev.tar.gz", _OFF, 2, 180.0, (16, 24, 32, 48), (32,)),
+    _POOL8: ("weka-dev.tar.gz", _OFF, 8, 180.0, (64, 96, 128), (96,)),
     "weka-dev-unlimited-kv": ("weka-dev.tar.gz", _OFF, 2, 180.0, (24, 32, 40), (32,)),
     "weka-dev-unlimited-kv-8x": ("weka-dev.tar.gz", _OFF, 8, 180.0, (128, 144, 160), (144,)),
 }
@@ -88,6 +99,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "weka-dev-squeezed-host-8x": _SQUEEZED_HOST,
     _WB: {**_SQUEEZED_HOST, "host_write_back": 1},
     _WB8: {**_SQUEEZED_HOST, "host_write_back": 1},
+    # one pool for the cluster, as large as its host tiers together
+    _POOL: {**_SQUEEZED_HOST, "pool_kv_blocks": 2 * 12_000},
+    _POOL8: {**_SQUEEZED_HOST, "pool_kv_blocks": 8 * 12_000},
     "weka-dev-squeezed-hbm": {
         "gpu_kv_blocks": 12_000,
         "cpu_kv_blocks": 21_000,

@@ -25,7 +25,15 @@ from loadtest.prompts import PromptBuilder
 from loadtest.replay.runner import ReplayConfig, replay
 from loadtest.sweep.cpuwatch import CpuWatch
 from loadtest.sweep.disrupt import Disruptor, disruption_figures, scrape
-from loadtest.sweep.stack import PEERS, Router, StackError, TwinCluster, cleanup, needs_events
+from loadtest.sweep.stack import (
+    PEERS,
+    Router,
+    StackError,
+    TwinCluster,
+    cleanup,
+    needs_events,
+    peer_health_args,
+)
 from loadtest.traces import load_trace
 
 if TYPE_CHECKING:
@@ -87,6 +95,9 @@ class SweepConfig:
     # track load themselves); the router's metrics_interval_s is this / speedup, not under
     # MIN_METRICS_INTERVAL_S (see scrape_wall_s)
     scrape_s: float = 0.05
+    # the peers' health checks (sglang-router, vllm-router), wall seconds: every S s, out at
+    # the first failure, as kvroute (stack.peer_health_args); None: the peers' own defaults
+    peer_health_s: int | None = None
 
     @property
     def router_profile_name(self) -> str:
@@ -161,6 +172,7 @@ def run_point(
         "seed": seed,
         "truth": cfg.truth,
         "router_profile": router_profile_of(cfg, target),
+        "peer_health_s": cfg.peer_health_s if peer_health_args(target, cfg.peer_health_s) else None,
     }
     d = out / "points" / target.replace(":", "_") / f"c{conc}"
     if seed is not None:
@@ -199,7 +211,8 @@ def run_point(
             speedup=cfg.speedup,
             extra_env=extra,
             extra_args=scrape_args
-            + (["--priority", "session"] if cfg.priority and target.startswith("kvroute:") else []),
+            + (["--priority", "session"] if cfg.priority and target.startswith("kvroute:") else [])
+            + peer_health_args(target, cfg.peer_health_s),
             roles=dict(zip(cluster.urls, roles, strict=True)) if roles else {},
         )
         with router:

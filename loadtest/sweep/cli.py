@@ -95,6 +95,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "every kvroute policy (default 0.05: upstream llm-d's refresh; 1 was the router's "
         "default before); the wall interval is this / speedup, at least 10 ms",
     )  # fmt: skip
+    p.add_argument(
+        "--peer-health-s",
+        type=int,
+        default=None,
+        metavar="S",
+        help="peer routers (sglang-router, vllm-router) check each replica's /health every S "
+        "wall seconds and take it out at the first failure, as kvroute does (every 2 s); "
+        "default: the peers' own (every 60 s, 3 failures: a replica drained for "
+        "--disrupt rolling-restart is never taken out)",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -143,6 +153,9 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
     if not args.scrape > 0:
         print("kvroute bench: --scrape must be > 0 seconds", file=sys.stderr)
         return 2
+    if args.peer_health_s is not None and args.peer_health_s < 1:
+        print("kvroute bench: --peer-health-s must be at least 1 (whole seconds)", file=sys.stderr)
+        return 2
     cfg = SweepConfig(
         trace=args.trace,
         targets=[t for t in args.targets.split(",") if t],
@@ -169,6 +182,7 @@ def _run_one(args: argparse.Namespace, truth: str, out: str, seeds: list, stagge
         pd=args.pd,
         pd_mode=args.pd_mode,
         scrape_s=args.scrape,
+        peer_health_s=args.peer_health_s,
     )
     try:
         res = run_sweep(cfg, out, command="kvroute bench " + " ".join(sys.argv[2:]))

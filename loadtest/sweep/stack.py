@@ -193,6 +193,19 @@ def needs_events(name: str) -> bool:
     return name == "vllm-router:kv_aware" or name.startswith("dynamo:")
 
 
+def peer_health_args(name: str, interval_s: int | None) -> list[str]:
+    """The flags that make peer ``name`` check each replica's ``/health`` every ``interval_s``
+    wall seconds and take it out at the first failed check, as kvroute does (its defaults:
+    every 2 s, a non-2xx answer once). ``None``, kvroute targets and Dynamo's front (no
+    health checks): none. At their defaults sglang-router and vllm-router check every 60 s
+    and need 3 failures, so a replica drained for a rolling restart is never taken out."""
+    if interval_s is None or name not in PEERS or PEERS[name][0] == "dynamo":
+        return []
+    if interval_s < 1:
+        raise StackError("a peer's health-check interval is whole seconds, at least 1")
+    return ["--health-check-interval-secs", str(int(interval_s)), "--health-failure-threshold", "1"]
+
+
 def peer_python(kind: str) -> Path | None:
     """The peer's venv interpreter (``make bench-peers``), or None when not installed."""
     cache = Path(os.environ.get("KVROUTE_CACHE", Path.home() / ".cache" / "kvroute"))

@@ -141,3 +141,23 @@ def test_the_yardstick_refines_every_policys_grid_at_the_line(monkeypatch) -> No
     monkeypatch.setenv("KVROUTE_BENCH_REFINE", "0")
     line = kp.run_workloads(w, ("kv_cost", "llmd"), quick=False)[-1]
     assert line["line_ok"] is False and set(line["line_flags"]) == {"kv_cost", "llmd"}
+
+
+def test_each_pool_workload_is_its_stock_workload_plus_one_cluster_pool() -> None:
+    """Issue 43's capacity target compares a workload on stock engines with the same engines
+    sharing a pool: same trace, profile, replicas and lanes, the same ceiling, a pool as large
+    as the cluster's host tiers, and a profile that takes it (a write-through host tier)."""
+    from costmodel.profiles import load_profile, with_overrides
+    from loadtest.bench.bench_kv_pressure import OVERRIDES, WORKLOADS
+
+    for stock in ("weka-dev-squeezed-host", "weka-dev-squeezed-host-8x"):
+        pooled = stock.replace("-host", "-host-pool")
+        assert WORKLOADS[pooled] == WORKLOADS[stock]
+        extra = {k: v for k, v in OVERRIDES[pooled].items() if OVERRIDES[stock].get(k) != v}
+        replicas = WORKLOADS[stock][2]
+        assert extra == {"pool_kv_blocks": replicas * OVERRIDES[stock]["cpu_kv_blocks"]}
+        assert [c for c, ws in CEILINGS.items() if pooled in ws] == [
+            c for c, ws in CEILINGS.items() if stock in ws
+        ]
+        prof = with_overrides(load_profile(WORKLOADS[pooled][1]), OVERRIDES[pooled])
+        assert prof.pool_kv_blocks == extra["pool_kv_blocks"]

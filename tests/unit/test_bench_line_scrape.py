@@ -43,6 +43,24 @@ def test_a_peer_gets_no_scrape_flag(monkeypatch, tmp_path):
     assert "--metrics-interval-s" not in argv
 
 
+@pytest.mark.parametrize("peer", ["sglang:cache_aware", "vllm-router:kv_aware"])
+def test_peer_health_s_gives_the_peers_kvroutes_health_checks_and_nothing_by_default(
+    monkeypatch, tmp_path, peer
+):
+    """--disrupt rolling-restart: a drained replica answers /health 503; at their defaults
+    (every 60 s, 3 failures) the peers never take it out, so --peer-health-s matches kvroute's."""
+    argv = _routers_started(monkeypatch, tmp_path, peer, speedup=1.0)
+    assert "--health-check-interval-secs" not in argv
+    argv = _routers_started(monkeypatch, tmp_path, peer, speedup=1.0, peer_health_s=2)
+    assert argv[argv.index("--health-check-interval-secs") + 1] == "2"
+    assert argv[argv.index("--health-failure-threshold") + 1] == "1"
+    kv = _routers_started(monkeypatch, tmp_path, "kvroute:kv_cost", peer_health_s=2)
+    assert "--health-check-interval-secs" not in kv  # kvroute keeps its own flags
+    assert stack.peer_health_args("dynamo:kv", 2) == []  # the harness's front checks nothing
+    with pytest.raises(stack.StackError):
+        stack.peer_health_args(peer, 0)
+
+
 def _row(target: str, lanes: int, inter: float, tput: float) -> dict:
     def mmm(x: float) -> dict:
         return {"min": x, "median": x, "max": x}

@@ -38,6 +38,9 @@ def test_replica_collector_follows_the_live_set():
     assert value(m, "kvroute_replica_prompt_tokens_cached_total", replica="http://a:8000",
                  source="host") == 150.0  # fmt: skip
     assert value(m, "kvroute_router_inflight_requests") == 7.0
+    # /admin/replicas shows the same hits by source (issue 43: the pool's hits beside the rest)
+    assert a.to_json()["cached_by_source"] == {"device": 500.0, "host": 150.0}
+    assert b.to_json()["cached_by_source"] == {}
     rs.set_source("static", ["http://a:8000"])  # b leaves: its series go with it
     assert value(m, "kvroute_replica_healthy", replica="http://b:8000") is None
 

@@ -794,3 +794,33 @@ def test_no_profile_prices_with_the_generic_stand_in():
     st = KVState(KVConfig(block_size=BS, profile="none"), clock=lambda: 0.0)
     assert st.profile_of("A").name == "generic"
     assert st.profile_of("A").block_size == BS
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_a_pool_lets_a_call_leave_its_busy_replica_and_fetch_instead_of_recomputing(pool):
+    """Issue 43, Build 2: the session's replica A holds its prefix on GPU behind two long
+    calls. Without a pool, B would recompute 128k tokens, so the call waits on A; with the
+    prefix in the cluster pool, B (a pool member) loads it on the pool's link and wins. A
+    replica that never published a pool event gets no pool credit."""
+    st = state()
+    st.index.add_replica("C")
+    st.index.store("A", KEYS)
+    if pool:
+        st.index.pool_store("A", KEYS)  # A wrote the prefix through to the pool
+        st.index.add_pool_member("B")  # B reads it (it published a pool event of its own)
+    st.stats["A"] = ReplicaStat(uncached_ewma=100_000, context_ewma=120_000, calls=10)
+    for r in ("B", "C"):
+        st.stats[r] = ReplicaStat(uncached_ewma=2_000, context_ewma=100_000, calls=10)
+    eps = [ep("A", inflight=2, running=0, waiting=2), ep("B"), ep("C")]
+    winner, s = pick(st, eps, ctx_for(), sticky="A")
+    assert s.terms["C"]["tiers"]["pool"] == 0
+    if not pool:
+        assert winner == "A"
+        assert s.terms["B"]["tiers"]["pool"] == 0
+        return
+    assert winner == "B"
+    b = s.terms["B"]
+    assert b["tiers"] == {"gpu": 0, "cpu": 0, "storage": 0, "pool": N}
+    assert b["chose"] == {"pool": "load"}
+    assert b["total_s"] < s.terms["C"]["total_s"]  # a fetch, not a recompute
+    assert s.terms["A"]["tiers"]["gpu"] == N  # A counts its own HBM copy first
