@@ -269,6 +269,7 @@ def sessions_table(
         }
         r["short_ttft_p99_s"] = col("session_completion_by_size", "short", "ttft_p99_s")
         r["tokens_per_gpu_s"] = col("tokens_per_gpu_s")
+        r["preemptions"] = col("preemptions")
     out: dict[str, Any] = {"bound_s": bound_s, "rows": list(rows.values()), "vs": []}
     for (t, lanes), other in sorted(rows.items()):
         mine = rows.get((ours, lanes))
@@ -299,8 +300,8 @@ def sessions_markdown(by_truth: dict[str, list[dict[str, Any]]], ours: str = OUR
             "",
             "| target | lanes | used / runs | P90 tok/s | sessions done | completion mean "
             "| short p50 / p90 | medium p50 / p90 | long p50 / p90 | short TTFT p99 "
-            "| tok/GPU·s | overtaken > bound / calls, max TTFT |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| tok/GPU·s | overtaken > bound / calls, max TTFT | preemptions |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(t["rows"], key=lambda r: (r["lanes"], r["target"] != ours, r["target"])):
             size = " | ".join(
@@ -315,7 +316,7 @@ def sessions_markdown(by_truth: dict[str, list[dict[str, Any]]], ours: str = OUR
                 f"{_mr(r['completion_mean_s'], '{:.1f}')} | {size} | "
                 f"{_mr(r['short_ttft_p99_s'], '{:.2f}')} | "
                 f"{_mr(r['tokens_per_gpu_s'], '{:,.0f}')} | "
-                f"{r['overtaken']} / {r['calls']}, {mx} |"
+                f"{r['overtaken']} / {r['calls']}, {mx} | {_mr(r['preemptions'], '{:.0f}')} |"
             )
         lines.append("")
         for v in t["vs"]:

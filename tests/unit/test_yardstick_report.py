@@ -131,7 +131,9 @@ def test_a_priority_run_is_its_own_target_and_sessions_pair_by_seed(tmp_path: Pa
     assert rows["kvroute:kv_cost"]["completion_mean_s"] == {"min": 50, "median": 60, "max": 70}
     assert rows[ours]["by_size"]["short"]["p90_s"]["median"] == 80.0
     vs = {v["other"]: v for v in t["vs"]}
-    assert vs["kvroute:kv_cost"]["ratios"]["completion mean"] == pytest.approx([0.8, 40 / 60, 40 / 70])
+    assert vs["kvroute:kv_cost"]["ratios"]["completion mean"] == pytest.approx(
+        [0.8, 40 / 60, 40 / 70]
+    )
     assert vs["kvroute:kv_cost"]["ratios"]["short TTFT p99"] == pytest.approx([0.4] * 3)
     assert vs["sglang:cache_aware"]["seeds"] == [0, 1]
     assert vs["sglang:cache_aware"]["unpaired"] == [2]
@@ -160,6 +162,7 @@ def test_overtaken_counts_first_tokens_after_a_call_arriving_past_the_bound() ->
 
 def test_the_session_table_reads_each_points_calls(tmp_path: Path, capsys) -> None:
     p = _sess_point("kvroute:kv_cost", 0, 40.0, 2.0, 1000)
+    p["summary"]["preemptions"] = 5.0
     (tmp_path / p["dir"]).mkdir(parents=True)
     rows = [
         {"ok": True, "replica": "r0", "t_start": 0.0, "ttft_s": 40.0},
@@ -172,4 +175,5 @@ def test_the_session_table_reads_each_points_calls(tmp_path: Path, capsys) -> No
     assert yardstick.main([str(tmp_path), "--sessions"]) == 0
     md = capsys.readouterr().out
     assert "| kvroute:kv_cost | 24 | 1 / 1 |" in md
-    assert "| 1 / 2, 40.0 s |" in md  # one call of two overtaken past 18 s; the longest TTFT
+    # one call of two overtaken past 18 s; the longest TTFT; the engines' preemptions
+    assert "| 1 / 2, 40.0 s | 5 [5–5] |" in md
