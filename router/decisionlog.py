@@ -15,6 +15,9 @@ A line::
     {"t": 1764600000.123, "request_id": "...", "session": "...", "session_replica": "r0",
      "winner": "r1", "move_reason": "cost", "analysed": true, "prompt_tokens": 105096,
      "candidates": {"r0": {"total": 0.41, "kv_cost": {"queue_s": 0.0, ...}}, "r1": {...}}}
+
+With ``priority: session`` a line also carries the ``priority`` sent upstream and its
+``priority_level`` before aging (:mod:`router.priority`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ class DecisionLog:
             "excluded": sorted(ctx.excluded),
             "candidates": cands,
         }
+        if getattr(ctx, "priority", None) is not None:  # priority: session (router.priority)
+            line["priority"] = ctx.priority
+            line["priority_level"] = ctx.priority_level
         pd = ctx.extra.get("pd") if isinstance(getattr(ctx, "extra", None), dict) else None
         if pd is not None:  # a P/D split's verdict (router.disagg): the winner is its prefill
             line["pd"] = pd

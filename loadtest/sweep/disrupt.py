@@ -188,6 +188,19 @@ def hit_sources(metrics_texts: Sequence[str]) -> dict[str, float] | None:
     return out
 
 
+def preemptions(metrics_texts: Sequence[str]) -> float | None:
+    """The engines' preemptions over the point, summed over the twins' ``/metrics``
+    (``vllm:num_preemptions_total``; None when no twin exports it): under ``--priority`` the
+    engine preempts the lowest-priority running request, so this says whether that lever was
+    used at all."""
+    found = [
+        float(m[1])
+        for text in metrics_texts
+        for m in re.finditer(r"^vllm:num_preemptions_total(?:{[^}]*})? (\S+)$", text, re.M)
+    ]
+    return sum(found) if found else None
+
+
 def scrape(urls: Sequence[str]) -> list[str]:
     texts = []
     with httpx.Client(timeout=10) as c:
@@ -203,8 +216,12 @@ def disruption_figures(
     calls: list[dict[str, Any]], d: Disruptor | None, metrics_texts: Sequence[str], speedup: float
 ) -> dict[str, Any]:
     """What a point adds to its summary: the disruption's events and the TTFT (modelled
-    seconds) of the affected sessions' first calls after them; the hit ratio by source."""
-    out: dict[str, Any] = {"hit_by_source": hit_sources(metrics_texts)}
+    seconds) of the affected sessions' first calls after them; the hit ratio by source; the
+    engines' preemptions."""
+    out: dict[str, Any] = {
+        "hit_by_source": hit_sources(metrics_texts),
+        "preemptions": preemptions(metrics_texts),
+    }
     if d is None:
         return out
     ttfts = [x * speedup for x in after_disruption_ttfts(calls, d.events)]

@@ -72,12 +72,17 @@ def test_a_call_placed_before_its_analysis_is_logged_as_not_analysed(tmp_path):
     for keys, n in (([], 3), (None, None), ([7, 8], 64)):
         ctx = RequestContext("r", "/v1/completions", "m", ident, {})
         ctx.block_keys, ctx.prompt_tokens = keys, n
+        if n == 64:  # priority: session set the call's priority before the pick
+            ctx.priority, ctx.priority_level = 17_000_000_123, 3
         log(ctx, Decision(ep, [(ep, 1.0)]))
     log.close()
     lines = [orjson.loads(x) for x in (tmp_path / "d.jsonl").read_bytes().splitlines()]
     assert [(x["analysed"], x["prompt_tokens"]) for x in lines] == [
         (True, 3), (False, None), (True, 64),
     ]  # fmt: skip
+    # the priority sent upstream and its level are on the line only when one was set
+    assert "priority" not in lines[0] and "priority_level" not in lines[1]
+    assert (lines[2]["priority"], lines[2]["priority_level"]) == (17_000_000_123, 3)
 
 
 def test_an_unwritable_decision_log_is_a_configuration_error(tmp_path, capsys):

@@ -99,3 +99,32 @@ def test_bench_lanes_take_a_fine_grid():
 
     assert parse_lanes(a.concurrency) == [16, 18, 20, 22, 24]
     assert a.scrape == 0.05
+
+
+def _started(monkeypatch, tmp_path, target: str, priority: bool) -> tuple[list[str], list[str]]:
+    """(cluster argv, router argv) of one point of ``kvroute bench [--priority]``."""
+    started = fake_sweep_processes(monkeypatch)
+    monkeypatch.setattr(stack, "peer_python", lambda kind: tmp_path / "python")
+    cfg = bench.SweepConfig(trace="t", replicas=2, profile="h200-70b-fp8-tp4", priority=priority)
+    point = bench.run_point(cfg, target, 4, tmp_path, None, None)
+    assert STOPPED in point["error"]
+    (cluster,) = [a for a, _ in started if "cluster" in a]
+    (router,) = [a for a, _ in started if "cluster" not in a]
+    return cluster, router
+
+
+def _sets(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+
+def test_priority_makes_the_twins_schedule_by_priority_and_kvroute_send_it(monkeypatch, tmp_path):
+    """``--priority`` (issue 47): every point's twins run vLLM's priority policy; kvroute
+    targets send their session priority (``--priority session``); a peer sends none (its
+    calls all have priority 0: the policy then orders by arrival, as FCFS)."""
+    cluster, router = _started(monkeypatch, tmp_path, "kvroute:kv_cost", priority=True)
+    assert "priority_scheduling=1" in _sets(cluster)
+    assert router[router.index("--priority") + 1] == "session"
+    cluster, router = _started(monkeypatch, tmp_path, "sglang:cache_aware", priority=True)
+    assert "priority_scheduling=1" in _sets(cluster) and "--priority" not in router
+    cluster, router = _started(monkeypatch, tmp_path, "kvroute:kv_cost", priority=False)
+    assert "priority_scheduling=1" not in _sets(cluster) and "--priority" not in router

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.sweep.bench import SweepConfig, scale_out_of
-from loadtest.sweep.disrupt import Disruptor, after_disruption_ttfts, hit_sources
+from loadtest.sweep.disrupt import Disruptor, after_disruption_ttfts, hit_sources, preemptions
 
 
 def call(session: str, t: float, replica: str, ttft: float | None = 0.1, ok: bool = True) -> dict:
@@ -41,6 +41,13 @@ def test_hits_by_source_from_the_twins_metrics():
         {"device": 0.5, "host": 0.0, "disk": 0.0, "pool": 0.3, "recomputed": 0.2}
     )
     assert hit_sources(["vllm:prefix_cache_queries_total{} 5.0"]) is None
+
+
+def test_preemptions_are_summed_over_the_twins():
+    a = 'vllm:num_preemptions_total{model_name="m",engine="0"} 3.0'
+    b = "# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{} 4.0"
+    assert preemptions([a, b, "vllm:num_requests_waiting{} 9.0"]) == 7.0
+    assert preemptions(["vllm:num_requests_waiting{} 9.0"]) is None
 
 
 def test_disruptions_are_checked():

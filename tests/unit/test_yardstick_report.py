@@ -84,3 +84,96 @@ def test_markdown_names_truth_peer_and_median_ratio(runs: Path, capsys) -> None:
 def test_no_results_is_a_clear_error(tmp_path: Path, capsys) -> None:
     assert yardstick.main([str(tmp_path)]) == 2
     assert "no results.json" in capsys.readouterr().err
+
+
+def _sess_point(target: str, seed: int, mean: float, short_ttft: float, tput: float) -> dict:
+    size = {"sessions": 4, "p50_s": mean, "p90_s": mean * 2, "ttft_p99_s": short_ttft}
+    return {
+        "target": target,
+        "concurrency": 24,
+        "seed": seed,
+        "cpu": {"saturated": False},
+        "dir": f"points/{target.replace(':', '_')}/c24/s{seed}",
+        "summary": {
+            "tokens_per_gpu_s": tput,
+            "p90_interactivity_tok_s": 30.0,
+            "sessions_completed": 6,
+            "session_completion_mean_s": mean,
+            "session_completion_by_size": {
+                "short": size,
+                "medium": {"sessions": 2, "p50_s": 90.0, "p90_s": 95.0, "ttft_p99_s": 9.0},
+                "long": {"sessions": 0, "p50_s": None, "p90_s": None, "ttft_p99_s": None},
+            },
+        },
+    }
+
+
+def test_a_priority_run_is_its_own_target_and_sessions_pair_by_seed(tmp_path: Path) -> None:
+    """Folders of ``kvroute bench`` with and without ``--priority`` read together: the
+    kvroute rows stay apart (not one row whose seeds overwrite each other) and pair by seed."""
+    (tmp_path / "prio").mkdir()
+    (tmp_path / "prio" / "results.json").write_text(json.dumps({
+        "config": {"truth": "nominal", "priority": True},
+        "points": [_sess_point("kvroute:kv_cost", s, 40.0, 2.0, 1000) for s in range(3)],
+    }))  # fmt: skip
+    (tmp_path / "fcfs").mkdir()
+    (tmp_path / "fcfs" / "results.json").write_text(json.dumps({
+        "config": {"truth": "nominal", "priority": False},
+        "points": [_sess_point("kvroute:kv_cost", s, 50.0 + s * 10, 5.0, 1000) for s in range(3)]
+        + [_sess_point("sglang:cache_aware", s, 80.0, 8.0, 800) for s in range(2)],
+    }))  # fmt: skip
+    by_truth = yardstick.load_runs([tmp_path / "prio", tmp_path / "fcfs"])
+    ours = "kvroute:kv_cost" + yardstick.PRIORITY_SUFFIX
+    t = yardstick.sessions_table(by_truth["nominal"], ours=ours)
+    rows = {r["target"]: r for r in t["rows"]}
+    assert set(rows) == {ours, "kvroute:kv_cost", "sglang:cache_aware"}
+    assert rows[ours]["runs"] == 3 and rows["kvroute:kv_cost"]["runs"] == 3
+    assert rows["kvroute:kv_cost"]["completion_mean_s"] == {"min": 50, "median": 60, "max": 70}
+    assert rows[ours]["by_size"]["short"]["p90_s"]["median"] == 80.0
+    vs = {v["other"]: v for v in t["vs"]}
+    assert vs["kvroute:kv_cost"]["ratios"]["completion mean"] == pytest.approx(
+        [0.8, 40 / 60, 40 / 70]
+    )
+    assert vs["kvroute:kv_cost"]["ratios"]["short TTFT p99"] == pytest.approx([0.4] * 3)
+    assert vs["sglang:cache_aware"]["seeds"] == [0, 1]
+    assert vs["sglang:cache_aware"]["unpaired"] == [2]
+    assert vs["sglang:cache_aware"]["ratios"]["tok/GPU-s"] == pytest.approx([1.25, 1.25])
+    md = yardstick.sessions_markdown(by_truth, ours=ours)
+    assert "÷ kvroute:kv_cost (24 lanes), seeds 0, 1, 2" in md
+    assert "completion mean 0.80 / 0.67 / 0.57 (median **0.67×**)" in md
+
+
+def test_overtaken_counts_first_tokens_after_a_call_arriving_past_the_bound() -> None:
+    calls = [
+        # r0: a waits 30 s; c, arriving 20 s after it (past an 18 s bound), has its first
+        # token at 21 s: a was overtaken. b arrived 10 s after a: within the bound of c
+        # (c is 10 s after b), so b is not; nor is c.
+        {"ok": True, "replica": "r0", "t_start": 0.0, "ttft_s": 30.0},
+        {"ok": True, "replica": "r0", "t_start": 10.0, "ttft_s": 25.0},
+        {"ok": True, "replica": "r0", "t_start": 20.0, "ttft_s": 1.0},
+        # another replica's early first token overtakes nobody on r0; a failed call is no call
+        {"ok": True, "replica": "r1", "t_start": 19.0, "ttft_s": 0.5},
+        {"ok": False, "replica": "r0", "t_start": 25.0, "ttft_s": None},
+    ]
+    o = yardstick.overtaken(calls, bound_s=18.0)
+    assert o == {"calls": 4, "overtaken": 1, "ttft_max_s": 30.0}
+    assert yardstick.overtaken(calls, bound_s=25.0)["overtaken"] == 0
+
+
+def test_the_session_table_reads_each_points_calls(tmp_path: Path, capsys) -> None:
+    p = _sess_point("kvroute:kv_cost", 0, 40.0, 2.0, 1000)
+    p["summary"]["preemptions"] = 5.0
+    (tmp_path / p["dir"]).mkdir(parents=True)
+    rows = [
+        {"ok": True, "replica": "r0", "t_start": 0.0, "ttft_s": 40.0},
+        {"ok": True, "replica": "r0", "t_start": 30.0, "ttft_s": 1.0},
+    ]
+    (tmp_path / p["dir"] / "calls.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    (tmp_path / "results.json").write_text(
+        json.dumps({"config": {"truth": "nominal"}, "points": [p]})
+    )
+    assert yardstick.main([str(tmp_path), "--sessions"]) == 0
+    md = capsys.readouterr().out
+    assert "| kvroute:kv_cost | 24 | 1 / 1 |" in md
+    # one call of two overtaken past 18 s; the longest TTFT; the engines' preemptions
+    assert "| 1 / 2, 40.0 s | 5 [5–5] |" in md
