@@ -37,8 +37,9 @@ def test_make_bench_finds_every_bench_module_and_none_is_broken() -> None:
     assert {"bench_cadence", "bench_engine_replay"} <= set(found)
     broken = {n: b.note for n, b in found.items() if b.kind == "broken"}
     assert not broken, broken
-    # the engines' benchmarks need real replicas: slow, but run by name or with --slow
-    for name in ("bench_cadence", "bench_engine_replay", "bench_real_vllm"):
+    # the engines' benchmarks need real replicas, the scale bench minutes of load: slow, but
+    # run by name or with --slow
+    for name in ("bench_cadence", "bench_engine_replay", "bench_real_vllm", "bench_scale"):
         assert found[name].kind == "slow" and found[name].note
     assert found["bench_sim_vs_real"].kind == "standalone"
 

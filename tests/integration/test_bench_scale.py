@@ -1,0 +1,58 @@
+"""``loadtest.bench.bench_scale`` at tiny scale (issue 45's scale bench, so it cannot rot):
+twins, kv_cost routers with the KV layer on (``--workers`` 1 and 2) and 20 streams at the
+router's defaults, a few seconds each; the JSON's shape and zero errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench import bench_scale
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_the_scale_bench_runs_small_and_writes_its_figures(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    assert bench_scale.main(["--quick", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["started"]["loadavg"] and doc["finished"]["cpus"]
+    rows = {r["name"]: r for r in doc["rows"]}
+    q = bench_scale.QUICK_AGENTS
+
+    setup = rows["agents_setup"]
+    assert setup["warm_errors"] == {"direct": 0, "router:w1": 0, "router:w2": 0}
+    rate = q.rates[0]
+    for path in ("direct", "router:w1", "router:w2"):
+        for name in (f"open_{path}_{rate:g}", f"capacity_{path}"):
+            row = rows[name]
+            assert row["errors"] == 0, row
+            assert row["calls"] > 0 and row["achieved_calls_s"] > 0
+            assert row["ttft_p50_ms"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"]
+            # the prompts are the sessions' (system + context + turns), seen by the twin
+            assert row["prompt_tokens_median"] >= q.prompt_tokens
+            assert row["twins_cores"] > 0
+            assert row["loadavg_before"]
+    for w in (1, 2):
+        open_row = rows[f"open_router:w{w}_{rate:g}"]
+        assert isinstance(open_row["added_ttft_p99_ms"], float)
+        assert isinstance(open_row["within_budget"], bool)
+        cap = rows[f"capacity_router:w{w}"]
+        assert cap["router_cpu_ms_per_call"] > 0 and cap["router_cores"] > 0
+    assert "router_cores" not in rows["capacity_direct"]  # direct has no router to measure
+
+    summary = rows["agents_summary"]
+    assert summary["target_calls_s"] == 200 and summary["target_scaling_w2"] == 1.8
+    assert summary["scaling_w2_vs_w1"] > 0
+    assert summary["w1_router_cpu_ms_per_call"] > 0 and summary["w1_calls_s_per_router_core"] > 0
+    assert summary["w2_max_rate_within_budget"] in (0.0, rate)
+
+    streams = rows[f"streams_{bench_scale.QUICK_STREAMS.streams}"]
+    assert streams["ok"] == streams["streams"] == 20
+    assert streams["errors"] == 0 and streams["error_kinds"] == {}
+    assert streams["peak_in_flight"] == 20
+    assert 0 < streams["peak_answered_open"] <= 20
+    assert streams["router_rss_peak_mb"] > 0 and streams["router_cores"] > 0
+    assert streams["target_met"] is False  # 20 streams are not the 2,000 of the target
