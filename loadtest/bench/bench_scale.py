@@ -289,23 +289,26 @@ async def _warm(sessions: Sessions, route: Callable[[int], str], calls: int) -> 
 
 
 async def _open_loop(
-    sessions: Sessions, route: Callable[[int], str], rate: float, duration_s: float
-) -> tuple[list[CallResult], float]:
-    """Calls at ``rate``/s for ``duration_s``, round-robin over the sessions."""
-    n = max(1, int(rate * duration_s))
-    locks = [asyncio.Lock() for _ in sessions.ids]
-    out: list[CallResult] = []
+    paths: list[tuple[Sessions, Callable[[int], str]]], rate: float, duration_s: float
+) -> tuple[list[list[CallResult]], float]:
+    """Calls at ``rate``/s on each path for ``duration_s``, the paths' calls interleaved (one
+    to each in turn, so both see the same machine), round-robin over each path's sessions."""
+    n = max(1, int(rate * duration_s)) * len(paths)
+    total = rate * len(paths)
+    locks = [[asyncio.Lock() for _ in ss.ids] for ss, _ in paths]
+    out: list[list[CallResult]] = [[] for _ in paths]
     async with _client() as cs:
         t_base = time.perf_counter() + 0.05
 
         async def one(k: int) -> None:
-            s = k % len(sessions.ids)
-            planned = k / rate
+            p, j = k % len(paths), k // len(paths)
+            ss, route = paths[p]
+            s = j % len(ss.ids)
+            planned = k / total
             await asyncio.sleep(max(0.0, t_base + planned - time.perf_counter()))
-            async with locks[s]:
-                out.append(
-                    await _call(cs, route(s), sessions.body(s), sessions.ids[s], planned, t_base)
-                )
+            async with locks[p][s]:
+                r = await _call(cs, route(s), ss.body(s), ss.ids[s], planned, t_base)
+                out[p].append(r)
 
         await asyncio.gather(*(one(k) for k in range(n)))
         wall = time.perf_counter() - t_base
@@ -352,6 +355,73 @@ def _summarize(results: list[CallResult], wall: float) -> dict[str, Any]:
         "prompt_tokens_median": int(statistics.median(toks)) if toks else None,
         "wall_s": round(wall, 2),
     }
+
+
+def kv_layer(url: str) -> dict[str, Any]:
+    """What the router's ``/metrics`` says of its KV layer: the mode it runs in, how its
+    calls' prompt analyses went, the KV event batches applied (one worker's, with
+    ``--workers``: whichever answers)."""
+    import httpx
+
+    out: dict[str, Any] = {"mode": None, "analyses": {}, "event_batches": 0.0}
+    try:
+        text = httpx.get(url + "/metrics", timeout=10.0).text
+    except httpx.HTTPError as e:
+        return {"error": repr(e)}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, val = line.rsplit(" ", 1)
+        if key.startswith("kvroute_kv_layer_mode{") and float(val) == 1.0:
+            out["mode"] = key.split('mode="', 1)[1].split('"', 1)[0]
+        elif key.startswith("kvroute_kv_analyses_total{"):
+            out["analyses"][key.split('outcome="', 1)[1].split('"', 1)[0]] = float(val)
+        elif key.startswith("kvroute_kv_event_batches_total"):
+            out["event_batches"] += float(val)
+    return out
+
+
+def _keeps_up(row: dict[str, Any], rate: float) -> bool:
+    return bool(row["achieved_calls_s"] and row["achieved_calls_s"] >= 0.95 * rate)
+
+
+def _proc_cpu(pgid: int | None) -> dict[int, tuple[str, float]]:
+    """pid -> (what it is, CPU seconds) for each process of a router's group: ``serve`` (a
+    router process: the one, or with ``--workers`` the parent and each worker), ``analysis``
+    (a multiprocessing child: the prompt analysis off the loop), ``reaper``."""
+    from loadtest.sweep.cpuwatch import _group_pids
+
+    out: dict[int, tuple[str, float]] = {}
+    if pgid is None:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in _group_pids(pgid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        f = stat[stat.rindex(")") + 2 :].split()
+        what = ("reaper" if "loadtest.reaper" in cmd
+                else "analysis" if "multiprocessing" in cmd else "serve")  # fmt: skip
+        out[pid] = (what, (int(f[11]) + int(f[12])) / tick)
+    return out
+
+
+def _per_proc(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], calls: int
+) -> dict[str, float]:
+    """The router group's CPU per call (ms) by process, busiest first within a kind."""
+    if not calls:
+        return {}
+    used: dict[str, list[float]] = {}
+    for pid, (what, cpu) in after.items():
+        used.setdefault(what, []).append(cpu - before.get(pid, (what, 0.0))[1])
+    out: dict[str, float] = {}
+    for what, xs in sorted(used.items()):
+        for i, x in enumerate(sorted(xs, reverse=True)):
+            out[what if len(xs) == 1 else f"{what}{i + 1}"] = round(x * 1e3 / calls, 2)
+    return out
 
 
 def _cpu_groups(rec: dict[str, Any], calls: int, router: str | None) -> dict[str, Any]:
@@ -420,28 +490,33 @@ def run_agents(
             return g
 
         best: dict[str, float] = {}
+        direct = paths["direct"]
         for rate in cfg.rates:
-            case: dict[str, dict[str, Any]] = {}
+            box_limit = False
             for name, (ss, route, pgid) in paths.items():
-                load0 = machine_load()
-                watch = CpuWatch(groups(pgid), interval_s=0.5).start()
-                res, wall = asyncio.run(_open_loop(ss, route, rate, cfg.trial_s))
-                rec = watch.stop()
-                row = {"name": f"open_{name}_{rate:g}", "part": "agents", "mode": "open",
-                       "path": name, "offered_calls_s": rate, **_summarize(res, wall)}  # fmt: skip
-                row.update(
-                    _cpu_groups(rec, row["calls"] - row["errors"], "router" if pgid else None)
-                )
-                row["keeps_up"] = bool(
-                    row["achieved_calls_s"] and row["achieved_calls_s"] >= 0.95 * rate
-                )
-                row["loadavg_before"] = load0["loadavg"]
-                row["realtime_procs"] = load0["realtime_procs"]
-                case[name] = row
-            d = case["direct"]
-            for name, row in case.items():
                 if name == "direct":
                     continue
+                # the router's path and direct, interleaved call by call at ``rate`` each
+                load0 = machine_load()
+                watch = CpuWatch(groups(pgid), interval_s=0.5).start()
+                p0 = _proc_cpu(pgid)
+                (rres, dres), wall = asyncio.run(
+                    _open_loop([(ss, route), (direct[0], direct[1])], rate, cfg.trial_s)
+                )
+                p1 = _proc_cpu(pgid)
+                rec = watch.stop()
+                load = {"loadavg_before": load0["loadavg"],
+                        "realtime_procs": load0["realtime_procs"]}  # fmt: skip
+                d = {"name": f"open_direct_beside_{name}_{rate:g}", "part": "agents",
+                     "mode": "open", "path": "direct", "offered_calls_s": rate,
+                     **_summarize(dres, wall), **load}  # fmt: skip
+                d["keeps_up"] = _keeps_up(d, rate)
+                row = {"name": f"open_{name}_{rate:g}", "part": "agents", "mode": "open",
+                       "path": name, "offered_calls_s": rate, **_summarize(rres, wall)}  # fmt: skip
+                row.update(_cpu_groups(rec, row["calls"] - row["errors"], "router"))
+                row["router_procs_cpu_ms_per_call"] = _per_proc(p0, p1, row["calls"])
+                row["keeps_up"] = _keeps_up(row, rate)
+                row.update(load)
                 if row["ttft_p99_ms"] is not None and d["ttft_p99_ms"] is not None:
                     row["added_ttft_p99_ms"] = round(row["ttft_p99_ms"] - d["ttft_p99_ms"], 2)
                     row["added_ttft_p50_ms"] = round(row["ttft_p50_ms"] - d["ttft_p50_ms"], 2)
@@ -451,16 +526,19 @@ def run_agents(
                     )  # fmt: skip
                     if row["within_budget"]:
                         best[name] = max(best.get(name, 0.0), rate)
-            for row in case.values():
+                emit(d)
                 emit(row)
-            if not d["keeps_up"]:
+                box_limit = box_limit or not d["keeps_up"]
+            if box_limit:
                 break  # the box's limit: direct itself falls behind
         cap: dict[str, dict[str, Any]] = {}
         if cfg.capacity:
             for name, (ss, route, pgid) in paths.items():
                 load0 = machine_load()
                 watch = CpuWatch(groups(pgid), interval_s=0.5).start()
+                p0 = _proc_cpu(pgid)
                 res, wall = asyncio.run(_closed_loop(ss, route, cfg.trial_s))
+                p1 = _proc_cpu(pgid)
                 rec = watch.stop()
                 row = {"name": f"capacity_{name}", "part": "agents", "mode": "closed",
                        "path": name, "concurrency": cfg.sessions}  # fmt: skip
@@ -468,6 +546,8 @@ def run_agents(
                 row.update(
                     _cpu_groups(rec, row["calls"] - row["errors"], "router" if pgid else None)
                 )
+                if pgid is not None:
+                    row["router_procs_cpu_ms_per_call"] = _per_proc(p0, p1, row["calls"])
                 row["loadavg_before"] = load0["loadavg"]
                 row["realtime_procs"] = load0["realtime_procs"]
                 cap[name] = row
@@ -487,6 +567,8 @@ def run_agents(
                     summary[f"w{w}_calls_s_per_router_core"] = round(1e3 / cpc, 1)
         if "direct" in cap:
             summary["direct_capacity_calls_s"] = cap["direct"]["achieved_calls_s"]
+        for w, r in routers.items():
+            summary[f"w{w}_kv_layer"] = kv_layer(r.url)
         c1, c2 = cap.get("router:w1"), cap.get("router:w2")
         if c1 and c2 and c1["achieved_calls_s"]:
             summary["scaling_w2_vs_w1"] = round(c2["achieved_calls_s"] / c1["achieved_calls_s"], 2)
