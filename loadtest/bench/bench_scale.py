@@ -16,17 +16,20 @@ H200 profile is well under a millisecond of wall time) and a GPU pool that holds
 so the engine is not what is measured. The router runs ``kv_cost`` with the KV layer on:
 the twins' tokenizer, their KV events (each twin binds its own endpoint), the profile.
 
-Three paths, each with its own sessions (warmed with ``warm_calls`` unmeasured calls, so the
-router's and the twins' incremental tokenization hold every session): ``direct`` (session
-``s`` always to twin ``s % replicas``), ``router:w1`` and ``router:w2`` (``--workers`` 1 and 2).
+Three paths, each with its own sessions (warmed with ``warm_calls`` unmeasured calls per
+router worker, each on a new connection, so the router's workers and the twins hold every
+session's tokens and blocks): ``direct`` (session ``s`` always to twin ``s % replicas``),
+``router:w1`` and ``router:w2`` (``--workers`` 1 and 2).
 
-* ``open`` rows: open-loop arrivals at each rate of ``rates`` for ``trial_s`` seconds, round-
-  robin over the path's sessions (a session's calls never overlap: a call waits for its
-  session's previous one). Per path: achieved calls/s, TTFT p50/p99 (request sent → first
-  token's chunk), errors, how late calls left (a path that cannot keep up falls behind), and
-  the CPU of the router's processes and of everything else. ``added_ttft_p99_ms``: the
-  router's TTFT p99 minus direct's at the same rate, measured back to back. The ramp stops
-  once direct itself cannot keep up (the box's limit, not the router's).
+* ``open`` rows: open-loop arrivals at each rate of ``rates`` for ``trial_s`` seconds (longer
+  at low rates: ``min_calls`` a path, for a p99), round-robin over the path's sessions (a
+  session's calls never overlap: a call waits for its session's previous one). A router's
+  path and direct run together, their calls interleaved one by one at the rate each, so
+  both see the same machine. Per path: achieved calls/s, TTFT p50/p99 (request sent → first
+  token's chunk), errors, how late calls left (a path that cannot keep up falls behind), the
+  cores each process group used and the router's CPU per call by process.
+  ``added_ttft_p99_ms``: the router's TTFT p99 minus direct's in the same trial. The ramp
+  stops once direct itself cannot keep up (the box's limit, not the router's).
 * ``capacity`` rows: closed loop, every session of the path calling back to back for
   ``trial_s``: the calls/s the path gives on this box and the router's CPU per call.
   ``scaling_w2_vs_w1`` is router:w2's capacity over router:w1's.
@@ -85,9 +88,10 @@ class AgentConfig:
     turn_tokens: int = 150  # added per call (assistant reply + user turn)
     max_tokens: int = 16
     speedup: float = 1000.0
-    rates: list[float] = field(default_factory=lambda: [10, 20, 40, 80, 160, 200])
+    rates: list[float] = field(default_factory=lambda: [5, 10, 20, 40, 80, 160, 200])
     trial_s: float = 8.0
-    warm_calls: int = 2
+    warm_calls: int = 2  # per worker
+    min_calls: int = 100  # per path and open-loop trial (longer trials at low rates)
     workers: list[int] = field(default_factory=lambda: [1, 2])
     added_ttft_budget_ms: float = 10.0
     capacity: bool = True
@@ -105,7 +109,7 @@ class StreamConfig:
 
 QUICK_AGENTS = AgentConfig(
     replicas=2, sessions=4, prompt_tokens=4_000, turn_tokens=50, rates=[5], trial_s=2.0,
-    warm_calls=1, workers=[1, 2], capacity=True,
+    warm_calls=1, min_calls=5, workers=[1, 2], capacity=True,
 )  # fmt: skip
 QUICK_STREAMS = StreamConfig(streams=20, replicas=2, max_num_seqs=64, stream_tokens=8,
                              stream_speedup=1.0, timeout_s=60.0)  # fmt: skip
@@ -269,20 +273,25 @@ def _client(limit: int = 0) -> Any:
     )
 
 
-async def _warm(sessions: Sessions, route: Callable[[int], str], calls: int) -> list[str]:
-    """Each session's first ``calls`` calls, unmeasured (cold tokenization, KV placement)."""
-    errors: list[str] = []
-    async with _client() as cs:
-        sem = asyncio.Semaphore(4)
-        for _ in range(calls):
+async def _warm(sessions: Sessions, route: Callable[[int], str], rounds: int) -> list[str]:
+    """Each session's first ``rounds`` calls, unmeasured (cold tokenization, KV placement).
+    Every call on a new connection, so behind ``--workers N`` (``SO_REUSEPORT`` places a
+    connection, not a call) a session's calls land on the workers at random and each worker
+    has most likely seen it (with ``rounds`` = 2 N, a given worker misses a given session with
+    odds 4^-N)."""
+    import aiohttp
 
-            async def one(s: int) -> None:
-                async with sem:
-                    r = await _call(
-                        cs, route(s), sessions.body(s), sessions.ids[s], 0.0, time.perf_counter()
-                    )
-                    if not r.ok:
-                        errors.append(r.error or "?")
+    errors: list[str] = []
+    for _ in range(rounds):
+        conn = aiohttp.TCPConnector(limit=4, force_close=True)
+        async with aiohttp.ClientSession(connector=conn) as cs:
+
+            async def one(s: int, cs: aiohttp.ClientSession = cs) -> None:
+                r = await _call(
+                    cs, route(s), sessions.body(s), sessions.ids[s], 0.0, time.perf_counter()
+                )
+                if not r.ok:
+                    errors.append(r.error or "?")
 
             await asyncio.gather(*(one(s) for s in range(len(sessions.ids))))
     return errors
@@ -470,11 +479,13 @@ def run_agents(
         paths: dict[str, tuple[Sessions, Callable[[int], str], int | None]] = {}
         urls = twins.urls
         paths["direct"] = (Sessions("direct", cfg, 1), lambda s: urls[s % len(urls)], None)
+        rounds = {"direct": cfg.warm_calls}
         for w, r in routers.items():
             u = r.url
             paths[f"router:w{w}"] = (Sessions(f"w{w}", cfg, 10 + w), lambda s, u=u: u, r.pgid)
+            rounds[f"router:w{w}"] = cfg.warm_calls * w  # every worker sees every session
         t0 = time.perf_counter()
-        warm_errors = {name: asyncio.run(_warm(ss, route, cfg.warm_calls))
+        warm_errors = {name: asyncio.run(_warm(ss, route, rounds[name]))
                        for name, (ss, route, _) in paths.items()}  # fmt: skip
         emit({"name": "agents_setup", "replicas": cfg.replicas, "sessions_per_path": cfg.sessions,
               "prompt_tokens": cfg.prompt_tokens, "turn_tokens": cfg.turn_tokens,
@@ -500,8 +511,9 @@ def run_agents(
                 load0 = machine_load()
                 watch = CpuWatch(groups(pgid), interval_s=0.5).start()
                 p0 = _proc_cpu(pgid)
+                trial_s = min(max(cfg.trial_s, cfg.min_calls / rate), 4 * cfg.trial_s)
                 (rres, dres), wall = asyncio.run(
-                    _open_loop([(ss, route), (direct[0], direct[1])], rate, cfg.trial_s)
+                    _open_loop([(ss, route), (direct[0], direct[1])], rate, trial_s)
                 )
                 p1 = _proc_cpu(pgid)
                 rec = watch.stop()
