@@ -25,22 +25,27 @@ def test_the_scale_bench_runs_small_and_writes_its_figures(tmp_path: Path) -> No
     setup = rows["agents_setup"]
     assert setup["warm_errors"] == {"direct": 0, "router:w1": 0, "router:w2": 0}
     rate = q.rates[0]
-    for path in ("direct", "router:w1", "router:w2"):
-        for name in (f"open_{path}_{rate:g}", f"capacity_{path}"):
-            row = rows[name]
-            assert row["errors"] == 0, row
-            assert row["calls"] > 0 and row["achieved_calls_s"] > 0
-            assert row["ttft_p50_ms"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"]
-            # the prompts are the sessions' (system + context + turns), seen by the twin
-            assert row["prompt_tokens_median"] >= q.prompt_tokens
-            assert row["twins_cores"] > 0
-            assert row["loadavg_before"]
+    names = [f"capacity_{p}" for p in ("direct", "router:w1", "router:w2")]
+    for w in (1, 2):  # each router's path beside direct, interleaved
+        names += [f"open_router:w{w}_{rate:g}", f"open_direct_beside_router:w{w}_{rate:g}"]
+    for name in names:
+        row = rows[name]
+        assert row["errors"] == 0, row
+        assert row["calls"] > 0 and row["achieved_calls_s"] > 0
+        assert row["ttft_p50_ms"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"]
+        # the prompts are the sessions' (system + context + turns), seen by the twin
+        assert row["prompt_tokens_median"] >= q.prompt_tokens
+        assert row["loadavg_before"]
     for w in (1, 2):
         open_row = rows[f"open_router:w{w}_{rate:g}"]
         assert isinstance(open_row["added_ttft_p99_ms"], float)
         assert isinstance(open_row["within_budget"], bool)
+        assert open_row["twins_cores"] > 0 and open_row["router_cores"] > 0
         cap = rows[f"capacity_router:w{w}"]
         assert cap["router_cpu_ms_per_call"] > 0 and cap["router_cores"] > 0
+        # by process: the router's loop(s) did the work (w2: a parent and two workers)
+        serve = {k: v for k, v in cap["router_procs_cpu_ms_per_call"].items() if "serve" in k}
+        assert len(serve) == (1 if w == 1 else 3) and sum(serve.values()) > 0
     assert "router_cores" not in rows["capacity_direct"]  # direct has no router to measure
 
     summary = rows["agents_summary"]
@@ -48,6 +53,9 @@ def test_the_scale_bench_runs_small_and_writes_its_figures(tmp_path: Path) -> No
     assert summary["scaling_w2_vs_w1"] > 0
     assert summary["w1_router_cpu_ms_per_call"] > 0 and summary["w1_calls_s_per_router_core"] > 0
     assert summary["w2_max_rate_within_budget"] in (0.0, rate)
+    for w in (1, 2):  # the KV layer was on, fed by the twins' events
+        kv = summary[f"w{w}_kv_layer"]
+        assert kv["mode"] == "full" and kv["event_batches"] > 0, kv
 
     streams = rows[f"streams_{bench_scale.QUICK_STREAMS.streams}"]
     assert streams["ok"] == streams["streams"] == 20
