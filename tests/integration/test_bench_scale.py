@@ -62,5 +62,6 @@ def test_the_scale_bench_runs_small_and_writes_its_figures(tmp_path: Path) -> No
     assert streams["errors"] == 0 and streams["error_kinds"] == {}
     assert streams["peak_in_flight"] == 20
     assert 0 < streams["peak_answered_open"] <= 20
+    assert 0 < streams["head_p50_s"] <= streams["head_max_s"] <= streams["ttft_max_s"]
     assert streams["router_rss_peak_mb"] > 0 and streams["router_cores"] > 0
     assert streams["target_met"] is False  # 20 streams are not the 2,000 of the target
