@@ -14,7 +14,9 @@ shared system prompt (~8k tokens), the session's own context (the rest of ``prom
 a word. Twins in simulated time at a high ``--speedup`` (1000: a 1k-token prefill on the
 H200 profile is well under a millisecond of wall time) and a GPU pool that holds every session,
 so the engine is not what is measured. The router runs ``kv_cost`` with the KV layer on:
-the twins' tokenizer, their KV events (each twin binds its own endpoint), the profile.
+the twins' tokenizer, their KV events (each twin binds its own endpoint), the profile; its
+health-check timeout is raised to ``TWIN_HEALTH_TIMEOUT_S`` (the twins' loop, not the router,
+stalls on a cold 100k-token prompt), every other setting is its default.
 
 Three paths, each with its own sessions (warmed with ``warm_calls`` unmeasured calls per
 router worker, each on a new connection, so the router's workers and the twins hold every
@@ -77,6 +79,10 @@ SLOW = "twins, 3 routers and 2,000 streams: ~5 min; --only scale [--quick]"
 
 PROFILE = "h200-70b-fp8"
 BLOCK = 64  # the profile's block size: the router's KV layer hashes the same blocks
+# The agents part's routers wait this long for a twin's health check (default 2 s): a twin's
+# loop stalls while it tokenizes a session's first 100k-token prompt, and every twin of the
+# cluster shares one process, so on a starved box a warm-up marked them all unhealthy.
+TWIN_HEALTH_TIMEOUT_S = 10.0
 SYSTEM_TOKENS = 8_000  # an agent type's tools + system prompt, shared by its sessions
 AGENT_TYPES = 2
 
@@ -477,7 +483,8 @@ def run_agents(
         for w in cfg.workers:
             r = Router("kvroute:kv_cost", twins.urls, work, event_endpoints=twins.event_endpoints,
                        block_size=BLOCK, profile=PROFILE, speedup=cfg.speedup,
-                       extra_args=["--workers", str(w)])  # fmt: skip
+                       extra_args=["--workers", str(w), "--health-timeout-s",
+                                   repr(TWIN_HEALTH_TIMEOUT_S)])  # fmt: skip
             routers[w] = r.start(timeout_s=120)
         paths: dict[str, tuple[Sessions, Callable[[int], str], int | None]] = {}
         urls = twins.urls
@@ -495,6 +502,7 @@ def run_agents(
               "speedup": cfg.speedup, "gpu_kv_blocks_per_twin": max(per_twin, 4096),
               "warm_s": round(time.perf_counter() - t0, 1),
               "warm_errors": {k: len(v) for k, v in warm_errors.items()},
+              "warm_error_kinds": {k: sorted(set(v)) for k, v in warm_errors.items() if v},
               "load": machine_load()})  # fmt: skip
 
         def groups(pgid: int | None) -> dict[str, int | None]:
@@ -788,6 +796,53 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     )
 
 
+# (row name, field, what it is) for :func:`summarize`: the figures the targets are judged on
+SUMMARY_FIELDS = [
+    ("agents_summary", "w1_capacity_calls_s", "router --workers 1: calls/s (closed loop)"),
+    ("agents_summary", "w2_capacity_calls_s", "router --workers 2: calls/s (closed loop)"),
+    ("agents_summary", "direct_capacity_calls_s", "direct to twins: calls/s (closed loop)"),
+    ("agents_summary", "scaling_w2_vs_w1", "--workers 2 / --workers 1 (closed loop)"),
+    ("agents_summary", "w1_router_cpu_ms_per_call", "router CPU ms a call, --workers 1"),
+    ("agents_summary", "w1_calls_s_per_router_core", "calls/s one router core gives"),
+    ("agents_summary", "w2_router_cpu_ms_per_call", "router CPU ms a call, --workers 2"),
+    ("agents_summary", "w1_max_rate_within_budget", "highest rate, added TTFT p99 <= 10 ms, w1"),
+    ("agents_summary", "w2_max_rate_within_budget", "highest rate, added TTFT p99 <= 10 ms, w2"),
+]
+
+
+def summarize(paths: list[str]) -> str:
+    """A markdown table of the headline figures over repeated runs' JSON: min / median / max,
+    then each open-loop rate's added TTFT p99 and the streams' errors and RSS."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    rows_by = [{r["name"]: r for r in d["rows"]} for d in docs]
+
+    def mmm(xs: list[Any]) -> str:
+        xs = [x for x in xs if isinstance(x, (int, float))]
+        if not xs:
+            return "–"
+        return f"{min(xs):g} / {statistics.median(xs):g} / {max(xs):g}"
+
+    out = [f"| figure ({len(docs)} runs: min / median / max) | value |", "|---|---|"]
+    for row, fld, what in SUMMARY_FIELDS:
+        vals = [rb.get(row, {}).get(fld) for rb in rows_by]
+        if any(v is not None for v in vals):
+            out.append(f"| {what} | {mmm(vals)} |")
+    names = sorted({n for rb in rows_by for n in rb if n.startswith("open_router:")})
+    for n in names:
+        vals = [rb[n].get("added_ttft_p99_ms") for rb in rows_by if n in rb]
+        ach = [rb[n].get("achieved_calls_s") for rb in rows_by if n in rb]
+        out.append(f"| {n}: added TTFT p99 ms (achieved calls/s {mmm(ach)}) | {mmm(vals)} |")
+    for n in sorted({n for rb in rows_by for n in rb if n.startswith("streams_")}):
+        got = [rb[n] for rb in rows_by if n in rb]
+        out.append(f"| {n}: errors | {mmm([g.get('errors') for g in got])} |")
+        rss = [g.get("router_rss_peak_mb") for g in got]
+        out.append(f"| {n}: router RSS peak MB | {mmm(rss)} |")
+        out.append(f"| {n}: longest pool wait s | {mmm([g.get('head_max_s') for g in got])} |")
+    loads = [d.get("started", {}).get("loadavg") for d in docs]
+    out.append(f"| loadavg at start | {'; '.join(' '.join(x) for x in loads if x)} |")
+    return "\n".join(out)
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
@@ -796,6 +851,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench.bench_scale", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--part", choices=("agents", "streams", "all"), default="all")
+    ap.add_argument(
+        "--summarize", nargs="+", metavar="JSON", help="print a table over runs' --out files"
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (the test's)")
     ap.add_argument(
         "--out", default=None, help="write {config, rows} as JSON here (and as rows land)"
@@ -819,6 +877,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs)
     ap.add_argument("--stream-timeout-s", type=float, default=s.timeout_s)
     args = ap.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
     if args.quick:
         acfg, scfg = QUICK_AGENTS, QUICK_STREAMS
     else:
