@@ -624,6 +624,8 @@ async def _streams(url: str, cfg: StreamConfig, pgid: int | None) -> dict[str, A
     took: list[float] = []
     errors: dict[str, int] = {}
 
+    samples: list[str] = []  # distinct error bodies (the router's message names the cause)
+
     def err(kind: str) -> None:
         errors[kind] = errors.get(kind, 0) + 1
 
@@ -639,8 +641,10 @@ async def _streams(url: str, cfg: StreamConfig, pgid: int | None) -> dict[str, A
                                    headers={"Content-Type": "application/json",
                                             "X-Session-ID": f"stream-{i}"}) as r:  # fmt: skip
                     if r.status != 200:
-                        await r.read()
+                        text = (await r.read()).decode(errors="replace")[:300]
                         err(f"http {r.status}")
+                        if len(samples) < 5 and text not in samples:
+                            samples.append(text)
                         return
                     head.append(time.perf_counter() - t0)
                     open_now += 1
@@ -700,6 +704,7 @@ async def _streams(url: str, cfg: StreamConfig, pgid: int | None) -> dict[str, A
         "router_rss_before_mb": round(rss0, 1),
         "router_rss_peak_mb": round(rss_peak, 1),
         "router_rss_after_mb": round(rss_after, 1),
+        "error_samples": samples,
     }
 
 
@@ -738,6 +743,14 @@ class DefaultRouter:
     def pgid(self) -> int | None:
         return self._proc.proc.pid if self._proc is not None and self._proc.proc else None
 
+    def warnings(self, n: int = 12) -> list[str]:
+        """The router log's last ``n`` WARNING/ERROR lines (replica health, breakers)."""
+        try:
+            lines = (self.workdir / "router-default.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [x[:300] for x in lines if " WARNING " in x or " ERROR " in x][-n:]
+
     def stop(self) -> None:
         if self._proc is not None:
             self._proc.stop(grace_s=5.0)
@@ -769,6 +782,7 @@ def run_streams(
                                "replicas": cfg.replicas, "stream_tokens": cfg.stream_tokens,
                                "twin_speedup": cfg.stream_speedup, **res}  # fmt: skip
         row.update(_cpu_groups(rec, 0, "router"))
+        row["router_warnings"] = router.warnings()
         row["load_before"] = load0
         row["load_after"] = machine_load()
         row["target_met"] = res["errors"] == 0 and cfg.streams >= 2000
@@ -822,16 +836,18 @@ def summarize(paths: list[str]) -> str:
             return "–"
         return f"{min(xs):g} / {statistics.median(xs):g} / {max(xs):g}"
 
-    out = [f"| figure ({len(docs)} runs: min / median / max) | value |", "|---|---|"]
+    out = [f"| figure ({len(docs)} files: min / median / max) | value |", "|---|---|"]
     for row, fld, what in SUMMARY_FIELDS:
         vals = [rb.get(row, {}).get(fld) for rb in rows_by]
         if any(v is not None for v in vals):
             out.append(f"| {what} | {mmm(vals)} |")
-    names = sorted({n for rb in rows_by for n in rb if n.startswith("open_router:")})
-    for n in names:
-        vals = [rb[n].get("added_ttft_p99_ms") for rb in rows_by if n in rb]
-        ach = [rb[n].get("achieved_calls_s") for rb in rows_by if n in rb]
-        out.append(f"| {n}: added TTFT p99 ms (achieved calls/s {mmm(ach)}) | {mmm(vals)} |")
+    names = {n for rb in rows_by for n in rb if n.startswith("open_router:")}
+    for n in sorted(names, key=lambda n: (n.rsplit("_", 1)[0], float(n.rsplit("_", 1)[1]))):
+        got = [rb[n] for rb in rows_by if n in rb]
+        ach = mmm([g.get("achieved_calls_s") for g in got])
+        p50 = mmm([g.get("added_ttft_p50_ms") for g in got])
+        p99 = mmm([g.get("added_ttft_p99_ms") for g in got])
+        out.append(f"| {n}: added TTFT ms (achieved calls/s {ach}) | p50 {p50}; p99 {p99} |")
     for n in sorted({n for rb in rows_by for n in rb if n.startswith("streams_")}):
         got = [rb[n] for rb in rows_by if n in rb]
         out.append(f"| {n}: errors | {mmm([g.get('errors') for g in got])} |")

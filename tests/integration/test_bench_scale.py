@@ -59,9 +59,23 @@ def test_the_scale_bench_runs_small_and_writes_its_figures(tmp_path: Path) -> No
 
     streams = rows[f"streams_{bench_scale.QUICK_STREAMS.streams}"]
     assert streams["ok"] == streams["streams"] == 20
-    assert streams["errors"] == 0 and streams["error_kinds"] == {}
+    assert (
+        streams["errors"] == 0 and streams["error_kinds"] == {} and streams["error_samples"] == []
+    )
+    assert isinstance(streams["router_warnings"], list)
     assert streams["peak_in_flight"] == 20
     assert 0 < streams["peak_answered_open"] <= 20
     assert 0 < streams["head_p50_s"] <= streams["head_max_s"] <= streams["ttft_max_s"]
     assert streams["router_rss_peak_mb"] > 0 and streams["router_cores"] > 0
     assert streams["target_met"] is False  # 20 streams are not the 2,000 of the target
+
+    # the table over repeated runs (here the one run twice): min / median / max
+    table = bench_scale.summarize([str(out), str(out)]).splitlines()
+    assert table[0].startswith("| figure (2 files: min / median / max)")
+    scaling = summary["scaling_w2_vs_w1"]
+    assert (
+        f"| --workers 2 / --workers 1 (closed loop) | {scaling:g} / {scaling:g} / {scaling:g} |"
+        in table
+    )
+    assert "| streams_20: errors | 0 / 0 / 0 |" in table
+    assert any(line.startswith(f"| open_router:w2_{rate:g}: added TTFT ms") for line in table)
