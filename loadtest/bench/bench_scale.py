@@ -46,7 +46,11 @@ of ``stream_tokens`` tokens takes many seconds. Reported: calls answered in full
 seen), errors by kind, peak calls in flight and peak answered streams open (head received),
 the time to the response head (``head_*``: calls past the router's default upstream limit,
 ``max_connections`` 1,024, wait in its pool, up to ``pool_timeout_s`` 60 s, so streams past
-1,024 must end within it) and to the first token, the router's peak RSS and CPU.
+1,024 must end within it) and to the first token, the router's peak RSS and CPU, where it
+placed the calls and its peak calls in flight per replica (a call waits for its replica's
+pool, ``max_connections_per_replica`` 256, and is not moved: an uneven placement makes the
+waits of the calls past 256 on one replica longer), the distinct error bodies and the router
+log's warnings.
 
 Every row carries the machine's load (``/proc/loadavg`` before and after, and the other
 processes running at real-time priority: other benchmarks). On a box with fewer cores than
@@ -120,8 +124,9 @@ QUICK_AGENTS = AgentConfig(
     replicas=2, sessions=4, prompt_tokens=4_000, turn_tokens=50, rates=[5], trial_s=2.0,
     warm_calls=1, min_calls=5, workers=[1, 2], capacity=True,
 )  # fmt: skip
-QUICK_STREAMS = StreamConfig(streams=20, replicas=2, max_num_seqs=64, stream_tokens=8,
-                             stream_speedup=1.0, timeout_s=60.0)  # fmt: skip
+# streams of a few seconds: the router's in-flight calls are scraped every 2 s
+QUICK_STREAMS = StreamConfig(streams=20, replicas=2, max_num_seqs=64, stream_tokens=16,
+                             stream_speedup=0.1, timeout_s=60.0)  # fmt: skip
 
 
 # --- the machine ---------------------------------------------------------------------------
@@ -608,6 +613,16 @@ def run_agents(
 # --- streams -------------------------------------------------------------------------------
 
 
+def _by_replica(text: str, prefix: str) -> dict[str, float]:
+    """A Prometheus text's samples starting with ``prefix`` summed by their ``replica``."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix) and 'replica="' in line:
+            rep = line.split('replica="', 1)[1].split('"', 1)[0]
+            out[rep] = out.get(rep, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def _streams(url: str, cfg: StreamConfig, pgid: int | None) -> dict[str, Any]:
     import aiohttp
 
@@ -625,6 +640,7 @@ async def _streams(url: str, cfg: StreamConfig, pgid: int | None) -> dict[str, A
     errors: dict[str, int] = {}
 
     samples: list[str] = []  # distinct error bodies (the router's message names the cause)
+    inflight_peak: dict[str, int] = {}  # replica -> the most calls the router had on it
 
     def err(kind: str) -> None:
         errors[kind] = errors.get(kind, 0) + 1
@@ -671,8 +687,17 @@ async def _streams(url: str, cfg: StreamConfig, pgid: int | None) -> dict[str, A
 
         async def watch() -> None:
             nonlocal rss_peak
+            k = 0
             while True:
                 rss_peak = max(rss_peak, _group_rss_mb(pgid))
+                if k % 4 == 0:  # the router's calls in flight per replica, every 2 s
+                    try:
+                        async with cs.get(url + "/metrics") as m:
+                            for rep, n in _by_replica(await m.text(), "kvroute_inflight{").items():
+                                inflight_peak[rep] = max(inflight_peak.get(rep, 0), int(n))
+                    except aiohttp.ClientError:
+                        pass
+                k += 1
                 await asyncio.sleep(0.5)
 
         rss0 = _group_rss_mb(pgid)
@@ -687,6 +712,8 @@ async def _streams(url: str, cfg: StreamConfig, pgid: int | None) -> dict[str, A
         wall = time.perf_counter() - t0
         w.cancel()
         rss_after = _group_rss_mb(pgid)
+        async with cs.get(url + "/metrics") as m:
+            placed = _by_replica(await m.text(), "kvroute_requests_total{")
     return {
         "streams": cfg.streams,
         "ok": len(took),
@@ -705,6 +732,10 @@ async def _streams(url: str, cfg: StreamConfig, pgid: int | None) -> dict[str, A
         "router_rss_peak_mb": round(rss_peak, 1),
         "router_rss_after_mb": round(rss_after, 1),
         "error_samples": samples,
+        # where the router placed the calls: each replica's pool holds 256 (the default
+        # max_connections_per_replica); a call waits for its replica's, never moves
+        "calls_by_replica": {k: int(v) for k, v in sorted(placed.items())},
+        "router_inflight_peak_by_replica": dict(sorted(inflight_peak.items())),
     }
 
 

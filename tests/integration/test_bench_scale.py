@@ -63,6 +63,8 @@ def test_the_scale_bench_runs_small_and_writes_its_figures(tmp_path: Path) -> No
         streams["errors"] == 0 and streams["error_kinds"] == {} and streams["error_samples"] == []
     )
     assert isinstance(streams["router_warnings"], list)
+    assert sum(streams["calls_by_replica"].values()) == 20  # where the router placed them
+    assert 0 < sum(streams["router_inflight_peak_by_replica"].values()) <= 20
     assert streams["peak_in_flight"] == 20
     assert 0 < streams["peak_answered_open"] <= 20
     assert 0 < streams["head_p50_s"] <= streams["head_max_s"] <= streams["ttft_max_s"]
