@@ -19,8 +19,9 @@ health-check timeout is raised to ``TWIN_HEALTH_TIMEOUT_S`` (the twins' loop, no
 stalls on a cold 100k-token prompt), every other setting is its default.
 
 Three paths, each with its own sessions (warmed with ``warm_calls`` unmeasured calls per
-router worker, each on a new connection, so the router's workers and the twins hold every
-session's tokens and blocks): ``direct`` (session ``s`` always to twin ``s % replicas``),
+router worker and 4 more a worker past the first, each on a new connection, so the router's
+workers and the twins hold every session's tokens and blocks: a session's first call on a
+worker is a cold analysis): ``direct`` (session ``s`` always to twin ``s % replicas``),
 ``router:w1`` and ``router:w2`` (``--workers`` 1 and 2).
 
 * ``open`` rows: open-loop arrivals at each rate of ``rates`` for ``trial_s`` seconds (longer

@@ -45,7 +45,7 @@ class AgentConfig:
     speedup: float = 1000.0
     rates: list[float] = field(default_factory=lambda: [5, 10, 20, 40, 80, 160, 200])
     trial_s: float = 8.0
-    warm_calls: int = 2  # per worker
+    warm_calls: int = 2  # rounds per worker (+4 a worker past the first: see _warm)
     min_calls: int = 100  # per path and open-loop trial (longer trials at low rates)
     workers: list[int] = field(default_factory=lambda: [1, 2])
     added_ttft_budget_ms: float = 10.0
@@ -147,8 +147,8 @@ async def _warm(sessions: Sessions, route: Callable[[int], str], rounds: int) ->
     """Each session's first ``rounds`` calls, unmeasured (cold tokenization, KV placement).
     Every call on a new connection, so behind ``--workers N`` (``SO_REUSEPORT`` places a
     connection, not a call) a session's calls land on the workers at random and each worker
-    has most likely seen it (with ``rounds`` = 2 N, a given worker misses a given session with
-    odds 4^-N)."""
+    has most likely seen it (behind 2 workers a given worker misses a given session with odds
+    2^-rounds: a call there is a cold 100k-token analysis, +150–250 ms of TTFT)."""
     import aiohttp
 
     errors: list[str] = []
@@ -302,14 +302,15 @@ def run_agents(
         rounds = {"direct": cfg.warm_calls}
         for w, r in routers.items():
             paths[f"router:w{w}"] = (Sessions(f"w{w}", cfg, 10 + w), _to(r.url), r.pgid)
-            rounds[f"router:w{w}"] = cfg.warm_calls * w  # every worker sees every session
+            # every worker sees every session: 2 workers, 8 rounds (misses 1 pair in 256)
+            rounds[f"router:w{w}"] = cfg.warm_calls * w + 4 * (w - 1)
         t0 = time.perf_counter()
         warm_errors = {name: asyncio.run(_warm(ss, route, rounds[name]))
                        for name, (ss, route, _) in paths.items()}  # fmt: skip
         emit({"name": "agents_setup", "replicas": cfg.replicas, "sessions_per_path": cfg.sessions,
               "prompt_tokens": cfg.prompt_tokens, "turn_tokens": cfg.turn_tokens,
               "speedup": cfg.speedup, "gpu_kv_blocks_per_twin": max(per_twin, 4096),
-              "warm_s": round(time.perf_counter() - t0, 1),
+              "warm_s": round(time.perf_counter() - t0, 1), "warm_rounds": rounds,
               "warm_errors": {k: len(v) for k, v in warm_errors.items()},
               "warm_error_kinds": {k: sorted(set(v)) for k, v in warm_errors.items() if v},
               "load": machine_load()})  # fmt: skip

@@ -122,9 +122,9 @@ def cpu_groups(rec: dict[str, Any], calls: int, router: str | None) -> dict[str,
     for name, g in rec["groups"].items():
         out[f"{name}_cores"] = g["mean_cores"]
         out[f"{name}_wait_share"] = g["wait_share"]
+        out[f"{name}_busiest_thread_p90"] = g["busiest_thread_p90"]
         if name == router and calls:
             out["router_cpu_ms_per_call"] = round(g["mean_cores"] * el * 1e3 / calls, 2)
-            out["router_busiest_thread_p90"] = g["busiest_thread_p90"]
     out["machine_busy_cores"] = rec["machine"]["busy_cores"]
     out["saturated"] = rec["saturated"]
     return out
