@@ -30,8 +30,9 @@ class StreamConfig:
     replicas: int = 4
     max_num_seqs: int = 256  # per twin: the router's 1,024 upstream connections all decode
     stream_tokens: int = 60
-    # slowed time: ~0.25 s a token at 256 a twin on the H200 profile, ~30 s a stream, so the
-    # calls past the router's 1,024 upstream connections wait well within pool_timeout_s (60)
+    # slowed time: ~0.25 s a token at 256 a twin on the H200 profile, ~40 s a stream (10 s of
+    # prefill in the first wave): the calls past the router's 1,024 upstream connections wait
+    # ~40 s, within pool_timeout_s (60) while no replica gets more than 512 of the 2,000
     stream_speedup: float = 0.1
     timeout_s: float = 240.0
 
