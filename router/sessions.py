@@ -20,6 +20,8 @@ Codex                                  ``session-id`` / ``session_id`` header
 SGLang gateway                         ``X-SMG-Routing-Key``
 llm-d                                  ``x-session-token``
 AgentX harness                         ``X-Correlation-ID``
+vllm-router body                       ``vllm_xargs.agentic_context.program_id``
+                                       (+ ``parent_program_id``)
 OpenAI body                            ``prompt_cache_key``, then ``safety_identifier``,
                                        then ``user``
 vLLM body                              ``session_id`` field, then ``cache_salt``
@@ -97,6 +99,18 @@ def _clean(v: Any) -> str | None:
     return s[:MAX_ID_LEN]
 
 
+def _agentic_context(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """vllm-router's program identity: ``vllm_xargs.agentic_context`` ``program_id`` and
+    ``parent_program_id`` (field names as vllm-router 0.1.17's request schema spells them;
+    its other program fields are not read)."""
+    xargs = body.get("vllm_xargs")
+    ctx = xargs.get("agentic_context") if isinstance(xargs, Mapping) else None
+    if not isinstance(ctx, Mapping):
+        return None, None
+    ids = (ctx.get("program_id"), ctx.get("parent_program_id"))
+    return tuple(_clean(v) if isinstance(v, (str, int)) else None for v in ids)  # type: ignore[return-value]
+
+
 def _truthy(v: str | None) -> bool:
     return v is not None and v.strip().lower() in ("1", "true", "yes", "on")
 
@@ -170,6 +184,11 @@ def identify(
         if raw is not None and (v := _clean(raw)):
             session, source = v, src
             break
+    program_parent = None
+    if session is None:
+        program, program_parent = _agentic_context(body)
+        if program:
+            session, source = program, "vllm-router"
     if session is None:
         for f in _BODY_FIELDS:
             raw = body.get(f)
@@ -184,6 +203,8 @@ def identify(
         if agent:
             base = f"{tenant}{SEP}{session}"
             parent_key = f"{base}#{parent_agent}" if parent_agent else base
+    if parent_key is None and program_parent and source == "vllm-router":
+        parent_key = f"{tenant}{SEP}{program_parent}"
     if parent_key is None:
         for h in _PARENT_HEADERS:
             raw = headers.get(h)

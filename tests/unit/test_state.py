@@ -60,3 +60,19 @@ def test_session_record_copy_keeps_every_field_and_owns_its_lists():
     rec = SessionRecord(**values)  # must be added to SessionRecord.copy too
     dup = rec.copy()
     assert dup == rec and dup.gaps is not rec.gaps and dup.children is not rec.children
+
+
+def test_vllm_router_program_identity_is_a_session_with_its_parent():
+    """vllm-router clients name their program in ``vllm_xargs.agentic_context``: the program is
+    the session, its parent program the parent (so a subagent's service counts with its root);
+    a session header still wins, and a malformed context is ignored."""
+    ctx = {"program_id": "sub-1", "parent_program_id": "root-7", "agent_role": "worker"}
+    child = identify({}, {"vllm_xargs": {"agentic_context": ctx}}, tenant="t")
+    assert (child.session, child.source, child.parent) == ("sub-1", "vllm-router", "t/root-7")
+    root = identify({}, {"vllm_xargs": {"agentic_context": {"program_id": 7}}})
+    assert (root.session, root.parent) == ("7", None)
+    header = identify({"x-session-id": "h"}, {"vllm_xargs": {"agentic_context": ctx}})
+    assert (header.session, header.parent) == ("h", None)
+    for bad in ({"vllm_xargs": "x"}, {"vllm_xargs": {"agentic_context": ["sub-1"]}},
+                {"vllm_xargs": {"agentic_context": {"program_id": {"a": 1}}}}):  # fmt: skip
+        assert identify({}, bad).source == "prefix"
