@@ -24,6 +24,7 @@ from loadtest.twin.cluster import start_cluster
 from router.app import build_app, start_site
 from router.config import RouterConfig
 from router.scheduling.registry import register
+from router.sessions import identify
 
 ROUTER = Path(__file__).resolve().parents[2] / "router"
 SEEN: list[tuple[dict, bool]] = []  # (body, identity.final) of every call a policy scored
@@ -46,10 +47,17 @@ SPEC = {"scorers": [{"type": "test_oracle_spy", "weight": 1.0}, {"type": "kv_cos
 
 
 def test_no_router_code_names_the_twin_output_field_or_vllm_xargs():
-    """The router cannot read a field it never names."""
-    pat = re.compile(rf"{TWIN_OUTPUT_FIELD}|vllm_xargs")
-    hits = [str(p) for p in ROUTER.rglob("*.py") if pat.search(p.read_text())]
-    assert hits == []
+    """The router cannot read a field it never names: the twins' output field nowhere, and
+    ``vllm_xargs`` (where the replay hands it to the twins) only in router/sessions.py, which
+    takes vllm-router's ``agentic_context`` from it and nothing else."""
+    texts = {p.relative_to(ROUTER).as_posix(): p.read_text() for p in ROUTER.rglob("*.py")}
+    assert [f for f, t in texts.items() if TWIN_OUTPUT_FIELD in t] == []
+    assert [f for f, t in texts.items() if "vllm_xargs" in t] == ["sessions.py"]
+    reads = re.findall(r'xargs\.get\("(\w+)"\)', texts["sessions.py"])
+    assert reads == ["agentic_context"]
+    # and what the replay puts there never names a session
+    body = {"prompt": "x", "vllm_xargs": {TWIN_OUTPUT_FIELD: 7}}
+    assert identify({}, body).source == "prefix"
 
 
 def test_simulated_calls_carry_the_agent_cap_and_no_final_flag():
