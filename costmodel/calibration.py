@@ -6,7 +6,8 @@ Owns: a sliding window of (modelled, observed) pairs per replica and a robust fi
     observed ITL  ≈ decode_scale · modelled decode step seconds
 
 and of how much of the prefix the router expected cached the replica delivered
-(``hit_realization``: Σ min(cached, expected) / Σ expected over the window, in [0, 1]).
+(``hit_realization``: Σ min(cached, expected) / Σ expected over the window, in [0, 1]), and of
+the cluster pool's link as this replica sees it (``pool_scale``, below).
 
 by least squares with a soft-L1 loss, so a few outliers (a GC pause, a preempted request) do
 not drag the fit. Until ``min_samples`` pairs are in the window the model is used as is (scales
@@ -31,6 +32,33 @@ again, and so was never re-measured): the offset and the scale are bounded — t
 stands for fixed per-call overhead (API server, network), not for queueing the model missed —
 and samples expire after ``max_age_s``, so a replica that gets no traffic returns to the
 uncalibrated model.
+
+**The pool link** (issue 43). A call whose placement loaded blocks from the cluster pool
+(:meth:`Calibrator.observe_pool_fetch`) is priced as
+``offset + s·(queue + compute) + max(0, other loads + pool_scale·pool load − overlap·s·compute)``
+(:func:`costmodel.placement.placement_cost` with ``ReplicaLoad.pool_scale``): the pool's
+modelled load (the profile's ``pool_latency_s`` + bytes / ``pool_bw``) times one fitted scale,
+so the calibrated link is ``pool_latency_s·pool_scale`` and ``pool_bw / pool_scale``
+(:func:`pool_link`). One scale, not a latency and a bandwidth: the latency is paid once per
+call, like the TTFT offset this calibrator already fits (API server, network) — a
+two-parameter fit on the residual would trade one for the other — and it is a fraction of a
+millisecond against TTFT noise of milliseconds to seconds, so the data cannot separate it
+from the offset; the bandwidth, which sets seconds per prefix, is what the scale recovers.
+The fit: ``residual = observed − offset − s·(queue + compute) − other loads +
+overlap·s·compute ≈ pool_scale · pool load``, with ``(s, offset)`` this replica's current TTFT
+fit, by the same bounded soft-L1 solver (:func:`fit_scale`, ``f_scale`` a tenth of the median
+modelled pool load: loads run from milliseconds to seconds across profiles), bounded to
+[``POOL_SCALE_MIN``, ``POOL_SCALE_MAX``] — wider than the compute scales', since a profile's
+pool link is a guess (a local shared volume or a network store), but never free nor unusable.
+
+``overlap``: a load the model hides behind compute (``other + POOL_SCALE_MIN·pool <
+overlap·s·compute``: hidden at some scale in the box) says nothing about the link — the max()
+is flat in the scale there — so such a sample is not fitted: where it is hidden under the
+uncalibrated model when it arrives it joins the TTFT window as any call does (its modelled
+TTFT holds no pool time), and one that the current prefill scale hides later is left out of
+both fits. Exposed pool samples stay out of the TTFT window: fitted there, a pool slower than
+its profile would read as slower prefill on every call. Until ``min_samples`` exposed samples
+are in the window (they expire like the others) the scale is 1: the profile's link as is.
 Pure: numpy, no I/O; must not import the router.
 """
 
@@ -44,6 +72,7 @@ import numpy as np
 
 SCALE_MIN, SCALE_MAX = 0.2, 5.0
 MAX_OFFSET_S = 1.0
+POOL_SCALE_MIN, POOL_SCALE_MAX = 0.2, 10.0  # the pool link's fitted scale (see above)
 
 _STEP_TOL = 1e-10  # a Newton step this small (relative to 1 + |parameter|) has converged
 _DECREMENT_TOL = 1e-8  # a Newton step predicted to gain less (relative) is the last
@@ -64,6 +93,18 @@ class Calibration:
     # samples); see :meth:`Calibrator.observe_hit`
     hit_realization: float = 1.0
     hit_samples: int = 0
+    # observed / modelled pool load time (1: the profile's link, or too few exposed samples);
+    # see :meth:`Calibrator.observe_pool_fetch` and :func:`pool_link`
+    pool_scale: float = 1.0
+    # pool loads in the window exposed under the current prefill scale (what it is fitted on)
+    pool_samples: int = 0
+
+
+def pool_link(latency_s: float, bw: float, cal: Calibration) -> tuple[float, float]:
+    """The calibrated pool link ``(latency_s, bytes/s)`` from the profile's figures: one
+    fitted scale on the load time is a latency that many times longer and a bandwidth that
+    many times lower."""
+    return latency_s * cal.pool_scale, bw / cal.pool_scale
 
 
 def _soft_l1(r: np.ndarray, f: float) -> tuple[float, np.ndarray, np.ndarray]:
@@ -243,12 +284,45 @@ def fit_ttft(
     return cheapest  # only reached at rounding's edge
 
 
-def fit_scale(modelled: np.ndarray, observed: np.ndarray, f_scale: float = 0.01) -> float:
-    """Robust fit of ``observed ≈ scale · modelled`` (no offset)."""
+def fit_scale(
+    modelled: np.ndarray,
+    observed: np.ndarray,
+    f_scale: float = 0.01,
+    lo: float = SCALE_MIN,
+    hi: float = SCALE_MAX,
+) -> float:
+    """Robust fit of ``observed ≈ scale · modelled`` (no offset), ``scale ∈ [lo, hi]``."""
     x = np.asarray(modelled, dtype=float)
     y = np.asarray(observed, dtype=float)
-    s0 = min(max(_middle(y / np.maximum(x, 1e-9)), SCALE_MIN), SCALE_MAX)
-    return _min_1d(-y, x, s0, SCALE_MIN, SCALE_MAX, f_scale)[0]
+    s0 = min(max(_middle(y / np.maximum(x, 1e-9)), lo), hi)
+    return _min_1d(-y, x, s0, lo, hi, f_scale)[0]
+
+
+def fit_pool_scale(
+    pool_s: np.ndarray,
+    queue_s: np.ndarray,
+    compute_s: np.ndarray,
+    other_s: np.ndarray,
+    overlap: np.ndarray,
+    observed_s: np.ndarray,
+    prefill_scale: float = 1.0,
+    offset_s: float = 0.0,
+    min_samples: int = 1,
+) -> tuple[float, int]:
+    """The pool link's scale from pool-loading calls (see the module docstring): the residual
+    of each observed TTFT after the calibrated non-pool part, fitted as ``scale · pool load``
+    over the samples whose load is exposed at every scale in the box. Returns ``(scale, exposed
+    samples)``; the scale is 1 with fewer than ``min_samples`` exposed samples."""
+    s = prefill_scale
+    hidden = overlap * s * compute_s
+    exposed = other_s + POOL_SCALE_MIN * pool_s >= hidden
+    n = int(exposed.sum())
+    if n < max(min_samples, 1):
+        return 1.0, n
+    x = pool_s[exposed]
+    y = (observed_s - offset_s - s * (queue_s + compute_s) - other_s + hidden)[exposed]
+    f = max(0.1 * _middle(x), 1e-9)
+    return fit_scale(x, y, f, POOL_SCALE_MIN, POOL_SCALE_MAX), n
 
 
 class Calibrator:
@@ -269,14 +343,44 @@ class Calibrator:
         self._ttft: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._itl: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._hit: deque[tuple[float, float, float]] = deque(maxlen=window)
+        # (pool, queue, compute, other loads, overlap, observed, at): pool loads, see above
+        self._pool: deque[tuple[float, ...]] = deque(maxlen=window)
         self._ttft_fit: tuple[float, float] | None = (1.0, 0.0)
         self._itl_fit: float | None = 1.0
+        self._pool_fit: tuple[float, int] | None = (1.0, 0)
         self._cached: Calibration | None = Calibration()
 
     def observe_ttft(self, modelled_s: float, observed_s: float, at: float = 0.0) -> None:
         if modelled_s > 0 and observed_s > 0 and np.isfinite(observed_s):
             self._ttft.append((modelled_s, observed_s, at))
-            self._ttft_fit = self._cached = None
+            self._ttft_fit = self._pool_fit = self._cached = None
+
+    def observe_pool_fetch(
+        self,
+        pool_s: float,
+        queue_s: float,
+        compute_s: float,
+        other_s: float,
+        overlap: float,
+        observed_s: float,
+        at: float = 0.0,
+    ) -> None:
+        """A call whose placement loaded blocks from the cluster pool: its uncalibrated
+        modelled parts (the pool load ``pool_s`` on the profile's link, the queue, the
+        prefill compute, the other tiers' loads, the ``overlap`` it was priced with) and its
+        observed TTFT. Where the uncalibrated model hides the load behind compute even at
+        ``POOL_SCALE_MIN`` it is an ordinary TTFT sample (:meth:`observe_ttft`, modelled
+        ``queue + compute + max(0, loads − overlap·compute)``), else a pool sample."""
+        parts = (pool_s, queue_s, compute_s, other_s, overlap, observed_s)
+        if not (pool_s > 0 and observed_s > 0 and all(np.isfinite(parts))) or min(parts) < 0:
+            return
+        if other_s + POOL_SCALE_MIN * pool_s < overlap * compute_s:
+            loads = other_s + pool_s
+            modelled = queue_s + compute_s + max(0.0, loads - overlap * compute_s)
+            self.observe_ttft(modelled, observed_s, at)
+            return
+        self._pool.append((*parts, at))
+        self._pool_fit = self._cached = None
 
     def observe_itl(self, modelled_s: float, observed_s: float, at: float = 0.0) -> None:
         if modelled_s > 0 and observed_s > 0 and np.isfinite(observed_s):
@@ -306,6 +410,9 @@ class Calibrator:
         while self._hit and now - self._hit[0][2] > self.max_age_s:
             self._hit.popleft()
             self._cached = None
+        while self._pool and now - self._pool[0][6] > self.max_age_s:
+            self._pool.popleft()
+            self._pool_fit = self._cached = None
 
     @staticmethod
     def _pairs(q: deque[tuple[float, float, float]]) -> tuple[np.ndarray, np.ndarray]:
@@ -320,15 +427,27 @@ class Calibrator:
         if self._ttft_fit is None:
             enough = len(self._ttft) >= self.min_samples
             self._ttft_fit = fit_ttft(*self._pairs(self._ttft)) if enough else (1.0, 0.0)
+            self._pool_fit = None  # the pool's residuals are after the TTFT fit
         if self._itl_fit is None:
             enough = len(self._itl) >= self.min_samples
             self._itl_fit = fit_scale(*self._pairs(self._itl)) if enough else 1.0
         ps, off = self._ttft_fit
+        if self._pool_fit is None:
+            self._pool_fit = self._fit_pool(ps, off)
         hit = 1.0
         if len(self._hit) >= self.min_samples:
             expected = sum(e for e, _, _ in self._hit)
             hit = sum(c for _, c, _ in self._hit) / expected
+        pool, n_pool = self._pool_fit
         self._cached = Calibration(
-            ps, off, self._itl_fit, len(self._ttft), len(self._itl), hit, len(self._hit)
-        )
+            ps, off, self._itl_fit, len(self._ttft), len(self._itl), hit, len(self._hit),
+            pool, n_pool,
+        )  # fmt: skip
         return self._cached
+
+    def _fit_pool(self, prefill_scale: float, offset_s: float) -> tuple[float, int]:
+        """``(pool scale, exposed samples)`` over the pool window (see the module docstring)."""
+        if not self._pool:
+            return 1.0, 0
+        a = np.array(self._pool, dtype=float).T
+        return fit_pool_scale(*a[:6], prefill_scale, offset_s, self.min_samples)

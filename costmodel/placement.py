@@ -58,7 +58,8 @@ with ``horizon_calls``): on the squeezed host tier it gained at 48 lanes and los
 
 Segments: the matched prefix is ``gpu`` blocks (free), then ``cpu`` and ``storage`` blocks
 (each loaded or recomputed, whichever is faster), then the uncached tail (prefilled).
-Calibration (:mod:`costmodel.calibration`) scales the prefill and decode terms per replica.
+Calibration (:mod:`costmodel.calibration`) scales the prefill and decode terms per replica,
+and the pool's load time by the replica's calibrated pool link (``ReplicaLoad.pool_scale``).
 """
 
 from __future__ import annotations
@@ -281,6 +282,9 @@ class ReplicaLoad:
     host_residence_s: float | None = None
     # calibration: the share of a matched prefix the replica has lately delivered, in [0, 1]
     hit_realization: float = 1.0
+    # calibration: observed / modelled load time from the cluster pool (the replica's
+    # calibrated pool link, costmodel.calibration.pool_link; 1: the profile's link)
+    pool_scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,12 +372,18 @@ class Segments(NamedTuple):
 
 
 def segment_costs(
-    profile: ReplicaProfile, call: CallShape, *, overlap: float = 1.0, scale: float = 1.0
+    profile: ReplicaProfile,
+    call: CallShape,
+    *,
+    overlap: float = 1.0,
+    scale: float = 1.0,
+    pool_scale: float = 1.0,
 ) -> Segments:
     """Σ min(load, recompute) over the prompt's lower-tier segments plus the tail prefill.
 
     Loads overlap the compute that follows them:
-    ``time = compute + max(0, loads − overlap·compute)``.
+    ``time = compute + max(0, loads − overlap·compute)``. ``scale`` multiplies compute (the
+    prefill calibration), ``pool_scale`` the pool's load time (its link's calibration).
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError("overlap must be in [0, 1]")
@@ -393,7 +403,7 @@ def segment_costs(
         if blocks <= 0:
             continue
         n = min(blocks * bs, max(call.prompt_tokens - pos, 0))
-        lt = load_time(profile, blocks, tier)
+        lt = load_time(profile, blocks, tier) * (pool_scale if tier == "pool" else 1.0)
         rt = scale * request_prefill_time(profile, n, pos)
         load_s[tier], rec_s[tier] = lt, rt
         if lt <= rt:
@@ -602,7 +612,7 @@ def placement_cost(
     """Every term of placing ``call`` on a replica of ``profile`` in state ``load``."""
     queue = queue_time(profile, load.queued_prefill_tokens, load.prefill_scale)
     fetch, load_s, rec_s, chose, tail_s, computed = segment_costs(
-        profile, call, overlap=overlap, scale=load.prefill_scale
+        profile, call, overlap=overlap, scale=load.prefill_scale, pool_scale=load.pool_scale
     )
     fetch += load.ttft_offset_s
     decode = decode_cost(profile, call, load)

@@ -323,13 +323,19 @@ async def admin_config(request: web.Request) -> web.Response:
         "worker": app[RUNTIME].worker,
         "kv_layer": kv is not None,
         "kv_status": app[KV_STATUS]().as_dict(),  # full / approximate / affinity / off, why
-        "kv_pool": None
-        if kv is None
-        else {"blocks": kv.index.pool_blocks(), "members": kv.index.pool_members()},
+        "kv_pool": None if kv is None else _kv_pool(kv),
         "prompt_analyzer": calls.analyzer is not None,
         "state_providers": sorted(calls.state_providers),
         "observers": [getattr(fn, "__qualname__", repr(fn)) for fn in calls.observers],
     })  # fmt: skip
+
+
+def _kv_pool(kv: Any) -> dict[str, Any]:
+    """The cluster pool as the KV layer sees it: occupancy (blocks), its members, and each
+    member's pool link as the cost model prices it (calibrated from observed TTFT)."""
+    members = sorted(kv.index.pool_members())
+    return {"blocks": kv.index.pool_blocks(), "members": members,
+            "links": {m: kv.pool_link(m) for m in members}}  # fmt: skip
 
 
 @admin

@@ -100,7 +100,10 @@ class CalibrationCollector:
     offset (s), decode scale and hit realization (the share of matched prefixes the engine
     delivered) per replica (1, 0, 1, 1 until enough calls were seen), and the samples behind
     each fit. A scale pinned at a bound (0.2 or 5) means the model and the
-    replica disagree by more than any calibration should absorb: look at the replica."""
+    replica disagree by more than any calibration should absorb: look at the replica. For a
+    replica that reads the cluster pool (or has pool samples): ``pool_scale`` (observed /
+    modelled pool load time; bounds 0.2 and 10) and the calibrated link it gives,
+    ``pool_latency_s`` and ``pool_bw`` (bytes/s per GPU), with ``pool`` samples."""
 
     def __init__(self, kv: Any):
         self.kv = kv
@@ -109,15 +112,17 @@ class CalibrationCollector:
         g = GaugeMetricFamily(
             "kvroute_kv_calibration",
             "Fitted observed/modelled time per replica: prefill_scale, ttft_offset_s, "
-            "decode_scale; hit_realization: share of matched prefixes the engine delivered "
+            "decode_scale; hit_realization: share of matched prefixes the engine delivered; "
+            "pool_scale, pool_latency_s, pool_bw: the calibrated cluster-pool link "
             "(the cost model's calibration)",
             labels=["replica", "term"],
         )
         n = GaugeMetricFamily(
             "kvroute_kv_calibration_samples",
-            "Observations in each replica's calibration window (ttft, itl, hit)",
+            "Observations in each replica's calibration window (ttft, itl, hit, pool)",
             labels=["replica", "kind"],
         )
+        members = set(self.kv.index.pool_members())
         for name in sorted(self.kv.calibrators):
             c = self.kv.calibration(name)
             g.add_metric([name, "prefill_scale"], c.prefill_scale)
@@ -127,6 +132,12 @@ class CalibrationCollector:
             n.add_metric([name, "ttft"], float(c.ttft_samples))
             n.add_metric([name, "itl"], float(c.itl_samples))
             n.add_metric([name, "hit"], float(c.hit_samples))
+            link = self.kv.pool_link(name) if name in members or c.pool_samples else None
+            if link is not None:
+                g.add_metric([name, "pool_scale"], link["scale"])
+                g.add_metric([name, "pool_latency_s"], link["latency_s"])
+                g.add_metric([name, "pool_bw"], link["bw"])
+                n.add_metric([name, "pool"], float(link["samples"]))
         yield g
         yield n
 

@@ -405,4 +405,5 @@ class StateView:
             ttft_offset_s=cal.ttft_offset_s,
             host_residence_s=self.host_residence(e),
             hit_realization=cal.hit_realization,
+            pool_scale=cal.pool_scale,
         )

@@ -28,7 +28,10 @@ without calls.
 
 Calibration fits the TTFT a scorer predicted for the chosen replica — the ``model_ttft_s``
 term on the decision (``kv_cost`` gives it; any scorer may) — against the observed TTFT, and
-the decode scale from the ``model_itl_s`` term against the call's median inter-token time.
+the decode scale from the ``model_itl_s`` term against the call's median inter-token time,
+and — for a call the scorer priced as loading from the cluster pool (its ``model_pool_fetch``
+term) — the replica's pool link from the TTFT left after the calibrated rest
+(:meth:`costmodel.calibration.Calibrator.observe_pool_fetch`).
 Output lengths and gaps are learnt from what calls show (per session, and an EWMA over every
 session as the prior for sessions that have shown none): nothing a client would not send.
 """
@@ -43,7 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from costmodel.calibration import Calibration, Calibrator
+from costmodel.calibration import Calibration, Calibrator, pool_link
 from costmodel.profiles import ReplicaProfile, router_profile
 from router.kv.analysis import BURST_MIN_CHUNKS, Analyzer, KVCall, _AnalysisLane
 from router.kv.approx import TEXT_CHUNK, ApproxCache
@@ -228,7 +231,8 @@ class KVState(Analyzer, Membership, KVSettingsDiscovery):
         takes all the traffic (found in the simulator: 225 of 225 calls on one of 4
         replicas). A fleet fit above 1 (engines slower than the profile, or queueing the
         model missed) is not borrowed: the cold replica then looks cheaper, is tried, and
-        measures itself."""
+        measures itself. The pool link's scale is the replica's own (1 until it has one:
+        the profile's link)."""
         c = self.calibrators.get(replica)
         now = self.clock()
         own = c.current(now) if c is not None else Calibration()
@@ -249,6 +253,17 @@ class KVState(Analyzer, Membership, KVSettingsDiscovery):
         if own.itl_samples < need and itl:
             own = replace(own, decode_scale=min(1.0, statistics.median(itl)))
         return own
+
+    def pool_link(self, replica: str) -> dict[str, float]:
+        """``replica``'s cluster-pool link as the cost model prices it: the profile's figures,
+        the calibrated ones (:func:`costmodel.calibration.pool_link`), the scale and the
+        exposed pool loads it was fitted on (/metrics, /admin/config)."""
+        hw = self.profile_of(replica).hardware
+        cal = self.calibration(replica)
+        lat, bw = pool_link(hw.pool_latency_s, hw.pool_bw, cal)
+        return {"scale": cal.pool_scale, "latency_s": lat, "bw": bw,
+                "samples": float(cal.pool_samples), "profile_latency_s": hw.pool_latency_s,
+                "profile_bw": hw.pool_bw}  # fmt: skip
 
     # ---- the decision hook: where it goes ------------------------------------------------------
 
@@ -358,7 +373,14 @@ class KVState(Analyzer, Membership, KVSettingsDiscovery):
                 # time_scale x faster than their profile
                 observed = ttft * self.cfg.time_scale
                 cal = self.calibrators.setdefault(replica, Calibrator())
-                cal.observe_ttft(predicted, observed, now)
+                pool = decision.term(replica, "model_pool_fetch")
+                if isinstance(pool, Mapping):  # a pool load: fits the pool link (or TTFT)
+                    cal.observe_pool_fetch(
+                        pool["pool_s"], pool["queue_s"], pool["compute_s"],
+                        pool["other_load_s"], pool["overlap"], observed, now,
+                    )  # fmt: skip
+                else:
+                    cal.observe_ttft(predicted, observed, now)
             step = decision.term(replica, "model_itl_s") if decision is not None else None
             if step and outcome.itl_s and outcome.ok:
                 itl = statistics.median(outcome.itl_s) * self.cfg.time_scale

@@ -45,7 +45,10 @@ shows up in the match, and the parent's footprint on its replica is pinned while
 
 The per-replica terms travel on the decision (:class:`router.scheduling.Scores` ``terms``):
 explain shows them, and their ``model_ttft_s`` (the uncalibrated queue + fetch-or-recompute
-TTFT) is what the KV layer calibrates against the observed TTFT, and their ``model_itl_s`` (one
+TTFT) is what the KV layer calibrates against the observed TTFT — or, for a call that loads
+from the cluster pool, its parts (``model_pool_fetch``) the replica's pool link is fitted
+against (:meth:`costmodel.calibration.Calibrator.observe_pool_fetch`) — and their
+``model_itl_s`` (one
 decode step in the batch the call joins) what it fits the decode scale against, from the
 call's observed inter-token times. Output length: the session's mean output so far, else the
 mean over every session the KV layer has seen (else its ``expected_output_tokens``), capped
@@ -73,7 +76,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from costmodel.placement import CostTerms, placement_cost, queue_time, segment_costs
+from costmodel.placement import CostTerms, Segments, placement_cost, queue_time, segment_costs
 from costmodel.steptime import decode_step_time
 from router.kv.view import KVView
 from router.replicas import EndpointView
@@ -93,6 +96,22 @@ def expected_output(ctx: RequestContext, view: Any, fallback: int) -> int:
     if isinstance(cap, int) and cap > 0:
         guess = min(guess, cap)
     return guess
+
+
+def pool_parts(seg: Segments, queue_s: float, overlap: float) -> dict[str, float] | None:
+    """The uncalibrated parts of a TTFT that loads from the pool (``seg``: its segments on
+    the profile): the pool load, the queue, the prefill compute (recomputed segments and the
+    tail), the other tiers' loads and the overlap. None when it does not load from the pool."""
+    if seg.chose.get("pool") != "load":
+        return None
+    how = seg.chose.items()
+    return {
+        "pool_s": seg.load_s["pool"],
+        "queue_s": queue_s,
+        "compute_s": seg.tail_prefill_s + sum(seg.recompute_s[t] for t, h in how if h != "load"),
+        "other_load_s": sum(seg.load_s[t] for t, h in how if h == "load" and t != "pool"),
+        "overlap": overlap,
+    }
 
 
 class KVCost:
@@ -148,31 +167,34 @@ class KVCost:
             # the same TTFT terms before calibration: what the calibrator must fit against
             # (fitting the calibrated figure would fit the calibration against itself)
             raw_queue = queue_time(prof, load.queued_prefill_tokens) or 0.0
-            raw_fetch = segment_costs(prof, call, overlap=self.overlap).seconds
-            res[e.name] = (
-                terms,
-                {
-                    "match_blocks": m.depth if m else 0,
-                    "tiers": {
-                        "gpu": call.gpu_blocks,
-                        "cpu": call.cpu_blocks,
-                        "storage": call.storage_blocks,
-                        "pool": call.pool_blocks,
-                    },
-                    "source": view.source(e.name),
-                    "free_gpu_blocks": load.free_gpu_blocks,
-                    "host_residence_s": load.host_residence_s,
-                    "queued_prefill_tokens": load.queued_prefill_tokens,
-                    "model_ttft_s": raw_queue + raw_fetch,
-                    # one decode step in the batch this call joins (uncalibrated): what the
-                    # KV layer fits the decode scale against, from observed inter-token times
-                    "model_itl_s": decode_step_time(
-                        prof, load.decode_batch + 1, int(load.decode_context_tokens) + n_tok
-                    )
-                    if load.decode_batch is not None and load.decode_context_tokens is not None
-                    else None,
+            raw = segment_costs(prof, call, overlap=self.overlap)
+            facts: dict[str, Any] = {
+                "match_blocks": m.depth if m else 0,
+                "tiers": {
+                    "gpu": call.gpu_blocks,
+                    "cpu": call.cpu_blocks,
+                    "storage": call.storage_blocks,
+                    "pool": call.pool_blocks,
                 },
-            )
+                "source": view.source(e.name),
+                "free_gpu_blocks": load.free_gpu_blocks,
+                "host_residence_s": load.host_residence_s,
+                "queued_prefill_tokens": load.queued_prefill_tokens,
+                "model_ttft_s": raw_queue + raw.seconds,
+                # one decode step in the batch this call joins (uncalibrated): what the
+                # KV layer fits the decode scale against, from observed inter-token times
+                "model_itl_s": decode_step_time(
+                    prof, load.decode_batch + 1, int(load.decode_context_tokens) + n_tok
+                )
+                if load.decode_batch is not None and load.decode_context_tokens is not None
+                else None,
+            }
+            # the TTFT in parts where it loads from the pool: what the KV layer fits the
+            # replica's pool link against
+            pool = pool_parts(raw, raw_queue, self.overlap)
+            if pool is not None:
+                facts["model_pool_fetch"] = pool
+            res[e.name] = (terms, facts)
         return res
 
     def score(
