@@ -109,7 +109,7 @@ def pool_parts(seg: Segments, queue_s: float, overlap: float) -> dict[str, float
         "pool_s": seg.load_s["pool"],
         "queue_s": queue_s,
         "compute_s": seg.tail_prefill_s + sum(seg.recompute_s[t] for t, h in how if h != "load"),
-        "other_load_s": sum(seg.load_s[t] for t, h in how if h == "load" and t != "pool"),
+        "other_load_s": sum((seg.load_s[t] for t, h in how if h == "load" and t != "pool"), 0.0),
         "overlap": overlap,
     }
 
