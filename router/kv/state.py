@@ -67,6 +67,9 @@ from router.vllm.tokenizer import ModelTokenizer
 
 log = logging.getLogger("kvroute.kv")
 
+# the parts of a pool-loading call's TTFT on the decision (kv_cost's ``model_pool_fetch``), in
+# the order Calibrator.observe_pool_fetch takes them
+POOL_PARTS = ("pool_s", "queue_s", "compute_s", "other_load_s", "overlap")
 HOLDING = ("tool-pause", "waiting-on-children")  # hint states the engine plugin holds for
 
 PREFILLING_MAX = 100_000  # calls tracked as awaiting their first byte, before old ones expire
@@ -376,9 +379,8 @@ class KVState(Analyzer, Membership, KVSettingsDiscovery):
                 pool = decision.term(replica, "model_pool_fetch")
                 if isinstance(pool, Mapping):  # a pool load: fits the pool link (or TTFT)
                     cal.observe_pool_fetch(
-                        pool["pool_s"], pool["queue_s"], pool["compute_s"],
-                        pool["other_load_s"], pool["overlap"], observed, now,
-                    )  # fmt: skip
+                        *(float(pool.get(k) or 0.0) for k in POOL_PARTS), observed, now
+                    )
                 else:
                     cal.observe_ttft(predicted, observed, now)
             step = decision.term(replica, "model_itl_s") if decision is not None else None

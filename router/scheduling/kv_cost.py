@@ -46,10 +46,10 @@ shows up in the match, and the parent's footprint on its replica is pinned while
 The per-replica terms travel on the decision (:class:`router.scheduling.Scores` ``terms``):
 explain shows them, and their ``model_ttft_s`` (the uncalibrated queue + fetch-or-recompute
 TTFT) is what the KV layer calibrates against the observed TTFT — or, for a call that loads
-from the cluster pool, its parts (``model_pool_fetch``) the replica's pool link is fitted
-against (:meth:`costmodel.calibration.Calibrator.observe_pool_fetch`) — and their
-``model_itl_s`` (one
-decode step in the batch the call joins) what it fits the decode scale against, from the
+from the cluster pool, its parts (``model_pool_fetch``, :func:`pool_parts`) that the
+replica's pool link is fitted against
+(:meth:`costmodel.calibration.Calibrator.observe_pool_fetch`) — and their ``model_itl_s``
+(one decode step in the batch the call joins) what it fits the decode scale against, from the
 call's observed inter-token times. Output length: the session's mean output so far, else the
 mean over every session the KV layer has seen (else its ``expected_output_tokens``), capped
 by the client's ``max_tokens`` / ``max_completion_tokens`` when that is smaller. Parameters:
