@@ -230,6 +230,11 @@ class VllmReplica(ManagedProcess):
                 "TRANSFORMERS_OFFLINE": "1",
                 "TMPDIR": str(tmp),
                 "VLLM_CACHE_ROOT": str(vllm_cache_root()),
+                # vLLM wraps its logprobs rank op (and a sampler op) in torch.compile, which
+                # --enforce-eager leaves on: inductor's C++ build costs a replica's first
+                # logprobs call 12 s of CPU (24-100 s on a loaded machine; 6 s with inductor's
+                # cache kept). The bed runs them eagerly: the same integer ranks.
+                "TORCH_COMPILE_DISABLE": "1",
                 "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1" if cfg.int_hashes else "0",
                 "VLLM_NO_USAGE_STATS": "1",
                 # dev endpoints: POST /reset_prefix_cache (publishes AllBlocksCleared)
