@@ -20,7 +20,8 @@ What the plugin adds to vLLM's tier:
   blocks as reachable from every replica, not only from the one that wrote them;
 * a bound. vLLM's filesystem tier never deletes. Here each replica keeps a running estimate
   of the pool's bytes (a scan at start, its own writes since) and, when it passes
-  ``pool_bytes`` or every ``sweep_interval_s`` seconds, a background thread scans the
+  ``pool_bytes`` and every ``sweep_interval_s`` seconds (engine steps or not: the replicas'
+  writes together can pass the bound unseen by each), a background thread scans the
   directory, deletes the least recently used files (modification time: a load touches the
   file) down to ``low_water`` of the bound, and the tier publishes ``BlockRemoved`` for them.
   Any replica may delete any file: a block is the same content whoever wrote it. Two
@@ -60,6 +61,7 @@ logger = logging.getLogger("vllm.kvroute.pool")
 
 TIER_CLASS = "KVRoutePoolTier"
 LOW_WATER = 0.9  # a sweep deletes down to this share of the bound
+SWEEP_PASSES = 3  # scans a sweep makes at most (see _sweep)
 
 
 def pool_files(root: str) -> Iterator[tuple[str, float, int]]:
@@ -139,6 +141,36 @@ def plan_eviction(
     return out, total
 
 
+class PoolEstimate:
+    """One replica's running estimate of the pool's bytes: the last scan's total plus what this
+    replica stored since that scan began. A store that completes while a sweep scans is not in
+    the scan's total, so a sweep's end keeps it (``left + stored since the scan``); setting the
+    estimate to the scan's total alone lost it, and a replica whose engine then went idle could
+    leave the pool over its bound until its next call (seen on a loaded machine). Thread-safe:
+    the engine adds, the sweep thread scans."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self._since_scan = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+            self._since_scan += n
+
+    def scan_started(self) -> None:
+        with self._lock:
+            self._since_scan = 0
+
+    def scanned(self, left: int) -> int:
+        """A scan (begun at :meth:`scan_started`) left ``left`` bytes: the estimate is that plus
+        what was stored meanwhile; returns the latter."""
+        with self._lock:
+            self.bytes = left + self._since_scan
+            return self._since_scan
+
+
 class _PoolRequest:
     """What the pool keeps of one request (in its ``ReqContext``): its hint and the blocks it
     stored, loaded or touched in the pool."""
@@ -195,7 +227,8 @@ def _build() -> type:
         self._kvroute_pending_holds = {}  # key being written -> hold end (epoch s, a file mtime)
         self._sweeping = False
         self._last_sweep = 0.0
-        self.estimate = 0  # bytes in the pool: the last scan's total + this replica's writes
+        self._ticker = None  # the periodic sweep's thread (started on the first step)
+        self.estimate = PoolEstimate()  # the last scan's total + this replica's writes since
         self.evicted = 0  # files this replica's sweeps deleted (all time)
         if self.pool_bytes > 0:
             self._start_sweep()
@@ -260,7 +293,7 @@ def _build() -> type:
         for r in results:
             keys = self._stores.pop(r.job_id, None)
             if keys and r.success:
-                self.estimate += len(keys) * self.block_bytes
+                self.estimate.add(len(keys) * self.block_bytes)
                 for key in keys:
                     until = holds.pop(key, None)
                     if until is not None:
@@ -271,44 +304,68 @@ def _build() -> type:
             elif keys:
                 for key in keys:
                     holds.pop(key, None)
-        if self.pool_bytes > 0 and not self._sweeping:
-            now = time.monotonic()
-            if self.estimate > self.pool_bytes or now - self._last_sweep > self.sweep_interval_s:
+        if self.pool_bytes > 0:
+            if self._ticker is None:  # here, not in __init__: only the engine steps the tier
+                self._ticker = threading.Thread(
+                    target=self._tick, name="kvroute-pool-ticker", daemon=True
+                )
+                self._ticker.start()
+            if self.estimate.bytes > self.pool_bytes:
                 self._start_sweep()
         return results
 
+    def _tick(self: Any) -> None:
+        """A sweep every ``sweep_interval_s``, whether or not the engine steps. Each replica's
+        estimate counts only its own writes since its last scan, so replicas can together
+        pass the bound while none of them sees it; a sweep on the engine's steps alone then
+        left the pool over its bound for as long as the engines stayed idle (2 replicas:
+        381 blocks against 256, for good)."""
+        while True:
+            time.sleep(self.sweep_interval_s)
+            if time.monotonic() - self._last_sweep >= self.sweep_interval_s:
+                self._start_sweep()
+
     def _start_sweep(self: Any) -> None:
-        self._sweeping = True
-        self._last_sweep = time.monotonic()
+        with self._lock:
+            if self._sweeping:
+                return
+            self._sweeping = True
+            self._last_sweep = time.monotonic()
         threading.Thread(target=self._sweep, name="kvroute-pool-sweep", daemon=True).start()
 
     def _sweep(self: Any) -> None:
         try:
-            files = pool_files(self.pool_root)
-            doomed, left = plan_eviction(
-                files, self.pool_bytes, self.low_water, max_held_share=self.retention.max_share
-            )
-            gone = []
-            for path in doomed:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass  # another replica's sweep took it: its event says so
-                except OSError as e:
-                    logger.warning("kvroute pool: cannot delete %s: %s", path, e)
-                    continue
-                k = key_of_path(path)
-                if k is not None:
-                    gone.append(make_offload_key(*k))
-            with self._lock:
-                self._removed.extend(gone)
-            self.evicted += len(gone)
-            self.estimate = left
-            if gone:
-                logger.info(
-                    "kvroute pool: evicted %d blocks, %d bytes left of %d",
-                    len(gone), left, self.pool_bytes,
-                )  # fmt: skip
+            # again at once while stores that completed during a scan leave the pool over its
+            # bound (bounded: held files can keep it over, and another pass would not help)
+            for _ in range(SWEEP_PASSES):
+                self.estimate.scan_started()
+                files = pool_files(self.pool_root)
+                doomed, left = plan_eviction(
+                    files, self.pool_bytes, self.low_water, max_held_share=self.retention.max_share
+                )
+                gone = []
+                for path in doomed:
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass  # another replica's sweep took it: its event says so
+                    except OSError as e:
+                        logger.warning("kvroute pool: cannot delete %s: %s", path, e)
+                        continue
+                    k = key_of_path(path)
+                    if k is not None:
+                        gone.append(make_offload_key(*k))
+                with self._lock:
+                    self._removed.extend(gone)
+                self.evicted += len(gone)
+                late = self.estimate.scanned(left)
+                if gone:
+                    logger.info(
+                        "kvroute pool: evicted %d blocks, %d bytes left of %d",
+                        len(gone), left, self.pool_bytes,
+                    )  # fmt: skip
+                if not late or self.estimate.bytes <= self.pool_bytes:
+                    break
         except Exception:  # the pool degrades to an unbounded one, never breaks the engine
             logger.exception("kvroute pool: sweep failed")
         finally:
@@ -332,6 +389,7 @@ def _build() -> type:
         "submit_store": submit_store,
         "submit_load": submit_load,
         "get_finished_jobs": get_finished_jobs,
+        "_tick": _tick,
         "_start_sweep": _start_sweep,
         "_sweep": _sweep,
         "take_events": take_events,

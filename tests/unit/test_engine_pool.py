@@ -66,3 +66,14 @@ def test_a_hold_lasts_as_the_retention_rule_says():
     assert pool.hold_until(Hint("s", "done"), cfg, 0.0) is None
     assert pool.hold_until(Hint("s", "running"), cfg, 0.0) is None
     assert pool.hold_until(None, cfg, 0.0) is None
+
+
+def test_a_store_completed_during_a_scan_stays_in_the_estimate():
+    est = pool.PoolEstimate()
+    est.add(100)
+    est.scan_started()
+    est.add(30)  # completes while the sweep scans: not in the scan's total
+    assert est.scanned(left=90) == 30
+    assert est.bytes == 120  # the scan's 90 plus the 30 it could not see
+    est.scan_started()
+    assert est.scanned(left=110) == 0 and est.bytes == 110
