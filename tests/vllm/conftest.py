@@ -5,9 +5,10 @@ served by a session fixture (``vllm_bed``, ``cadence_bed``, ...): modules whose 
 share one bed, whose replicas start once per run. A bed starts when a test first needs it,
 together with the next beds the run will need (:data:`BATCH_REPLICAS` replicas at a time,
 :data:`LIVE_REPLICAS` alive at most: replicas starting together share the two cores, so a set
-is up sooner than one after another), and stops after the last test that uses it. Every
-replica publishes its KV events to the session's one collector (``kv_events``) on a topic of
-its own name. Teardown fails the session if any replica process outlives its bed.
+is up sooner than one after another; a :data:`SOLO` bed starts alone), and stops after the
+last test that uses it. Every replica publishes its KV events to the session's one collector
+(``kv_events``) on a topic of its own name. Teardown fails the session if any replica process
+outlives its bed.
 
 The plain bed (``vllm_bed``): two replicas pinned to different cores, ``a`` publishing int
 hashes (vLLM's default) and ``b`` digest bytes, so one session checks both external hash
@@ -250,6 +251,10 @@ BEDS: dict[str, tuple[Callable[[BedContext], tuple[list[ReplicaConfig], dict]], 
     "agents": (_agents, False),
     **{f"ft-{m}": (_tiers_fidelity(m), True) for m in TIERS_MODES},
 }
+# beds started alone, with no other bed starting beside them: NIXL's UCX threads in each P/D
+# replica spin at ~90% of a core each while idle (2 replicas: 4 spinning threads on 2 cores),
+# and a replica started beside them took past the 240 s start deadline
+SOLO = {"pd"}
 # the session fixture that serves each key (``tiered_bed`` is parametrized by mode)
 FIXTURE_KEYS = {"vllm_bed": "plain", "cadence_bed": "cadence", "signals_bed": "signals",
                 "retention_bed": "retention", "tiers_bed": "tiers",
@@ -291,9 +296,11 @@ class BedPool:
         n = len(batch[key][0])
         alive = sum(len(b.replicas) for b in self.live.values())
         later = self.order[self.order.index(key) + 1 :] if key in self.order else []
-        for k in later:  # the next beds this run needs, while they fit
+        for k in later if key not in SOLO else ():  # the next beds this run needs, while they fit
             if k in self.live or k in self.done:
                 continue
+            if k in SOLO:
+                break
             built = BEDS[k][0](self.ctx)
             if n + len(built[0]) > BATCH_REPLICAS or alive + n + len(built[0]) > LIVE_REPLICAS:
                 break
