@@ -449,5 +449,8 @@ class Calibrator:
         """``(pool scale, exposed samples)`` over the pool window (see the module docstring)."""
         if not self._pool:
             return 1.0, 0
-        a = np.array(self._pool, dtype=float).T
-        return fit_pool_scale(*a[:6], prefill_scale, offset_s, self.min_samples)
+        pool, queue, compute, other, overlap, observed = np.array(self._pool, dtype=float).T[:6]
+        return fit_pool_scale(
+            pool, queue, compute, other, overlap, observed, prefill_scale, offset_s,
+            self.min_samples,
+        )  # fmt: skip

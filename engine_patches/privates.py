@@ -179,7 +179,17 @@ OWN_STATE: tuple[OwnState, ...] = (
     OwnState(
         "pool.py",
         "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager",
-        ("_lock", "_removed", "_stores", "_sweeping", "_last_sweep", "_start_sweep", "_sweep"),
+        (
+            "_lock",
+            "_removed",
+            "_stores",
+            "_sweeping",
+            "_last_sweep",
+            "_start_sweep",
+            "_sweep",
+            "_ticker",
+            "_tick",
+        ),
     ),
 )
 

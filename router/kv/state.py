@@ -378,8 +378,11 @@ class KVState(Analyzer, Membership, KVSettingsDiscovery):
                 cal = self.calibrators.setdefault(replica, Calibrator())
                 pool = decision.term(replica, "model_pool_fetch")
                 if isinstance(pool, Mapping):  # a pool load: fits the pool link (or TTFT)
+                    pool_s, queue_s, compute_s, other_s, overlap = (
+                        float(pool.get(k) or 0.0) for k in POOL_PARTS
+                    )
                     cal.observe_pool_fetch(
-                        *(float(pool.get(k) or 0.0) for k in POOL_PARTS), observed, now
+                        pool_s, queue_s, compute_s, other_s, overlap, observed, now
                     )
                 else:
                     cal.observe_ttft(predicted, observed, now)
