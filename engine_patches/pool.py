@@ -145,9 +145,8 @@ class PoolEstimate:
     """One replica's running estimate of the pool's bytes: the last scan's total plus what this
     replica stored since that scan began. A store that completes while a sweep scans is not in
     the scan's total, so a sweep's end keeps it (``left + stored since the scan``); setting the
-    estimate to the scan's total alone lost it, and a replica whose engine then went idle could
-    leave the pool over its bound until its next call (seen on a loaded machine). Thread-safe:
-    the engine adds, the sweep thread scans."""
+    estimate to the scan's total alone lost it, so the replica could believe the pool within
+    its bound when it was not. Thread-safe: the engine adds, the sweep thread scans."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

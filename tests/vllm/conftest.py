@@ -251,9 +251,9 @@ BEDS: dict[str, tuple[Callable[[BedContext], tuple[list[ReplicaConfig], dict]], 
     "agents": (_agents, False),
     **{f"ft-{m}": (_tiers_fidelity(m), True) for m in TIERS_MODES},
 }
-# beds started alone, with no other bed starting beside them: NIXL's UCX threads in each P/D
-# replica spin at ~90% of a core each while idle (2 replicas: 4 spinning threads on 2 cores),
-# and a replica started beside them took past the 240 s start deadline
+# beds started alone, with no other bed starting beside them: each P/D replica (vLLM's NIXL
+# connector) keeps two threads spinning at ~90% of a core each while idle (4 on 2 cores), and
+# a replica started beside them took past the 240 s start deadline (docs/engine.md)
 SOLO = {"pd"}
 # the session fixture that serves each key (``tiered_bed`` is parametrized by mode)
 FIXTURE_KEYS = {"vllm_bed": "plain", "cadence_bed": "cadence", "signals_bed": "signals",
