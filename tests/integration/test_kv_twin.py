@@ -17,6 +17,7 @@ from router.config import RouterConfig
 from router.kv.config import KVConfig
 from router.kv.state import KVState
 from router.vllm.tokenizer import ModelTokenizer
+from tests.helpers.http import post
 
 pytestmark = pytest.mark.timeout(150)
 WORDS = tinymodel._WORDS
@@ -36,12 +37,6 @@ def chat(text: str, max_tokens: int = 1) -> dict:
         "max_tokens": max_tokens,
         "ignore_eos": True,
     }
-
-
-async def post(http, url, body, headers=None) -> dict:
-    async with http.post(url, json=body, headers=headers or {}) as r:
-        assert r.status == 200, await r.text()
-        return await r.json()
 
 
 async def test_dram_blocks_attract_calls_until_the_replica_is_saturated():

@@ -29,6 +29,7 @@ from router.config import RouterConfig
 from router.kv.config import KVConfig
 from router.kv.state import KVState
 from router.vllm.tokenizer import ModelTokenizer
+from tests.helpers.http import post
 
 pytestmark = pytest.mark.timeout(240)
 WORDS = tinymodel._WORDS
@@ -48,12 +49,6 @@ def words(n: int, seed: int) -> str:
 def chat(text: str) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1,
             "ignore_eos": True}  # fmt: skip
-
-
-async def post(http, url, body, headers=None) -> dict:
-    async with http.post(url, json=body, headers=headers or {}) as r:
-        assert r.status == 200, await r.text()
-        return await r.json()
 
 
 async def test_the_router_calibrates_the_pool_link_toward_the_twins_slower_truth():
