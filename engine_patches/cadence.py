@@ -33,9 +33,11 @@ With no decoder running there is nobody to protect and prefill is always admitte
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 from typing import Any
 
 
@@ -49,7 +51,9 @@ class CadenceConfig:
     # "bounded": this module's guard. "vllm": vLLM's own rule, for comparison — prefill on
     # every N-th step (as the DP engine drives it) with the capacity escape left on.
     guard: str = "bounded"
-    trace_path: str | None = None  # JSONL, one line per scheduled step (tests, benchmarks)
+    # JSONL (tests, benchmarks): one line per scheduled step, and one per request reaching the
+    # scheduler (``"arrived"``); :func:`read_trace` splits the two
+    trace_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.interval < 1:
@@ -200,3 +204,24 @@ def eligible_flags(waiting: Iterable[int], token_budget: int, free_seats: int) -
             left -= tokens
             seats -= 1
     return out
+
+
+def read_trace(path: str | PathLike[str], offset: int = 0) -> tuple[list[dict], list[dict]]:
+    """The cadence trace from byte ``offset`` on: its step records and its arrival records
+    (``{"t", "arrived", "prompt_tokens"}``, one per request added to the scheduler), each in
+    file order. A missing file reads as empty; a line still being written is left for the next
+    read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], []
+    steps: list[dict] = []
+    arrivals: list[dict] = []
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        rec = json.loads(line)
+        (arrivals if "arrived" in rec else steps).append(rec)
+    return steps, arrivals

@@ -176,6 +176,15 @@ class CadenceMixin:
             del hits[rid]  # admitted, finished or aborted: its look-up is spent
         return total
 
+    def add_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        """vLLM's, then an arrival record in the trace: when a request reached the scheduler
+        (a test can tell that a burst is in the engine while the engine is paused)."""
+        super().add_request(request, *args, **kwargs)  # type: ignore[misc]
+        if self._kvroute_trace is not None:
+            rec = {"t": time.monotonic(), "arrived": request.request_id,
+                   "prompt_tokens": request.num_prompt_tokens}  # fmt: skip
+            self._kvroute_trace.write(json.dumps(rec) + "\n")
+
     def schedule(self, throttle_prefills: bool = False) -> Any:
         cad = self._kvroute_cadence
         if cad is None:

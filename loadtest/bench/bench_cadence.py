@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import random
@@ -38,6 +37,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from engine_patches.cadence import read_trace
 from loadtest import tinymodel
 from loadtest.vllmbed import ReplicaConfig, VllmBed
 
@@ -152,9 +152,7 @@ def bench(
             for i, m in enumerate(mixes):
                 res = asyncio.run(run_mix(url, MIXES[m], duration, seed=100 + i))
                 time.sleep(0.5)
-                steps: list[dict] = []
-                with contextlib.suppress(FileNotFoundError):
-                    steps = [json.loads(x) for x in trace.read_text().splitlines()]
+                steps = read_trace(trace)[0]
                 itl = itl_from_trace(steps, res["t_start"], res["t_end"])
                 held = [h[0] for s in steps if res["t_start"] <= s["t"] <= res["t_end"]
                         for h in s["held"].values()]  # fmt: skip

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine_patches.cadence import CadenceConfig, PendingPrefill, PrefillCadence, eligible_flags
+from engine_patches.cadence import (
+    CadenceConfig,
+    PendingPrefill,
+    PrefillCadence,
+    eligible_flags,
+    read_trace,
+)
 
 
 def run_steps(cad: PrefillCadence, pending, steps: int, dt: float = 0.01, tokens_if_admit=512):
@@ -93,3 +99,20 @@ def test_config_from_additional_config_rejects_unknown_keys():
         CadenceConfig.from_additional_config({"kvroute": {"cadence": {"intervall": 2}}})
     with pytest.raises(ValueError):
         CadenceConfig(interval=0)
+
+
+def test_read_trace_splits_steps_from_arrivals_and_leaves_a_partial_line(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    assert read_trace(path) == ([], [])  # no trace yet
+    lines = [
+        '{"t": 1.0, "arrived": "a", "prompt_tokens": 10}\n',
+        '{"t": 1.1, "admit": true, "pending_prefill": 10}\n',
+        '{"t": 1.2, "arrived": "b", "prompt_tokens": 5}\n',
+    ]
+    path.write_text("".join(lines) + '{"t": 1.3, "adm')  # the engine is mid-write
+    steps, arrivals = read_trace(path)
+    assert [s["pending_prefill"] for s in steps] == [10]
+    assert [a["arrived"] for a in arrivals] == ["a", "b"]
+    # from an offset: only what follows it
+    steps, arrivals = read_trace(path, len(lines[0]) + len(lines[1]))
+    assert steps == [] and [a["arrived"] for a in arrivals] == ["b"]

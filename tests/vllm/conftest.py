@@ -42,6 +42,7 @@ from loadtest.vllmbed import (
     vllm_python,
 )
 from router.vllm.kvevents import AllBlocksCleared
+from tests.vllm.together import DEV_MODE, TraceTap
 
 BLOCK_SIZE = 32
 KV_BYTES = 16 << 20  # 8192 tokens = 256 blocks of 32 with the tiny fp32 model
@@ -54,7 +55,7 @@ LEAK_GRACE_S = 15.0  # how long a stopped bed's processes may take to be gone
 CADENCE = presets.CadenceOptions(interval=4, max_defer_steps=6, max_defer_ms=2000.0,
                                  backlog_scale=1000.0)  # fmt: skip
 CADENCE_BUDGET = 512  # --max-num-batched-tokens: long prompts are prefilled in several chunks
-SIGNALS_BUDGET = 64  # test_engine_signals: a 1,500-token prompt takes ~24 steps to prefill
+SIGNALS_BUDGET = 16  # test_engine_signals: a 1,500-token prompt takes ~94 steps to prefill
 # test_twin_fidelity_tiers: 300 host blocks of 64 KiB (2 KiB of fp32 KV per token)
 TIERS_HOST_BLOCKS = 300
 TIERS_MODES = ("lru", "retention", "disk", "write-back")
@@ -120,14 +121,16 @@ def _cadence(ctx: BedContext):
     trace = ctx.mktemp("cadence") / "steps.jsonl"
     words = _with_trace(presets.flags(presets.EngineOptions(cadence=CADENCE)), trace)
     words += ["--max-num-batched-tokens", str(CADENCE_BUDGET)]
-    return [_cfg(ctx, "cad", 1, words)], {"trace": trace}
+    return [_cfg(ctx, "cad", 1, words, extra_env=DEV_MODE)], {"trace": trace}
 
 
 def _signals(ctx: BedContext):
-    trace = ctx.mktemp("signals") / "steps.jsonl"
+    # the trace through a pipe the test can stop draining (tests/vllm/together.py)
+    d = ctx.mktemp("signals")
+    tap = TraceTap(d / "steps.fifo", d / "steps.jsonl")
     words = presets.flags(presets.EngineOptions(host_tier_bytes=16 << 20))  # default cadence
-    words = [*_with_trace(words, trace), "--max-num-batched-tokens", str(SIGNALS_BUDGET)]
-    return [_cfg(ctx, "sig", 0, words)], {"trace": trace}
+    words = [*_with_trace(words, tap.fifo), "--max-num-batched-tokens", str(SIGNALS_BUDGET)]
+    return [_cfg(ctx, "sig", 0, words, extra_env=DEV_MODE)], {"trace": tap.copy, "tap": tap}
 
 
 def _retention(ctx: BedContext):
