@@ -385,14 +385,20 @@ async def test_stream_bodies_start_after_prefill_as_vllm_sends_them(http):
             t0 = time.perf_counter()
             seen = b""
             at = None
-            async with http.stream("POST", c.urls[0] + path, json=body) as r:
-                assert r.status_code == 200, (path, await r.aread())
-                async for b in r.aiter_raw():
-                    if at is None:
-                        head_only = path == "/v1/responses" and first_output not in seen + b
-                        if not head_only:
-                            at = time.perf_counter() - t0
-                    seen += b
+            try:
+                async with http.stream("POST", c.urls[0] + path, json=body) as r:
+                    assert r.status_code == 200, (path, await r.aread())
+                    async for b in r.aiter_raw():
+                        if at is None:
+                            head_only = path == "/v1/responses" and first_output not in seen + b
+                            if not head_only:
+                                at = time.perf_counter() - t0
+                        seen += b
+            except httpx.ReadTimeout:  # seen once in a clean-clone run (2026-12-06), never alone
+                pytest.fail(
+                    f"{path}: no bytes for 30 s after {time.perf_counter() - t0:.1f} s, "
+                    f"having read {seen[:400]!r}"
+                )
             assert first_output in seen, (path, seen[:300])
             assert at is not None and at > 0.7 * prefill, (path, at, prefill)
 
