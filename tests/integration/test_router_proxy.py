@@ -22,7 +22,9 @@ from aiohttp import web
 from router.app import MONITOR, REPLICAS, build_app, start_site
 from router.config import RouterConfig
 
-pytestmark = pytest.mark.timeout(60)
+# event waits are bounded at 60 s: the CI's other tier starts vLLM beds beside this one, and
+# stalls of up to 30 s were seen there (docs/engine.md)
+pytestmark = pytest.mark.timeout(180)
 
 # Odd bytes on purpose: multi-byte UTF-8 split across writes, CRLF, an SSE comment line.
 SSE_CHUNKS = [
@@ -239,7 +241,7 @@ async def test_client_disconnect_aborts_upstream(fakes, router, http):
         await r.content.readuntil(b"\n\n")
         await r.content.readuntil(b"\n\n")
         r.close()  # the client goes away mid-stream
-    await asyncio.wait_for(f.aborted.wait(), timeout=5)
+    await asyncio.wait_for(f.aborted.wait(), timeout=60)
     assert f.completed == 0
 
 
@@ -319,7 +321,7 @@ async def test_bad_input_gets_clear_errors(fakes, router, http):
         b'Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"model":'
     )
     await writer.drain()
-    status_line = await asyncio.wait_for(reader.readline(), timeout=5)
+    status_line = await asyncio.wait_for(reader.readline(), timeout=60)
     assert b" 408 " in status_line
     writer.close()
     with contextlib.suppress(ConnectionError):
@@ -477,13 +479,13 @@ async def test_every_analyzed_request_is_observed_exactly_once(fakes, http):
         async with http.post(live + "/v1/chat/completions", json=CHAT) as r:  # client leaves
             await r.content.readuntil(b"\n\n")
             r.close()
-        await asyncio.wait_for(slow.aborted.wait(), timeout=5)
+        await asyncio.wait_for(slow.aborted.wait(), timeout=60)
         async with http.post(dead + "/v1/chat/completions", json=CHAT) as r:
             assert r.status == 503  # nothing listens there
         async with http.post(live + "/admin/route", json=CHAT,
                              headers={"X-Admin-Key": "adm"}) as r:  # fmt: skip
             assert r.status == 200
-        await asyncio.wait_for(all_seen.wait(), timeout=5)
+        await asyncio.wait_for(all_seen.wait(), timeout=60)
         assert len(counted) == 3 and all(v == 0 for v in counted.values()), counted
         assert sorted(ends) == ["dry_run", "not_completed", "not_completed"]
     finally:
