@@ -37,46 +37,42 @@ def ctx(session: str, text: str) -> RequestContext:
     return RequestContext(f"r-{session}", "/v1/chat/completions", "tiny", ident, body)
 
 
-async def lag_while(aw: object) -> tuple[float, float]:
-    """(the longest the loop went without running a 1 ms ticker, wall time) while awaiting."""
-    worst = 0.0
+async def lag_while(aw: object) -> tuple[int, float]:
+    """(how many times a 1 ms ticker ran on the loop, wall time) while awaiting ``aw``."""
+    ticks = 0
     stop = False
 
     async def tick() -> None:
-        nonlocal worst
-        last = time.perf_counter()
+        nonlocal ticks
         while not stop:
             await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            worst = max(worst, now - last - 0.001)
-            last = now
+            ticks += 1
 
     t = asyncio.create_task(tick())
     await asyncio.sleep(0.01)
     t0 = time.perf_counter()
+    start = ticks
     await aw  # type: ignore[misc]
     wall = time.perf_counter() - t0
+    ran = ticks - start
     stop = True
     await t
-    return worst, wall
+    return ran, wall
 
 
 async def test_a_cold_prompt_does_not_stall_the_loop(tokenizer: ModelTokenizer) -> None:
     text = words(60_000, 1)
-    inline = KVState(KVConfig(block_size=16), tokenizer=tokenizer)
-    t0 = time.perf_counter()
-    await asyncio.to_thread(inline.analyze, ctx("x", text))  # no loop in that thread: inline
-    inline_s = time.perf_counter() - t0
-
     st = KVState(KVConfig(block_size=16, analysis_wait_s=30), tokenizer=tokenizer)
     c = ctx("a", text)
     pending = st.analyze(c)
     assert pending is not None
-    worst, wall = await lag_while(pending)
+    ran, wall = await lag_while(pending)
     assert c.block_keys and c.prompt_tokens and c.prompt_tokens > 50_000
-    # analysed on the loop, the loop would go without a tick for about the whole wait (wall);
-    # a loaded 2-core VM deschedules it now and then, far less than a third of that
-    assert worst < max(0.1, inline_s / 4, wall / 3), (worst, inline_s, wall)
+    # analysed on the loop, the ticker would not run until it was done (0-1 ticks); off the
+    # loop it runs all along, ~1 per ms. Counted, not timed: the other tier of `make test`
+    # can stall this whole process for seconds (docs/engine.md), which a bound on the
+    # longest gap (this test's check until 2026-12-06) cannot tell from a blocked loop
+    assert ran >= 20, (ran, wall)
 
 
 async def test_no_call_waits_behind_another_calls_cold_tokenization(
