@@ -325,6 +325,9 @@ class BedPool:
             return
         self.done.add(key)
         b.bed.stop()
+        for v in b.extra.values():  # a trace tap's thread and pipe go with its bed
+            if isinstance(v, TraceTap):
+                v.close()
         # a group member SIGKILLed by stop() can still be exiting when /proc is read (seen on
         # a loaded machine): a leak is a process still there after LEAK_GRACE_S
         left = processes_with_marker(b.bed.bed_id)
