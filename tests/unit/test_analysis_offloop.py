@@ -87,17 +87,24 @@ async def test_no_call_waits_behind_another_calls_cold_tokenization(
     cold_t0 = time.perf_counter()
     cold_wait = st.analyze(cold)
     assert cold_wait is not None
+    # queued on the one analysis thread right behind the cold prompt: done once it is
+    assert st._lane is not None
+    after_cold = st._lane.pool.submit(lambda: None)
     nxt = ctx("b", words(200, 2) + " more words")
     t0 = time.perf_counter()
     assert st.analyze(nxt) is None  # placed at once, on what is known
     nxt_s = time.perf_counter() - t0
+    behind = after_cold.done()
     await cold_wait
     cold_s = time.perf_counter() - cold_t0
     assert cold.block_keys
-    # at once: not behind the cold prompt's tokenization (~1 s here), which would make it
-    # last nearly as long as that. Measured against it, not against a fixed time: a loaded
-    # 2-core box slows both alike (0.25 s: the floor for a fast box)
-    assert nxt_s < max(0.25, cold_s / 3), (nxt_s, cold_s)
+    # at once: not behind the cold prompt's tokenization (~1 s here). A call that waited for
+    # it returns after it, and lasts nearly as long; this one returned while the cold prompt
+    # was still being tokenized, or took a fraction of its time (0.25 s: the floor for a fast
+    # box). Either alone can miss under load: the other tier of `make test` can stall this
+    # process for seconds (docs/engine.md), and the analysis thread may run while this one
+    # waits for a CPU
+    assert not behind or nxt_s < max(0.25, cold_s / 3), (nxt_s, cold_s)
     for _ in range(200):  # its analysis still ran: the session's next call is incremental
         if st.tokens is not None and st.tokens.stats["incremental"] >= 1:
             break
