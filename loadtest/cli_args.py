@@ -13,7 +13,8 @@ defaults wherever it is used (a default that is a command's own is a parameter):
   (:func:`add_speedup_arg`), their model (:func:`add_model_args`) and how they reply
   (:func:`add_reply_args` → :func:`reply_kwargs`); :func:`add_engine_args` adds the
   overrides, the plugin's settings and the truth together;
-* the router: the profile it prices with (:func:`add_router_profile_arg`);
+* the router: the profile it prices with (:func:`add_router_profile_arg`) and P/D
+  disaggregation (:func:`add_pd_args`);
 * the trace and how it plays: path, sessions, calls, gaps, prompt shape, session headers
   (:func:`add_trace_args`; :func:`trace_kwargs`, :func:`prompt_kwargs` and
   :func:`play_kwargs` pass them on by the loader's, the prompt builder's and the replay's
@@ -210,6 +211,18 @@ def add_router_profile_arg(p: argparse.ArgumentParser, who: str) -> None:
         default=None,
         help=f"the profile {who} prices with (default: --profile, the nominal profile; never "
         "the truth); 'none': no profile (a generic stand-in, calibrated online)",
+    )
+
+
+def add_pd_args(p: argparse.ArgumentParser, replicas: str, who: str) -> None:
+    """``--pd P:D`` and ``--pd-mode``: prefill/decode disaggregation, ``replicas`` saying what
+    the P and D replicas are and ``who`` which router decides each call's split."""
+    p.add_argument("--pd", default=None, metavar="P:D", help=f"P/D disaggregation: {replicas}")
+    p.add_argument(
+        "--pd-mode",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help=f"with --pd: {who}'s per-call split decision (auto: priced)",
     )
 
 

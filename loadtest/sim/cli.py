@@ -43,19 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engines schedule by request priority (priority_scheduling=1) and router:<policy> "
         "sends its session-level priority (the router's priority: session)",
     )
-    p.add_argument(
-        "--pd",
-        default=None,
-        metavar="P:D",
-        help="P/D disaggregation: P prefill-only then D decode-only replicas (replaces "
-        "--replicas); router:<policy> runs the router's P/D path, round_robin splits every call "
-        "round robin (loadtest/sim/pd.py)",
-    )
-    p.add_argument(
-        "--pd-mode",
-        default="auto",
-        choices=["auto", "always", "never"],
-        help="with --pd: router:<policy>'s per-call split decision (auto: priced)",
+    cli_args.add_pd_args(
+        p,
+        "P prefill-only then D decode-only replicas (replaces --replicas); router:<policy> "
+        "runs the router's P/D path, round_robin splits every call round robin "
+        "(loadtest/sim/pd.py)",
+        "router:<policy>",
     )
     cli_args.add_router_profile_arg(p, "router:<policy>")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summaries")

@@ -75,19 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="twins schedule by request priority (vLLM --scheduling-policy priority) and "
         "kvroute targets send their session-level priority (router priority: session)",
     )
-    p.add_argument(
-        "--pd",
-        default=None,
-        metavar="P:D",
-        help="P/D disaggregation: P prefill twins and D decode twins (replicas = P + D); "
-        "kvroute targets (docs/router.md, Disaggregation) and vllm-router's P/D mode "
-        "(vllm-router:<policy> but kv_aware; docs/peers.md)",
-    )
-    p.add_argument(
-        "--pd-mode",
-        default="auto",
-        choices=["auto", "always", "never"],
-        help="with --pd: kvroute's per-call split decision (auto: priced)",
+    cli_args.add_pd_args(
+        p,
+        "P prefill twins and D decode twins (replicas = P + D); kvroute targets "
+        "(docs/router.md, Disaggregation) and vllm-router's P/D mode (vllm-router:<policy> "
+        "but kv_aware; docs/peers.md)",
+        "kvroute",
     )
     p.add_argument(
         "--scrape", type=float, default=0.05,
