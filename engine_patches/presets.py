@@ -183,7 +183,8 @@ def pd_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
     ``nixl``: ``{"kv_connector": "NixlConnector", "kv_role": "kv_both"}`` on every role, as
     vLLM's NIXL guide and its P/D proxy examples run both sides — which side a request plays
     is its ``kv_transfer_params`` (the router's prefill leg sends ``do_remote_decode``), not
-    the config; on vLLM-CPU the KV buffer is the host's (``kv_buffer_device: cpu``).
+    the config; on vLLM-CPU the KV buffer is the host's (``kv_buffer_device: cpu``); a failed
+    KV pull is recomputed (``kv_load_failure_policy: recompute``).
     ``shared-storage``: vLLM's ``ExampleConnector`` with ``kv_producer`` on the prefill and
     ``kv_consumer`` on the decode side (``both``: ``kv_both``), over ``pd_dir``."""
     if opts.pd_role is None:
@@ -201,6 +202,10 @@ def pd_transfer_config(opts: EngineOptions) -> dict[str, Any] | None:
         out: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
         if opts.platform == "cpu":
             out["kv_buffer_device"] = "cpu"
+        # a KV pull that fails (vLLM 0.32's NIXL handshake waits 5 s for the prefill side's
+        # reply, a fixed bound a loaded prefill replica misses; a prefill replica gone) is
+        # recomputed on the decode replica, not a failed call (vLLM's default: a 500)
+        out["kv_load_failure_policy"] = "recompute"
         return out
     if not opts.pd_dir:
         raise ValueError("the shared-storage connector needs --pd-dir (a shared directory)")
@@ -218,13 +223,16 @@ def _with_pd(ktc: dict[str, Any] | None, pd: dict[str, Any] | None) -> dict[str,
     loads a request's KV (MultiConnector takes the first connector that reports a hit)."""
     if pd is None or ktc is None:
         return pd if ktc is None else ktc
+    key = "kv_load_failure_policy"  # vLLM's scheduler reads it from the outer config only
+    inner = [{k: v for k, v in c.items() if k != key} for c in (pd, ktc)]
     out: dict[str, Any] = {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"connectors": [pd, ktc]},
+        "kv_connector_extra_config": {"connectors": inner},
     }
-    if "kv_load_failure_policy" in ktc:
-        out["kv_load_failure_policy"] = ktc["kv_load_failure_policy"]
+    policy = ktc.get(key) or pd.get(key)
+    if policy:
+        out[key] = policy
     return out
 
 

@@ -17,7 +17,8 @@ def ktc(words: list[str]) -> dict:
 def test_gpu_roles_get_vllms_nixl_connector():
     for role in ("prefill", "decode", "both"):
         w = presets.flags(presets.EngineOptions(platform="gpu", pd_role=role))
-        assert ktc(w) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        assert ktc(w) == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                          "kv_load_failure_policy": "recompute"}  # fmt: skip
     # a prefill replica decodes nothing: no cadence scheduler; a decode replica keeps it
     pre = presets.flags(presets.EngineOptions(platform="gpu", pd_role="prefill"))
     dec = presets.flags(presets.EngineOptions(platform="gpu", pd_role="decode"))
@@ -38,6 +39,15 @@ def test_role_with_host_tier_is_a_multi_connector_pd_first():
     inner = c["kv_connector_extra_config"]["connectors"]
     assert [x["kv_connector"] for x in inner] == ["NixlConnector", "OffloadingConnector"]
     assert c["kv_load_failure_policy"] == "recompute"
+    # without a pool the policy is the P/D connector's, on the outer config (vLLM reads it there)
+    w = presets.flags(
+        presets.EngineOptions(platform="gpu", pd_role="decode", host_tier_bytes=1 << 30)
+    )
+    c = ktc(w)
+    assert c["kv_load_failure_policy"] == "recompute"
+    assert all(
+        "kv_load_failure_policy" not in x for x in c["kv_connector_extra_config"]["connectors"]
+    )
 
 
 def test_shared_storage_connector_roles_and_prefix_preset():
