@@ -69,6 +69,24 @@ def test_stop_kills_stubborn_process_tree(tmp_path):
     assert _wait_gone(bed_id) == []
 
 
+def test_the_tree_is_a_process_group_of_its_own_in_the_callers_session(tmp_path):
+    """Its own group, so a stop reaches the whole tree and nothing else; the caller's
+    session, because with the kernel's autogroup a new session is a scheduling group as
+    strong as the caller's whole session (docs/engine.md, "Bursts on the vLLM-CPU test
+    bed")."""
+    bed_id, p = _start_tree(tmp_path)
+    try:
+        tree = processes_with_marker(bed_id)
+        assert {os.getsid(pid) for pid in tree} == {os.getsid(0)}
+        assert {os.getpgid(pid) for pid in tree} == {p.proc.pid} != {os.getpgid(0)}
+        if Path("/proc/self/autogroup").exists():  # the kernel's autogroup: the caller's
+            own = Path("/proc/self/autogroup").read_text().split()[0]
+            assert {Path(f"/proc/{pid}/autogroup").read_text().split()[0] for pid in tree} == {own}
+    finally:
+        p.stop(grace_s=0.5)
+    assert _wait_gone(bed_id) == []
+
+
 OWNER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
