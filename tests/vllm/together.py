@@ -3,10 +3,13 @@
 Why: on the loaded 2-core machine, while a vLLM-CPU engine steps (the tiny model, every 3-8
 ms), other processes can go without CPU for as long as it steps: measured 2026-12-06 with
 two busy loops beside the test, or the other test tiers, a thread of the test process and
-faulthandler's watchdog both stalled 1.7-2.0 s, the whole burst (cause not found: renicing
-the engine did not help, and plain sched_yield spinners do not reproduce it). The API server
-then forwards the next request only when the engine goes idle, so a burst reaches the
-scheduler one request at a time and never queues, and a test cannot act mid-burst. So:
+faulthandler's watchdog both stalled 1.7-2.0 s, the whole burst. The API server then
+forwarded the next request only when the engine went idle, so a burst reached the scheduler
+one request at a time and never queued, and a test could not act mid-burst. The cause, found
+later that day, was the kernel's autogroup (each replica in a session of its own had as much
+CPU as the test's whole session; the bed now starts replicas in the caller's session,
+docs/engine.md), but a test that must see a burst queue or freeze the engine should not
+depend on the scheduler's fairness on a loaded box either. So:
 
 * :func:`together` puts calls in with vLLM's own pause in ``keep`` mode (``POST
   /pause?mode=keep`` / ``POST /resume``; the bed needs ``VLLM_SERVER_DEV_MODE=1``): while
