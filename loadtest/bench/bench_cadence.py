@@ -3,7 +3,7 @@ guard (capacity escape) and with the plugin's bounded guard, under light/heavy/o
 
     .venv/bin/python -m loadtest.bench.bench_cadence [--intervals 1,2,4] [--guards vllm,bounded]
         [--mixes light,heavy,overload] [--duration 15] [--budget 4096] [--backlog-scale 16]
-        [--json out.json]
+        [--seeds 0,1,2] [--json out.json]
 
 One replica per (N, guard), started with the plugin's scheduler class
 (``engine_patches.scheduler.CadenceScheduler``; ``guard: vllm`` drives vLLM's own
@@ -130,8 +130,11 @@ def pct(xs: list[float], q: float) -> float:
 
 def bench(
     intervals: list[int], guards: list[str], mixes: list[str], duration: float,
-    backlog_scale: float = 16.0, budget: int = 4096,
+    backlog_scale: float = 16.0, budget: int = 4096, seeds: tuple[int, ...] = (0,),
 ) -> list:  # fmt: skip
+    """One row per (N, guard, mix, seed); a seed is a schedule of arrivals and prompt texts
+    (seed 0: the schedule of the runs before ``--seeds`` existed), run on the config's one
+    replica after the seeds before it."""
     model = tinymodel.ensure()
     rows = []
     configs = [(1, "vllm")] if 1 in intervals else []
@@ -149,15 +152,15 @@ def bench(
         )  # fmt: skip
         with VllmBed([cfg], workdir=work) as bed:
             url = bed.replicas[0].url
-            for i, m in enumerate(mixes):
-                res = asyncio.run(run_mix(url, MIXES[m], duration, seed=100 + i))
+            for (i, m), seed in itertools.product(enumerate(mixes), seeds):
+                res = asyncio.run(run_mix(url, MIXES[m], duration, seed=100 + i + 1000 * seed))
                 time.sleep(0.5)
                 steps = read_trace(trace)[0]
                 itl = itl_from_trace(steps, res["t_start"], res["t_end"])
                 held = [h[0] for s in steps if res["t_start"] <= s["t"] <= res["t_end"]
                         for h in s["held"].values()]  # fmt: skip
                 row = {
-                    "interval": n, "guard": "none" if n == 1 else guard, "mix": m,
+                    "interval": n, "guard": "none" if n == 1 else guard, "mix": m, "seed": seed,
                     "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p90_ms": pct(itl, 90) * 1e3,
                     "ttft_p50_ms": pct(res["ttft"], 50) * 1e3,
                     "ttft_p90_ms": pct(res["ttft"], 90) * 1e3,
@@ -181,13 +184,23 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| mix | N | guard | decode ITL p50 / p90 (ms) | TTFT p50 / p90 (ms) | arrivals |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
-    for r in sorted(rows, key=lambda r: (r["mix"], r["interval"], r["guard"])):
+    """One line per (mix, N, guard): each figure's median over the seeds, with min–max when
+    there are several."""
+
+    def fig(xs: list[float], f: str) -> str:
+        mid = format(float(np.median(xs)), f)
+        return mid if len(xs) == 1 else f"{mid} ({min(xs):{f}}–{max(xs):{f}})"
+
+    out = ["| mix | N | guard | seeds | decode ITL p50 / p90 (ms) | TTFT p50 / p90 (ms) | "
+           "arrivals |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    key = lambda r: (r["mix"], r["interval"], r["guard"])  # noqa: E731
+    for k, group in itertools.groupby(sorted(rows, key=key), key=key):
+        g = list(group)
+        col = {c: [r[c] for r in g] for c in g[0] if c.endswith("_ms") or c == "arrivals"}
         out.append(
-            f"| {r['mix']} | {r['interval']} | {r['guard']} | {r['itl_p50_ms']:.1f} / "
-            f"{r['itl_p90_ms']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} | "
-            f"{r['arrivals']} |"
+            f"| {k[0]} | {k[1]} | {k[2]} | {len(g)} | {fig(col['itl_p50_ms'], '.1f')} / "
+            f"{fig(col['itl_p90_ms'], '.1f')} | {fig(col['ttft_p50_ms'], '.0f')} / "
+            f"{fig(col['ttft_p90_ms'], '.0f')} | {fig(col['arrivals'], '.0f')} |"
         )
     return "\n".join(out)
 
@@ -200,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=15.0)
     p.add_argument("--backlog-scale", type=float, default=16.0)
     p.add_argument("--budget", type=int, default=4096, help="--max-num-batched-tokens")
+    p.add_argument("--seeds", default="0", help="arrival schedules, run one after another")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = bench([int(x) for x in a.intervals.split(",")], a.guards.split(","),
-                 a.mixes.split(","), a.duration, a.backlog_scale, a.budget)  # fmt: skip
+                 a.mixes.split(","), a.duration, a.backlog_scale, a.budget,
+                 tuple(int(x) for x in a.seeds.split(",")))  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     print(table(rows))
