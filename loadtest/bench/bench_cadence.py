@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import operator
 import random
 import shutil
 import tempfile
@@ -193,7 +194,7 @@ def table(rows: list[dict]) -> str:
 
     out = ["| mix | N | guard | seeds | decode ITL p50 / p90 (ms) | TTFT p50 / p90 (ms) | "
            "arrivals |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    key = lambda r: (r["mix"], r["interval"], r["guard"])  # noqa: E731
+    key = operator.itemgetter("mix", "interval", "guard")
     for k, group in itertools.groupby(sorted(rows, key=key), key=key):
         g = list(group)
         col = {c: [r[c] for r in g] for c in g[0] if c.endswith("_ms") or c == "arrivals"}
