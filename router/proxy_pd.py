@@ -5,7 +5,9 @@ Owns: :func:`forward_pd` — the prefill leg on the replica the policy picks amo
 prefill-capable ones (the session placed there), retried on another prefill replica when it
 gets no answer or a 5xx, a 4xx answer being the client's; then the decode leg carrying the
 prefill leg's ``kv_transfer_params``, sent and streamed by :mod:`router.relay` and retried on
-another decode replica before its first byte. Must not import torch, vllm or loadtest.
+another decode replica when it gets no answer or a 502-504 before its first byte; a 500 then
+(the leg's KV pull failed, :data:`KV_LOAD_FAILED`) runs the call colocated. Must not import
+torch, vllm or loadtest.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ from router.upstream import PoolTimeout
 
 log = logging.getLogger("kvroute.proxy_pd")
 
+# a decode leg's answer before any byte that runs the call colocated (its prompt recomputed
+# decode-side, no ``kv_transfer_params``) rather than on another decode replica: vLLM answers
+# 500 when the leg's KV pull failed and its ``kv_load_failure_policy`` is "fail", its default
+# (a NIXL handshake timing out, a prefill replica gone; docs/vllm-facts.md). A streamed leg's
+# failure comes after its 200 head, as an error event: only the engine's "recompute" policy
+# covers that (engine_patches/presets.py sets it).
+KV_LOAD_FAILED = frozenset({500})
+
 
 class _PrefillRefused(Exception):
     """The prefill leg's replica answered the call with a client error (4xx): the decode leg
@@ -49,11 +59,12 @@ async def forward_pd(
     the session placed there: that is where its prefix lives), then the decode leg, streamed,
     on the decode replica with the least load and the most KV room, carrying the prefill
     leg's ``kv_transfer_params``. Returns None when the call is to run colocated instead —
-    the per-call price says so (``pd_mode: auto``), the body is not JSON, or every prefill
-    leg failed before answering — and the caller then runs it as one call on the decode
-    side. A prefill leg that fails (no answer, a 5xx, a timeout) is retried on another
-    prefill replica; one answered with a 4xx is the client's answer. ``raw``, ``headers`` and
-    ``path``: what the colocated call would send (:func:`router.proxy.forward`)."""
+    the per-call price says so (``pd_mode: auto``), the body is not JSON, every prefill leg
+    failed before answering, or the decode leg answered 500 before any byte (its KV pull
+    failed) — and the caller then runs it as one call on the decode side. A prefill leg that
+    fails (no answer, a 5xx, a timeout) is retried on another prefill replica; one answered
+    with a 4xx is the client's answer. ``raw``, ``headers`` and ``path``: what the colocated
+    call would send (:func:`router.proxy.forward`)."""
     ctx, record, t0, route_label = call.ctx, call.record, call.t0, call.route_label
     app = call.request.app
     cfg = app[CONFIG]
@@ -134,10 +145,37 @@ async def forward_pd(
         metrics.pd_calls(False, why)
         return None
     assert decision is not None  # set by the attempt whose prefill leg answered
-    metrics.pd_calls(True, (ctx.extra.get("pd") or {}).get("reason", cfg.pd_mode))
+    split_reason = (ctx.extra.get("pd") or {}).get("reason", cfg.pd_mode)
     ctx.extra["pd_prefill"] = prefilled
     calls.first_byte(ctx)  # the prompt's prefill is over
     dbody = orjson.dumps(disagg.decode_body(body, params))
+    fell_back = False
+    try:
+        answer = await _decode_legs(call, dbody, headers, path, dview, decision, prefilled)
+        fell_back = answer is None
+        return answer
+    finally:  # a split call, however it ended, unless it fell back to running colocated
+        metrics.pd_calls(not fell_back, "decode_failed" if fell_back else split_reason)
+
+
+async def _decode_legs(
+    call: ProxiedCall,
+    dbody: bytes,
+    headers: CIMultiDict[str],
+    path: str,
+    dview: Any,
+    decision: Decision,
+    prefilled: str,
+) -> web.StreamResponse | None:
+    """Send the decode leg ``dbody`` to ``dview`` and stream its answer, retried on another
+    decode replica on no answer or a 502-504 before the first byte; a 503 when none could take
+    it; None (run the call colocated) on a 500 before the first byte (:data:`KV_LOAD_FAILED`:
+    its KV pull from the prefill replica ``prefilled`` failed)."""
+    ctx, t0, route_label = call.ctx, call.t0, call.route_label
+    app = call.request.app
+    cfg = app[CONFIG]
+    replicas = app[REPLICAS]
+    metrics = app[METRICS]
     tried_d: set[str] = set()
     last_problem = "no decode replica"
     for attempt in range(cfg.retries + 1):
@@ -154,10 +192,17 @@ async def forward_pd(
         dreplica.inflight += 1
         try:
             return await stream_from(call, dbody, headers, path, dreplica, decision,
-                                     last_attempt=attempt == cfg.retries)  # fmt: skip
+                                     last_attempt=attempt == cfg.retries,
+                                     handled=KV_LOAD_FAILED)  # fmt: skip
         except PoolTimeout as e:
             return pool_full(ctx, route_label, cfg.health_interval_s, e, metrics)
         except RetryElsewhere as e:
+            if e.status in KV_LOAD_FAILED:
+                log.warning("request %s: decode leg on %s answered %s before any byte (its KV "
+                            "pull from %s failed?); running the call colocated",
+                            ctx.request_id, dreplica.name, e.status, prefilled)  # fmt: skip
+                metrics.retries_by("pd_decode_failed").inc()
+                return None
             last_problem = e.reason
             metrics.retries_by(e.kind).inc()
             log.warning("request %s: decode leg %s on %s; trying another decode replica",

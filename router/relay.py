@@ -89,9 +89,12 @@ class ProxiedCall:
 
 
 class RetryElsewhere(Exception):
-    def __init__(self, kind: str, reason: str, first_byte: bool = False):
+    """No answer (``kind`` "no_response"), or a status the caller retries (``kind`` "status",
+    the replica's ``status``), before the first byte reached the client."""
+
+    def __init__(self, kind: str, reason: str, first_byte: bool = False, status: int | None = None):
         super().__init__(reason)
-        self.kind, self.reason, self.first_byte = kind, reason, first_byte
+        self.kind, self.reason, self.first_byte, self.status = kind, reason, first_byte, status
 
 
 async def stream_from(
@@ -102,9 +105,13 @@ async def stream_from(
     replica: Any,
     decision: Decision,
     last_attempt: bool,
+    handled: frozenset[int] = frozenset(),
 ) -> web.StreamResponse:
     """Send ``raw`` to ``path`` on ``replica`` and relay the answer to the client (see the
-    module docstring); raises :class:`RetryElsewhere` before the first byte."""
+    module docstring); raises :class:`RetryElsewhere` before the first byte: on no answer, on
+    a status of :data:`RETRYABLE_STATUS` unless ``last_attempt``, and on any status in
+    ``handled`` (ones the caller answers another way, so not held against the replica's
+    breaker here: the P/D decode leg's 500, :mod:`router.proxy_pd`)."""
     request, ctx, t0, route_label = call.request, call.ctx, call.t0, call.route_label
     app = request.app
     metrics = app[METRICS]
@@ -131,9 +138,11 @@ async def stream_from(
         raise RetryElsewhere("no_response", f"{type(e).__name__}") from None
     watch: SendWatch | None = None
     try:
+        if resp.status in handled:
+            raise RetryElsewhere("status", f"upstream status {resp.status}", status=resp.status)
         if resp.status in RETRYABLE_STATUS and not last_attempt:
             replica.breaker.on_failure()
-            raise RetryElsewhere("status", f"upstream status {resp.status}")
+            raise RetryElsewhere("status", f"upstream status {resp.status}", status=resp.status)
         if resp.status >= 500:
             replica.breaker.on_failure()
         else:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from loadtest import tinymodel
 from loadtest.twin.cluster import start_cluster
-from router.app import METRICS
+from router.app import METRICS, REPLICAS
 
 pytestmark = pytest.mark.timeout(90)
 WORDS = tinymodel._WORDS
@@ -42,13 +42,23 @@ def chat(text: str, max_tokens: int = 6, stream: bool = False) -> dict[str, Any]
     return body
 
 
-def pd_count(app: web.Application, mode: str) -> float:
+def pd_count(app: web.Application, mode: str, reason: str | None = None) -> float:
     total = 0.0
     for fam in app[METRICS].pd.collect():
         for s in fam.samples:
             if s.name.endswith("_total") and s.labels.get("mode") == mode:
-                total += s.value
+                if reason is None or s.labels.get("reason") == reason:
+                    total += s.value
     return total
+
+
+def retries(app: web.Application, reason: str) -> float:
+    return sum(
+        s.value
+        for fam in app[METRICS].retries.collect()
+        for s in fam.samples
+        if s.name.endswith("_total") and s.labels.get("reason") == reason
+    )
 
 
 # ---- end to end: twins ---------------------------------------------------------------------
@@ -107,6 +117,7 @@ class Leg:
 
     def __init__(self, name: str, fail: int | None = None):
         self.name, self.fail = name, fail
+        self.fail_pull: int | None = None  # the status a decode leg (params in) gets
         self.bodies: list[dict[str, Any]] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -114,10 +125,11 @@ class Leg:
     async def _infer(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         self.bodies.append(body)
-        if self.fail:
-            return web.json_response({"error": {"message": "injected", "code": self.fail}},
-                                     status=self.fail)  # fmt: skip
         params = body.get("kv_transfer_params") or {}
+        fail = self.fail or (self.fail_pull if params.get("do_remote_prefill") else None)
+        if fail:
+            return web.json_response({"error": {"message": "injected", "code": fail}},
+                                     status=fail)  # fmt: skip
         if not body.get("stream"):
             choice = {"index": 0, "message": {"content": "x"}}
             ans: dict[str, Any] = {"id": "c1", "object": "chat.completion", "replica": self.name,
@@ -241,6 +253,48 @@ async def test_decode_leg_failure_is_retried_on_another_decode_replica(router, l
         status, raw, _ = await _post(url, chat("hi"))
         assert status == 200 and orjson.loads(raw)["replica"] == "dgood"
     assert all(b["kv_transfer_params"]["remote_engine_id"] == "eng-p" for b in good.bodies)
+
+
+async def test_a_decode_leg_whose_kv_pull_failed_runs_the_call_colocated(router, legs):
+    """vLLM answers a decode leg 500 when its KV pull failed (``kv_load_failure_policy``
+    "fail"): the router runs the call colocated, without the params, instead of sending the
+    same doomed pull to another decode replica; the decode replica's breaker is not charged."""
+    p, d1, d2 = await legs(("p", None), ("d1", None), ("d2", None))
+    d1.fail_pull = d2.fail_pull = 500
+    urls = [p.url + "#role=prefill", d1.url + "#role=decode", d2.url + "#role=decode"]
+    url, app = await router(urls, pd_mode="always")
+    charged: list[str] = []
+    for r in app[REPLICAS]:
+        r.breaker.on_failure = lambda n=r.name: charged.append(n)  # type: ignore[method-assign]
+    for i in range(3):
+        status, raw, _ = await _post(url, chat(f"hi {i}"))
+        assert status == 200, raw
+        assert orjson.loads(raw)["replica"] in ("d1", "d2")
+    sent = d1.bodies + d2.bodies
+    pulls = [b for b in sent if "kv_transfer_params" in b]
+    assert len(pulls) == 3 and len(sent) == 6  # one failed pull per call, then one plain call
+    assert len(p.bodies) == 3
+    assert pd_count(app, "colocated", "decode_failed") == 3 and pd_count(app, "split") == 0
+    assert retries(app, "pd_decode_failed") == 3 and retries(app, "status") == 0
+    assert charged == []
+
+
+async def test_a_decode_replica_answering_500_to_everything_answers_the_client_once(router, legs):
+    p, d = await legs(("p", None), ("d", 500))
+    url, app = await router([p.url + "#role=prefill", d.url + "#role=decode"], pd_mode="always")
+    status, raw, _ = await _post(url, chat("hi"))
+    assert status == 500 and orjson.loads(raw)["error"]["message"] == "injected"
+    assert ["kv_transfer_params" in b for b in d.bodies] == [True, False]  # pull, then plain
+    assert pd_count(app, "colocated", "decode_failed") == 1
+
+
+async def test_a_decode_leg_503_keeps_the_split_on_another_decode_replica(router, legs):
+    p, bad, good = await legs(("p", None), ("dbad", 503), ("dgood", None))
+    urls = [p.url + "#role=prefill", bad.url + "#role=decode", good.url + "#role=decode"]
+    url, app = await router(urls, pd_mode="always")
+    status, raw, _ = await _post(url, chat("hi"))
+    assert status == 200 and orjson.loads(raw)["replica"] == "dgood"
+    assert pd_count(app, "split") == 1 and pd_count(app, "colocated") == 0
 
 
 async def test_auto_mode_colocates_short_prompts_and_splits_long_ones(router, legs, tmp_path):
