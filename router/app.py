@@ -249,7 +249,9 @@ def build_app(
     app[CONFIG] = cfg
     app[PRIORITY] = cfg.priority_config()
     metrics = app[METRICS] = RouterMetrics()
-    app[REPLICAS] = ReplicaSet(cfg.breaker_failures, cfg.breaker_cooldown_s)
+    app[REPLICAS] = ReplicaSet(
+        cfg.breaker_failures, cfg.breaker_cooldown_s, cfg.max_connections_per_replica or None
+    )
     gate = app[ADMISSION] = (
         AdmissionGate(cfg.admission_limits(), app[REPLICAS].views)
         if cfg.admission == "on"

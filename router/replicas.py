@@ -99,6 +99,9 @@ class EndpointView(NamedTuple):
     pending_prefill: float | None = None  # prompt tokens still to prefill (plugin's cadence)
     pending_prefill_age_s: float | None = None  # seconds since the scrape that read it
     role: str = "both"  # P/D disaggregation: "prefill", "decode" or "both" (router.disagg)
+    # the router's upstream connections to the replica at most (max_connections_per_replica;
+    # None: unbounded): a call past them waits in the router's pool (filter ``pool_room``)
+    connections: int | None = None
 
     @property
     def load(self) -> float:
@@ -138,6 +141,7 @@ class Replica:
     # ``Authorization`` from credentials in the configured URL (wins over the upstream key)
     auth: str | None = field(default=None, repr=False)
     role: str = "both"  # from the URL's ``#role=`` fragment (see :func:`split_role`)
+    connections: int | None = None  # the router's connection limit to it (EndpointView's)
 
     @property
     def name(self) -> str:
@@ -149,6 +153,7 @@ class Replica:
             self.running_now(), self.waiting, self.kv_usage, self.breaker.state,
             self.breaker.allows(), self.host_occupancy, self.host_retained, self.pending_prefill,
             None if self.scraped_at is None else time.monotonic() - self.scraped_at, self.role,
+            self.connections,
         )  # fmt: skip
 
     def running_now(self) -> float | None:
@@ -202,7 +207,13 @@ class ReplicaSet:
     membership, from whichever source: names that entered or left the set, not a source's
     own view (a URL another source still lists neither leaves nor re-enters)."""
 
-    def __init__(self, breaker_failures: int = 3, breaker_cooldown_s: float = 5.0):
+    def __init__(
+        self,
+        breaker_failures: int = 3,
+        breaker_cooldown_s: float = 5.0,
+        connections_per_replica: int | None = None,
+    ):
+        self._connections = connections_per_replica  # each Replica's ``connections``
         self._by_name: dict[str, Replica] = {}
         self._lists: dict[str, set[str]] = {}  # source -> the URLs it lists
         self._breaker = (breaker_failures, breaker_cooldown_s)
@@ -260,7 +271,8 @@ class ReplicaSet:
             elif r is not None and r.source == source:
                 r.source = min(others)  # still listed: another source owns it now
         for n in entered:
-            self._by_name[n] = Replica(n, source, breaker=CircuitBreaker(*self._breaker))
+            self._by_name[n] = Replica(n, source, breaker=CircuitBreaker(*self._breaker),
+                                       connections=self._connections)  # fmt: skip
         for n in want:
             r = self._by_name.get(n)
             if r is not None and auth.get(n) is not None:

@@ -5,7 +5,7 @@ pipeline spec), and :func:`build_pipeline` which turns a spec into a :class:`Pip
 
 .. code-block:: yaml
 
-    filters: [healthy, serves_model]          # or {type: NAME, params: {...}}
+    filters: [healthy, serves_model, pool_room]   # the default; or {type: NAME, params: {...}}
     scorers:
       - {type: session_affinity, weight: 2.0, params: {load_factor: 1.25}}
       - {type: least_load, weight: 1.0}
@@ -27,6 +27,7 @@ from router.config import ConfigError
 
 KINDS = ("filter", "scorer", "picker", "policy")
 _TABLE: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in KINDS}
+DEFAULT_FILTERS = ("healthy", "serves_model", "pool_room")  # a spec without ``filters``
 ENTRY_POINT_GROUP = "kvroute.scheduling"  # out-of-tree plugin modules: name = "pkg.module"
 _discovered = False
 IMPORT_ERRORS: dict[str, str] = {}  # optional plugin module -> why it failed to import
@@ -130,7 +131,7 @@ def build_pipeline(spec: Mapping[str, Any] | str, seed: int | None = None) -> An
     unknown = set(spec) - {"name", "filters", "scorers", "picker"}
     if unknown:
         raise ConfigError(f"unknown scheduling keys: {sorted(unknown)}")
-    filters = [_make("filter", f)[0] for f in spec.get("filters", ["healthy", "serves_model"])]
+    filters = [_make("filter", f)[0] for f in spec.get("filters", DEFAULT_FILTERS)]
     scorers = []
     for s in spec.get("scorers") or []:
         obj, item = _make("scorer", s)

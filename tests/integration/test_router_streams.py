@@ -176,3 +176,36 @@ async def test_a_client_that_stops_reading_is_cut_and_the_upstream_closed(fakes,
     assert f.completed == 0
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as m:
         assert 'status="client_stalled"' in await m.text()
+
+
+async def test_new_sessions_go_where_the_wait_for_a_connection_is_shortest(fakes, router):
+    """The 2,000-stream bench's defect in small (docs/results.md#router-at-scale): 4 replicas
+    with 2 connections each, 16 streams of new sessions at once. A new call on a replica with
+    ``inflight`` calls waits ``inflight // 2`` rounds of streams for a connection. The
+    default policy's bounded load (1.25 × the mean) alone put a 5th call (round 2) on a
+    replica while another had room in round 1; the ``pool_room`` filter fills round 0
+    everywhere, then round 1: 4 / 4 / 4 / 4. A spec without it, the same session keys, does
+    not."""
+    reps = await fakes(4, chunks=SLOW, chunk_delay_s=0.3)  # ~3 s per stream: all 16 overlap
+    urls = [r.url for r in reps]
+
+    async def spread(**kw) -> list[int]:
+        url, _ = await router(urls, max_connections_per_replica=2, **kw)
+        for r in reps:
+            r.seen.clear()
+        body = {"model": "tiny", "messages": [], "stream": True, "max_tokens": 4}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+            async def one(i: int) -> int:
+                async with s.post(url + "/v1/chat/completions", json=body,
+                                  headers={"x-session-id": f"new-{i}"}) as r:  # fmt: skip
+                    await r.read()
+                    return r.status
+
+            assert await asyncio.gather(*(one(i) for i in range(16))) == [200] * 16
+        return sorted(len(r.seen) for r in reps)
+
+    assert await spread() == [4, 4, 4, 4]
+    without = {"scorers": [{"type": "session_affinity", "weight": 1.0}]}
+    got = await spread(scheduling={**without, "filters": ["healthy", "serves_model"]})
+    assert got[-1] > 4, got

@@ -109,6 +109,40 @@ def test_filters_remove_unhealthy_open_breaker_and_wrong_model():
     assert ei.value.removed_by == {"a": "healthy"}
 
 
+def pooled(name: str, inflight: int, connections: int | None = 4) -> EndpointView:
+    return ep(name, inflight)._replace(connections=connections)
+
+
+def test_pool_room_keeps_the_replicas_with_the_fewest_rounds_to_wait_for_a_connection():
+    """The 2,000-stream bench's case: session affinity's bound (1.25 × the mean) let a new
+    session land on a replica whose calls past its connection limit already wait a second
+    round while another replica had a free connection."""
+    p = build_pipeline("session_affinity")
+    assert [type(f).__name__ for f in p.filters] == ["Healthy", "ServesModel", "PoolRoom"]
+    eps = [pooled("a", 3), pooled("b", 4), pooled("c", 5), pooled("d", 9)]  # rounds 0, 1, 1, 2
+    homes = {p.schedule(ctx(f"n{i}"), snap(eps)).endpoint.name for i in range(40)}
+    assert homes == {"a"}
+    d = p.schedule(ctx("n0"), snap(eps), explain=True)
+    assert d.explain["filtered_out"] == {"b": "pool_room", "c": "pool_room", "d": "pool_room"}
+    # every replica past its limit: the ones in the earliest round take new sessions
+    busy = [pooled("a", 8), pooled("b", 7), pooled("c", 5), pooled("d", 4)]  # 2, 1, 1, 1
+    homes = {p.schedule(ctx(f"n{i}"), snap(busy)).endpoint.name for i in range(40)}
+    assert homes == {"b", "c", "d"}
+    # a known session keeps its replica in play whatever its round
+    rec = SessionRecord("-/s", "-", replica="d")
+    assert p.schedule(ctx("s"), snap(eps, rec)).endpoint.name == "d"
+    # without a limit (max_connections_per_replica 0) the filter keeps everyone
+    free = [pooled("a", 5, None), pooled("b", 9, None)]
+    assert p.filters[2].filter(ctx(), snap(free), free) == free
+    homes = {p.schedule(ctx(f"n{i}"), snap(free)).endpoint.name for i in range(40)}
+    assert homes == {"a", "b"}
+
+
+def test_a_spec_with_its_own_filters_goes_without_pool_room():
+    p = build_pipeline({"filters": ["healthy"], "scorers": [{"type": "least_load", "weight": 1}]})
+    assert [type(f).__name__ for f in p.filters] == ["Healthy"]
+
+
 def test_excluded_replicas_are_not_retried():
     p = build_pipeline("round_robin")
     c = ctx()
