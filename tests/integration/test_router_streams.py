@@ -186,7 +186,7 @@ async def test_new_sessions_go_where_the_wait_for_a_connection_is_shortest(fakes
     replica while another had room in round 1; the ``pool_room`` filter fills round 0
     everywhere, then round 1: 4 / 4 / 4 / 4. A spec without it, the same session keys, does
     not."""
-    reps = await fakes(4, chunks=SLOW, chunk_delay_s=0.3)  # ~3 s per stream: all 16 overlap
+    reps = await fakes(4, chunks=SLOW, chunk_delay_s=0.2)  # ~2 s per stream: all 16 overlap
     urls = [r.url for r in reps]
 
     async def spread(**kw) -> list[int]:
