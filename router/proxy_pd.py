@@ -27,6 +27,7 @@ from router.keys import CALLS, CONFIG, METRICS, REPLICAS, UPSTREAM
 from router.outcome import CallOutcome
 from router.placement import place_session
 from router.relay import UPSTREAM_ERRORS, ProxiedCall, RetryElsewhere, pool_full, stream_from
+from router.replicas import EndpointView
 from router.scheduling import RequestContext
 from router.scheduling.pipeline import Decision, NoCandidates
 from router.upstream import PoolTimeout
@@ -163,7 +164,7 @@ async def _decode_legs(
     dbody: bytes,
     headers: CIMultiDict[str],
     path: str,
-    dview: Any,
+    dview: EndpointView | None,
     decision: Decision,
     prefilled: str,
 ) -> web.StreamResponse | None:
